@@ -1,0 +1,27 @@
+"""tfpipe: config-driven TensorFlow 2 training with GPipe pipeline parallelism."""
+from setuptools import find_packages, setup
+
+setup(
+    name='tfpipe',
+    version='0.1.0',
+    description='GPipe micro-batch pipeline parallelism for TensorFlow 2, Lingvo style',
+    python_requires='>=3.10',
+    packages=find_packages(include=['tfpipe', 'tfpipe.*', 'model_registry', 'model_registry.*',
+                                    'params', 'params.*', 'trainer', 'trainer.*']),
+    install_requires=[
+        'numpy',
+        'absl-py',
+        'gin-config',
+        'tensorflow-datasets',
+        # tensorflow-datasets needs it to write datasets but does not declare it.
+        'importlib_resources',
+        # tf.summary raises TBNotInstalledError without it since TF 2.16.
+        'tensorboard',
+    ],
+    extras_require={
+        # TensorFlow is an extra so CPU-only machines avoid the 500 MB CUDA build.
+        'cpu': ['tensorflow-cpu==2.21.*'],
+        'gpu': ['tensorflow[and-cuda]==2.21.*'],
+        'test': ['pytest'],
+    },
+)

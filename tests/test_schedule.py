@@ -1,0 +1,189 @@
+"""Tests for tfpipe.pipeline.schedule: schedules as data, checked rule by rule."""
+import itertools
+
+import pytest
+
+from tfpipe.pipeline import schedule as sch
+from tfpipe.pipeline.schedule import BACKWARD, FORWARD, Task
+
+SIZES = [(1, 1), (1, 3), (3, 1), (3, 3), (4, 2)]
+
+
+def F(k, m):
+    return Task(k, m, FORWARD)
+
+
+def B(k, m):
+    return Task(k, m, BACKWARD)
+
+
+def test_fill_drain_1x1():
+    assert sch.fill_drain(1, 1) == [[F(0, 0)], [B(0, 0)]]
+
+
+def test_fill_drain_3x1():
+    assert sch.fill_drain(3, 1) == [
+        [F(0, 0)], [F(1, 0)], [F(2, 0)],
+        [B(2, 0)], [B(1, 0)], [B(0, 0)],
+    ]
+
+
+def test_fill_drain_4x2():
+    assert sch.fill_drain(4, 2) == [
+        [F(0, 0)],
+        [F(0, 1), F(1, 0)],
+        [F(1, 1), F(2, 0)],
+        [F(2, 1), F(3, 0)],
+        [F(3, 1)],
+        [B(3, 1)],
+        [B(2, 1), B(3, 0)],
+        [B(1, 1), B(2, 0)],
+        [B(0, 1), B(1, 0)],
+        [B(0, 0)],
+    ]
+
+
+def test_fill_drain_1x3():
+    assert sch.fill_drain(1, 3) == [
+        [F(0, 0)], [F(0, 1)], [F(0, 2)],
+        [B(0, 2)], [B(0, 1)], [B(0, 0)],
+    ]
+
+
+@pytest.mark.parametrize('k,m', SIZES)
+def test_fill_drain_structure(k, m):
+    schedule = sch.fill_drain(k, m)
+    assert len(schedule) == 2 * (m + k - 1)
+    sch.validate(schedule, k, m)
+    for tick in schedule:
+        assert tick == sorted(tick)
+        assert tick, 'fill-drain has no empty ticks'
+    for cell in range(k):
+        expected = ([F(cell, i) for i in range(m)]
+                    + [B(cell, i) for i in reversed(range(m))])
+        assert sch.cell_order(schedule, cell) == expected
+
+
+@pytest.mark.parametrize('builder', [sch.fill_drain, sch.one_f_one_b])
+@pytest.mark.parametrize('k,m,bad', [(0, 2, 'num_cells is 0'),
+                                     (2, 0, 'num_micro_batches is 0'),
+                                     (-1, 2, 'num_cells is -1')])
+def test_builders_reject_bad_sizes(builder, k, m, bad):
+    with pytest.raises(ValueError, match=bad + '.*>= 1'):
+        builder(k, m)
+
+
+@pytest.mark.parametrize('k,m', list(itertools.product(range(1, 7), range(1, 7))))
+def test_one_f_one_b_valid_and_bounded(k, m):
+    schedule = sch.one_f_one_b(k, m)
+    sch.validate(schedule, k, m)
+    for cell in range(k):
+        order = sch.cell_order(schedule, cell)
+        in_flight = 0
+        for task in order:
+            in_flight += 1 if task.phase == FORWARD else -1
+            assert 0 <= in_flight <= k - cell
+        backwards = [t.micro_batch for t in order if t.phase == BACKWARD]
+        assert backwards == list(range(m))
+        warmup = min(k - cell, m)
+        assert [t.phase for t in order[:warmup]] == [FORWARD] * warmup
+
+
+def test_one_f_one_b_order_4x4():
+    schedule = sch.one_f_one_b(4, 4)
+    assert sch.cell_order(schedule, 3) == [F(3, 0), B(3, 0), F(3, 1), B(3, 1),
+                                           F(3, 2), B(3, 2), F(3, 3), B(3, 3)]
+    assert sch.cell_order(schedule, 2) == [F(2, 0), F(2, 1), B(2, 0), F(2, 2),
+                                           B(2, 1), F(2, 3), B(2, 2), B(2, 3)]
+
+
+def _good():
+    return sch.fill_drain(2, 2)
+
+
+def _without(schedule, task):
+    return [[t for t in tick if t != task] for tick in schedule]
+
+
+def test_validate_missing_task():
+    with pytest.raises(ValueError, match=r'missing.*exactly once'):
+        sch.validate(_without(_good(), B(0, 0)), 2, 2)
+
+
+def test_validate_duplicate_task():
+    schedule = _good() + [[F(0, 0)]]
+    with pytest.raises(ValueError, match=r'runs twice.*exactly once'):
+        sch.validate(schedule, 2, 2)
+
+
+def test_validate_two_tasks_one_cell_one_tick():
+    # F(0,1) moved into tick 0 next to F(0,0).
+    schedule = _without(_good(), F(0, 1))
+    schedule[0].append(F(0, 1))
+    with pytest.raises(ValueError, match=r'cell 0 runs two tasks at tick 0'):
+        sch.validate(schedule, 2, 2)
+
+
+def test_validate_forward_before_previous_cell():
+    # F(1,0) in the same tick as F(0,0): concurrent is not "after".
+    schedule = _without(_good(), F(1, 0))
+    schedule[0].append(F(1, 0))
+    with pytest.raises(ValueError, match=r'must run after Task\(cell=0, micro_batch=0, '
+                                         r"phase='forward'\)"):
+        sch.validate(schedule, 2, 2)
+
+
+def test_validate_backward_before_own_forward():
+    schedule = [[B(0, 0)], [F(0, 0)]]
+    with pytest.raises(ValueError, match=r"must run after Task\(cell=0, micro_batch=0, "
+                                         r"phase='forward'\)"):
+        sch.validate(schedule, 1, 1)
+
+
+def test_validate_backward_before_next_cell_backward():
+    schedule = [[F(0, 0)], [F(1, 0)], [B(0, 0)], [B(1, 0)]]
+    with pytest.raises(ValueError, match=r"must run after Task\(cell=1, micro_batch=0, "
+                                         r"phase='backward'\)"):
+        sch.validate(schedule, 2, 1)
+
+
+@pytest.mark.parametrize('task,match', [
+    (Task(2, 0, FORWARD), r'names cell 2 but there are 2 cells'),
+    (Task(0, 5, FORWARD), r'names micro-batch 5 but there are 2'),
+    (Task(0, 0, 'sideways'), r"unknown phase 'sideways'"),
+])
+def test_validate_out_of_range(task, match):
+    schedule = _good() + [[task]]
+    with pytest.raises(ValueError, match=match):
+        sch.validate(schedule, 2, 2)
+
+
+def test_validate_rejects_non_task():
+    with pytest.raises(ValueError, match='not a Task'):
+        sch.validate([[('F', 0)]], 1, 1)
+
+
+def test_bubble_fraction():
+    assert sch.bubble_fraction(1, 1) == 0.0
+    assert sch.bubble_fraction(4, 1) == pytest.approx(3 / 4)
+    assert sch.bubble_fraction(4, 4) == pytest.approx(3 / 7)
+    assert sch.bubble_fraction(4, 32) == pytest.approx(3 / 35)
+    with pytest.raises(ValueError, match='num_micro_batches is 0'):
+        sch.bubble_fraction(2, 0)
+
+
+def test_render_2x2():
+    assert sch.render(sch.fill_drain(2, 2)) == (
+        'cell 0: F0 F1 .. .. B1 B0\n'
+        'cell 1: .. F0 F1 B1 B0 ..')
+
+
+def test_render_pads_wide_labels():
+    lines = sch.render(sch.fill_drain(1, 11)).splitlines()
+    assert lines == ['cell 0: ' + ' '.join(
+        [f'F{m}'.rjust(3) for m in range(11)]
+        + [f'B{m}'.rjust(3) for m in reversed(range(11))])]
+
+
+def test_render_empty():
+    assert sch.render([]) == ''

@@ -1,0 +1,190 @@
+"""BaseLayer: a tf.Module built from Params, with functional FProp(theta, ...).
+
+Lingvo's contract, kept because it makes pipelining simple:
+- a layer is described by `cls.Params()` and built with `params.Instantiate()`;
+- its children are built from params too (`CreateChild`), so the whole model is
+  one Params tree that can be dumped, diffed and reloaded;
+- `FProp(theta, *inputs)` is functional in the trainable weights: `theta` is a
+  nested dict of this layer's and its children's trainable variables, so the
+  pipeline can hand each cell the part of `theta` it owns, read on its device,
+  and differentiate a cell in isolation.
+
+Variables are created with stateless initialisers seeded by the experiment seed
+and the variable's layer path (see `initializers`), so the same params give the
+same weights whatever the partitioning and whatever device holds them.
+
+Methods are CamelCase on purpose: params and children are snake_case attributes
+(`self.params`, `self.fc0`), so a method name can never collide with them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Optional, Sequence
+
+import tensorflow as tf
+
+from tfpipe import initializers
+from tfpipe.hyperparams import InstantiableParams, Params
+
+_NAME_RE = re.compile(r'^[a-z_][a-z0-9_]*$')
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerMeta:
+    """Static cost of one FProp: used by the partitioner to balance cells.
+
+    flops: floating-point operations (a multiply-add counts 2) for the given
+      input shapes, batch included.
+    out_shapes: the output shape(s), same nesting as the outputs.
+    """
+    flops: int
+    out_shapes: Any
+
+
+class BaseLayer(tf.Module):
+    """Base class of every tfpipe layer."""
+
+    # A layer with NESTED_ACTIVATIONS = False sees only the main activation: when
+    # the activation flowing through a sequence is a dict (skip connections
+    # stashed beside it), such a layer is applied to its 'x' entry and the other
+    # entries pass through untouched. See `apply_layer`.
+    NESTED_ACTIVATIONS = False
+
+    @classmethod
+    def Params(cls) -> InstantiableParams:
+        p = InstantiableParams(cls)
+        p.Define('name', '', 'Layer name, a snake_case identifier unique among its '
+                 'siblings. The layer path (parent/child) keys variables, seeds and '
+                 'checkpoints.')
+        p.Define('dtype', tf.float32, 'Dtype of variables and activations.')
+        p.Define('random_seed', None, 'Seed of the weight initialisers; None inherits '
+                 "the parent's (0 at the root).")
+        return p
+
+    def __init__(self, params: Params, parent: Optional['BaseLayer'] = None):
+        name = params.name
+        if not isinstance(name, str) or not _NAME_RE.match(name):
+            where = f' under {parent.path!r}' if parent is not None else ''
+            raise ValueError(
+                f'{type(self).__name__} layer{where} has name {name!r}: set p.name to '
+                "a snake_case identifier such as 'fc0'")
+        super().__init__(name=name)
+        self._params = params
+        self._path = f'{parent.path}/{name}' if parent is not None else name
+        if params.random_seed is not None:
+            self._seed = int(params.random_seed)
+        else:
+            self._seed = parent._seed if parent is not None else 0
+        self._vars: dict[str, tf.Variable] = {}
+        self._children: dict[str, BaseLayer] = {}
+
+    # -- Structure -------------------------------------------------------------------
+
+    @property
+    def params(self) -> Params:
+        """The frozen params this layer was built from."""
+        return self._params
+
+    @property
+    def path(self) -> str:
+        """Slash-separated names from the root layer, e.g. 'pipe/fc3'."""
+        return self._path
+
+    @property
+    def children(self) -> dict[str, 'BaseLayer']:
+        return dict(self._children)
+
+    def __getattr__(self, name: str) -> Any:
+        children = self.__dict__.get('_children', {})
+        if name in children:
+            return children[name]
+        raise AttributeError(f'{type(self).__name__} {self.__dict__.get("_path", "")!r} '
+                             f'has no attribute or child {name!r}')
+
+    def _CheckNewName(self, name: str) -> None:
+        if name in self._vars or name in self._children:
+            raise ValueError(f'{self.path!r} already has a variable or child named '
+                             f'{name!r}: give every child a unique name')
+        if hasattr(type(self), name):
+            raise ValueError(f'{self.path!r}: the name {name!r} is reserved by '
+                             f'{type(self).__name__}; pick another child name')
+
+    def CreateChild(self, name: str, params: Params) -> 'BaseLayer':
+        """Builds a child from (a copy of) `params`, named `name`."""
+        self._CheckNewName(name)
+        p = params.Copy()
+        p.name = name
+        if p.random_seed is None:
+            p.random_seed = self._seed
+        child = p.Instantiate(parent=self)
+        self._children[name] = child
+        return child
+
+    def CreateChildren(self, params_list: Sequence[Params]) -> list['BaseLayer']:
+        """Builds one child per params, each named by its own `name`."""
+        return [self.CreateChild(p.name, p) for p in params_list]
+
+    def CreateVariable(self, name: str, shape: Sequence[int], init: str = 'glorot_uniform',
+                       trainable: bool = True, dtype: Optional[tf.DType] = None) -> tf.Variable:
+        """Creates a variable on the current device with a path-seeded initial value."""
+        self._CheckNewName(name)
+        dtype = dtype or self.params.dtype
+        value = initializers.get(init)(list(shape), dtype,
+                                       initializers.seed_for(self._seed, f'{self.path}/{name}'))
+        var = tf.Variable(value, trainable=trainable, name=name)
+        self._vars[name] = var
+        return var
+
+    @property
+    def theta(self) -> dict:
+        """Nested dict of trainable variables: own by name, children's by child name."""
+        out: dict[str, Any] = {n: v for n, v in self._vars.items() if v.trainable}
+        for n, child in self._children.items():
+            out[n] = child.theta
+        return out
+
+    # -- Computation -----------------------------------------------------------------
+
+    def FProp(self, theta: dict, *inputs: Any) -> Any:
+        """Forward pass with weights `theta` (same structure as `self.theta`)."""
+        raise NotImplementedError(f'{type(self).__name__} does not implement FProp')
+
+    def __call__(self, *inputs: Any) -> Any:
+        return self.FProp(self.theta, *inputs)
+
+    @classmethod
+    def FPropMeta(cls, p: Params, *input_shapes: tf.TensorShape) -> LayerMeta:
+        """Flops and output shapes of FProp for `input_shapes`, from params alone."""
+        raise NotImplementedError(
+            f'{cls.__name__} does not implement FPropMeta: give the pipeline an explicit '
+            "balance or partition it by 'time'")
+
+    @classmethod
+    def NumParams(cls, p: Params) -> int:
+        """Number of trainable scalars this layer creates, from params alone."""
+        raise NotImplementedError(
+            f'{cls.__name__} does not implement NumParams: give the pipeline an explicit '
+            "balance or partition it by 'flops' or 'time'")
+
+
+def apply_layer(layer: BaseLayer, theta: dict, activation: Any) -> Any:
+    """Applies one layer of a sequence to an activation that may carry skips.
+
+    A dict activation holds the main tensor under 'x' and stashed skip tensors
+    under other keys (see layers.Stash / layers.Pop); a plain layer transforms
+    'x' and the skips ride along, so a skip can cross cell boundaries.
+    """
+    if layer.NESTED_ACTIVATIONS or not isinstance(activation, dict):
+        return layer.FProp(theta, activation)
+    out = dict(activation)
+    out['x'] = layer.FProp(theta, activation['x'])
+    return out
+
+
+def layer_meta(p: Params, shapes: Any) -> LayerMeta:
+    """`FPropMeta` of the layer described by `p`, under the same rule as apply_layer."""
+    if p.cls.NESTED_ACTIVATIONS or not isinstance(shapes, dict):
+        return p.cls.FPropMeta(p, shapes)
+    meta = p.cls.FPropMeta(p, shapes['x'])
+    return LayerMeta(meta.flops, {**shapes, 'x': meta.out_shapes})

@@ -1,0 +1,90 @@
+"""Per-call state that reaches layers without being a param or an FProp argument.
+
+Three things change from call to call but must not change a layer's signature
+`FProp(theta, *inputs)`:
+
+- **mode**: training (BatchNorm uses batch statistics, Dropout drops) or eval;
+- **step**: the global step, which seeds Dropout so every step draws a fresh mask
+  while a recomputed forward pass draws the *same* mask;
+- **example offset**: where the current micro-batch starts in the mini-batch, so a
+  Dropout mask depends on the global example index and not on how the mini-batch
+  was cut into micro-batches.
+
+A fourth, the **batch-statistics sink**, lets the pipeline collect BatchNorm's
+sufficient statistics from every micro-batch and apply one moving-average update
+per mini-batch (equal to a full-batch BN update) instead of M updates.
+
+The context is thread-local and scoped with `with`, the same way `tf.device` and
+`tf.name_scope` are: values are read while the graph is traced.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Iterator, Optional
+
+
+class BatchStatsSink:
+    """Collects per-micro-batch BatchNorm statistics instead of applying them.
+
+    `record(layer, count, mean, variance)` is called by BatchNorm in training
+    mode. A sink created with `discard=True` drops them: the pipeline uses it
+    while recomputing a forward pass, which must not update anything.
+    """
+
+    def __init__(self, discard: bool = False):
+        self.discard = discard
+        self.records: dict[int, tuple[Any, list]] = {}
+
+    def record(self, layer: Any, count: int, mean: Any, variance: Any) -> None:
+        if self.discard:
+            return
+        entry = self.records.setdefault(id(layer), (layer, []))
+        entry[1].append((count, mean, variance))
+
+
+@dataclasses.dataclass(frozen=True)
+class FPropContext:
+    training: bool = True
+    step: Any = None
+    example_offset: int = 0
+    batch_stats: Optional[BatchStatsSink] = None
+
+
+_local = threading.local()
+
+
+def current() -> FPropContext:
+    """The innermost active context (training mode, no step, offset 0 by default)."""
+    stack = getattr(_local, 'stack', None)
+    return stack[-1] if stack else FPropContext()
+
+
+@contextlib.contextmanager
+def scope(**overrides: Any) -> Iterator[FPropContext]:
+    """Runs the body with some context fields replaced; the rest are inherited."""
+    ctx = dataclasses.replace(current(), **overrides)
+    stack = getattr(_local, 'stack', None)
+    if stack is None:
+        stack = _local.stack = []
+    stack.append(ctx)
+    try:
+        yield ctx
+    finally:
+        stack.pop()
+
+
+def training(step: Any) -> contextlib.AbstractContextManager:
+    """Training mode at global step `step` (a Python int, tensor or variable).
+
+    Typical use in a custom loop:
+        with tfpipe.fprop_context.training(step=global_step):
+            loss, grads = pipe.ForwardBackward(pipe.theta, x, loss_fn, y)
+    """
+    return scope(training=True, step=step)
+
+
+def evaluation() -> contextlib.AbstractContextManager:
+    """Eval mode: BatchNorm uses moving statistics, Dropout is the identity."""
+    return scope(training=False)

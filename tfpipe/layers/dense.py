@@ -1,0 +1,67 @@
+"""Fully connected projection over the last dimension."""
+from __future__ import annotations
+
+import math
+
+import tensorflow as tf
+
+from tfpipe.base_layer import BaseLayer, LayerMeta
+from tfpipe.layers import activations
+
+
+def check_last_dim(layer: BaseLayer, x: tf.Tensor, expected: int, param: str) -> None:
+    """Fails early, naming the layer and the param, when a width does not match."""
+    got = x.shape[-1]
+    if got is not None and got != expected:
+        raise ValueError(f'{layer.path}: input has last dimension {got} but p.{param} is '
+                         f'{expected}: set p.{param}={got} or fix the previous layer')
+
+
+class Dense(BaseLayer):
+    """y = activation(x @ w + b), applied over the last dimension of any rank."""
+
+    @classmethod
+    def Params(cls):
+        p = super().Params()
+        p.Define('input_dim', 0, 'Width of the input (last dimension).')
+        p.Define('output_dim', 0, 'Width of the output.')
+        p.Define('activation', 'none', f'One of {activations.NAMES}.')
+        p.Define('use_bias', True, 'Add a bias.')
+        p.Define('weight_init', 'glorot_uniform', 'Initialiser name for w.')
+        return p
+
+    def __init__(self, params, parent=None):
+        super().__init__(params, parent)
+        p = self.params
+        if p.input_dim < 1 or p.output_dim < 1:
+            raise ValueError(f'{self.path}: input_dim={p.input_dim} and output_dim='
+                             f'{p.output_dim} must both be >= 1; set them in the Dense params')
+        self._act = activations.get(p.activation, self.path)
+        self.CreateVariable('w', [p.input_dim, p.output_dim], p.weight_init)
+        if p.use_bias:
+            self.CreateVariable('b', [p.output_dim], 'zeros')
+
+    def FProp(self, theta, x):
+        check_last_dim(self, x, self.params.input_dim, 'input_dim')
+        if x.shape.rank == 2:
+            y = tf.matmul(x, theta['w'])
+        else:
+            y = tf.einsum('...i,io->...o', x, theta['w'])
+        if self.params.use_bias:
+            y += theta['b']
+        return self._act(y)
+
+    @classmethod
+    def FPropMeta(cls, p, x_shape):
+        x_shape = tf.TensorShape(x_shape)
+        rows = math.prod(x_shape[:-1].as_list())
+        return LayerMeta(2 * rows * p.input_dim * p.output_dim,
+                         x_shape[:-1].concatenate([p.output_dim]))
+
+    @classmethod
+    def NumParams(cls, p):
+        return p.input_dim * p.output_dim + (p.output_dim if p.use_bias else 0)
+
+
+# Lingvo's name for the same layer.
+Projection = Dense

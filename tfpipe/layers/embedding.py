@@ -1,0 +1,47 @@
+"""Token embedding lookup."""
+from __future__ import annotations
+
+import math
+
+import tensorflow as tf
+
+from tfpipe.base_layer import BaseLayer, LayerMeta
+
+
+class Embedding(BaseLayer):
+    """int ids [..] -> vectors [.., embedding_dim], optionally scaled by sqrt(dim)."""
+
+    @classmethod
+    def Params(cls):
+        p = super().Params()
+        p.Define('vocab_size', 0, 'Number of ids.')
+        p.Define('embedding_dim', 0, 'Width of each vector.')
+        p.Define('scale_sqrt_depth', False, 'Multiply by sqrt(embedding_dim) (Transformer).')
+        p.Define('weight_init', 'gaussian', 'Initialiser name for the table.')
+        return p
+
+    def __init__(self, params, parent=None):
+        super().__init__(params, parent)
+        p = self.params
+        if p.vocab_size < 1 or p.embedding_dim < 1:
+            raise ValueError(f'{self.path}: vocab_size={p.vocab_size} and embedding_dim='
+                             f'{p.embedding_dim} must both be >= 1')
+        self.CreateVariable('emb', [p.vocab_size, p.embedding_dim], p.weight_init)
+
+    def FProp(self, theta, ids):
+        if ids.dtype.is_floating:
+            raise ValueError(f'{self.path}: Embedding takes integer ids, got {ids.dtype}')
+        out = tf.gather(theta['emb'], ids)
+        if self.params.scale_sqrt_depth:
+            out *= math.sqrt(self.params.embedding_dim)
+        return out
+
+    @classmethod
+    def FPropMeta(cls, p, ids_shape):
+        shape = tf.TensorShape(ids_shape)
+        return LayerMeta(shape.num_elements() * p.embedding_dim,
+                         shape.concatenate([p.embedding_dim]))
+
+    @classmethod
+    def NumParams(cls, p):
+        return p.vocab_size * p.embedding_dim

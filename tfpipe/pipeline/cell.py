@@ -1,0 +1,61 @@
+"""A cell: consecutive layers of the body pinned to one device.
+
+The cell knows its layers, its device and whether its backward pass recomputes
+the forward (re-materialisation). It does not know about micro-batches or the
+schedule: that is the executor's job.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import tensorflow as tf
+
+from tfpipe.base_layer import BaseLayer, apply_layer
+
+RECOMPUTE_POLICIES = ('always', 'except_last', 'never')
+
+
+def recompute_flags(policy: str, num_cells: int) -> list[bool]:
+    """Which cells recompute their forward in the backward pass.
+
+    'except_last' follows torchgpipe: the last cell's backward starts right after
+    its forward, so keeping its activations costs little and saves a recompute.
+    """
+    if policy not in RECOMPUTE_POLICIES:
+        raise ValueError(f'unknown recompute policy {policy!r}: use one of '
+                         f'{list(RECOMPUTE_POLICIES)}')
+    if policy == 'always':
+        return [True] * num_cells
+    if policy == 'never':
+        return [False] * num_cells
+    return [True] * (num_cells - 1) + [False]
+
+
+class Cell:
+    """Layers [start, stop) of the body, run on `device`."""
+
+    def __init__(self, index: int, device: str, layers: Sequence[BaseLayer], recompute: bool):
+        self.index = index
+        self.device = device
+        self.layers = list(layers)
+        self.recompute = recompute
+
+    @property
+    def names(self) -> list[str]:
+        return [layer.params.name for layer in self.layers]
+
+    def read_theta(self, theta: dict) -> dict:
+        """This cell's part of the pipeline's theta, read once on the cell's device.
+
+        Reading the variables here (rather than inside every micro-batch) gives
+        each micro-batch the same tensors, and puts the reads on the device that
+        owns the variables.
+        """
+        with tf.device(self.device), tf.name_scope(f'cell_{self.index}/theta'):
+            return {n: tf.nest.map_structure(tf.identity, theta[n]) for n in self.names}
+
+    def forward(self, theta: dict, x: Any) -> Any:
+        """Applies the cell's layers in order (device and context set by the caller)."""
+        for layer in self.layers:
+            x = apply_layer(layer, theta[layer.params.name], x)
+        return x

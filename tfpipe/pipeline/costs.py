@@ -1,0 +1,63 @@
+"""Per-layer costs for automatic balancing: parameters, flops or measured time.
+
+The partitioner only sees a list of numbers; this module turns the body's
+layer params into one. By parameter count and by flops nothing is built (both
+come from the layer classes' `NumParams` / `FPropMeta`), which matters for a
+model too big for one device. By time, the body is built once on one device,
+each layer's forward is timed, and the throwaway layers are dropped.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from tfpipe import fprop_context
+from tfpipe.base_layer import apply_layer, layer_meta
+from tfpipe.hyperparams import Params
+
+PARTITION_BY = ('params', 'flops', 'time')
+
+
+def by_params(body: Sequence[Params]) -> list[float]:
+    return [float(p.cls.NumParams(p)) for p in body]
+
+
+def by_flops(body: Sequence[Params], input_shape: Any) -> list[float]:
+    costs, shapes = [], input_shape
+    for p in body:
+        meta = layer_meta(p, shapes)
+        costs.append(float(meta.flops))
+        shapes = meta.out_shapes
+    return costs
+
+
+def by_time(body: Sequence[Params], sample: Any, device: str, repeats: int = 5) -> list[float]:
+    """Median wall time of each layer's forward on `sample`, in eval mode."""
+    from tfpipe.layers.composite import Sequential  # local: composite imports base_layer only
+
+    with tf.device(device):
+        seq = Sequential.Params().Set(name='timing', body=list(body)).Instantiate()
+        costs = []
+        x = sample
+        with fprop_context.evaluation():
+            for layer in seq.layers:
+                fn = tf.function(lambda theta, v, layer=layer: apply_layer(layer, theta, v))
+                y = fn(layer.theta, x)  # trace and warm up
+                times = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    tf.nest.map_structure(lambda t: t.numpy(), fn(layer.theta, x))
+                    times.append(time.perf_counter() - start)
+                costs.append(float(np.median(times)))
+                x = y
+    return costs
+
+
+def sample_input(shape: Sequence[int], dtype: tf.DType) -> tf.Tensor:
+    """A stand-in input for timing: zeros for ids, normal noise for floats."""
+    if dtype.is_floating:
+        return tf.random.stateless_normal(list(shape), [0, 0], dtype=dtype)
+    return tf.zeros(list(shape), dtype)
