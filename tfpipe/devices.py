@@ -37,8 +37,11 @@ def _canonical(name: str) -> tf.DeviceSpec:
     spec = tf.DeviceSpec.from_string(name)
     if spec.device_type is None:
         raise ValueError(f"device {name!r} names no device type: write e.g. '/CPU:1' or '/GPU:0'")
-    return spec.replace(device_type=spec.device_type.upper(),
+    spec = spec.replace(device_type=spec.device_type.upper(),
                         device_index=spec.device_index or 0)
+    if spec.job in (None, 'localhost'):
+        spec = spec.replace(job='localhost', replica=spec.replica or 0, task=spec.task or 0)
+    return spec
 
 
 def _is_remote(spec: tf.DeviceSpec) -> bool:
@@ -73,7 +76,6 @@ def resolve(devices: Optional[Sequence[str]], num_cells: int) -> list[str]:
     for name in devices[:num_cells]:
         spec = _canonical(name)
         if not _is_remote(spec):
-            spec = spec.replace(job='localhost', replica=0, task=0)
             if spec.to_string() not in known:
                 raise ValueError(
                     f'unknown device {name!r}: this process has '

@@ -29,11 +29,13 @@ class MultiHeadAttention(BaseLayer):
         if p.model_dim < 1 or p.num_heads < 1 or p.model_dim % p.num_heads:
             raise ValueError(f'{self.path}: num_heads={p.num_heads} must be >= 1 and divide '
                              f'model_dim={p.model_dim}')
-        proj = Dense.Params().Set(input_dim=p.model_dim, output_dim=p.model_dim)
+        # Children are built from fresh params: pass p.dtype on, or a float64 layer
+        # would get float32 weights.
+        proj = Dense.Params().Set(input_dim=p.model_dim, output_dim=p.model_dim, dtype=p.dtype)
         for name in ('query', 'key', 'value', 'post'):
             self.CreateChild(name, proj)
-        self.CreateChild('atten_dropout',
-                         Dropout.Params().Set(keep_prob=p.atten_dropout_keep_prob))
+        self.CreateChild('atten_dropout', Dropout.Params().Set(
+            keep_prob=p.atten_dropout_keep_prob, dtype=p.dtype))
 
     def FProp(self, theta, x):
         p = self.params
@@ -84,17 +86,18 @@ class TransformerBlock(BaseLayer):
         p = self.params
         if p.hidden_dim < 1:
             raise ValueError(f'{self.path}: hidden_dim={p.hidden_dim} must be >= 1')
-        ln = LayerNorm.Params().Set(dim=p.model_dim)
+        # Children are built from fresh params: pass p.dtype on (see MultiHeadAttention).
+        ln = LayerNorm.Params().Set(dim=p.model_dim, dtype=p.dtype)
         self.CreateChild('atten_ln', ln)
         self.CreateChild('atten', MultiHeadAttention.Params().Set(
             model_dim=p.model_dim, num_heads=p.num_heads, causal=p.causal,
-            atten_dropout_keep_prob=p.atten_dropout_keep_prob))
+            atten_dropout_keep_prob=p.atten_dropout_keep_prob, dtype=p.dtype))
         self.CreateChild('ffn_ln', ln)
         self.CreateChild('ffn_in', Dense.Params().Set(
-            input_dim=p.model_dim, output_dim=p.hidden_dim, activation='relu'))
+            input_dim=p.model_dim, output_dim=p.hidden_dim, activation='relu', dtype=p.dtype))
         self.CreateChild('ffn_out', Dense.Params().Set(
-            input_dim=p.hidden_dim, output_dim=p.model_dim))
-        drop = Dropout.Params().Set(keep_prob=p.residual_dropout_keep_prob)
+            input_dim=p.hidden_dim, output_dim=p.model_dim, dtype=p.dtype))
+        drop = Dropout.Params().Set(keep_prob=p.residual_dropout_keep_prob, dtype=p.dtype)
         self.CreateChild('atten_dropout', drop)
         self.CreateChild('ffn_dropout', drop)
 

@@ -31,6 +31,12 @@ def recompute_flags(policy: str, num_cells: int) -> list[bool]:
     return [True] * (num_cells - 1) + [False]
 
 
+def _read(value: Any) -> tf.Tensor:
+    # read_value() takes the enclosing device scope; tf.identity(variable) leaves
+    # the ReadVariableOp unplaced in the traced graph.
+    return value.read_value() if isinstance(value, tf.Variable) else tf.identity(value)
+
+
 class Cell:
     """Layers [start, stop) of the body, run on `device`."""
 
@@ -52,7 +58,7 @@ class Cell:
         owns the variables.
         """
         with tf.device(self.device), tf.name_scope(f'cell_{self.index}/theta'):
-            return {n: tf.nest.map_structure(tf.identity, theta[n]) for n in self.names}
+            return {n: tf.nest.map_structure(_read, theta[n]) for n in self.names}
 
     def forward(self, theta: dict, x: Any) -> Any:
         """Applies the cell's layers in order (device and context set by the caller)."""

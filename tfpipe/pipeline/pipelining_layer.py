@@ -72,9 +72,9 @@ class PipeliningLayer(BaseLayer):
                              f'{sorted(SCHEDULES)}')
         flags = None
         try:
-            self.balance = self._Balance()
+            self.balance = tuple(self._Balance())
             flags = recompute_flags(p.recompute, len(self.balance))
-            self.devices = devices_lib.resolve(p.devices, len(self.balance))
+            self.devices = tuple(devices_lib.resolve(p.devices, len(self.balance)))
         except ValueError as e:
             raise ValueError(f'{self.path}: {e}') from None
         layers = []
@@ -124,6 +124,10 @@ class PipeliningLayer(BaseLayer):
 
     def FProp(self, theta: dict, inputs: Any) -> Any:
         """Pipelined forward; differentiable with any outer tf.GradientTape."""
+        with tf.name_scope(self.params.name) as scope:
+            return self._FProp(theta, inputs, scope)
+
+    def _FProp(self, theta: dict, inputs: Any, scope: str) -> Any:
         ctx = fprop_context.current()
         thetas = self._ReadThetas(theta)
         if not ctx.training:
@@ -132,7 +136,7 @@ class PipeliningLayer(BaseLayer):
             run.run(t for tick in self._Ticks('fill_drain', len(micro)) for t in tick
                     if t.phase == schedule.FORWARD)
             return self._Merge(run.outputs)
-        return self._TrainingFProp(thetas, inputs, ctx)
+        return self._TrainingFProp(thetas, inputs, ctx, scope)
 
     def _Ticks(self, name: str, num_micro_batches: int) -> schedule.Schedule:
         return SCHEDULES[name](len(self.cells), num_micro_batches)
@@ -141,7 +145,7 @@ class PipeliningLayer(BaseLayer):
         with tf.device(self.devices[-1]), tf.name_scope('merge'):
             return microbatch.merge(micro_outputs)
 
-    def _TrainingFProp(self, thetas: list[dict], inputs: Any, ctx) -> Any:
+    def _TrainingFProp(self, thetas: list[dict], inputs: Any, ctx, scope: str) -> Any:
         inputs = tf.nest.map_structure(tf.convert_to_tensor, inputs)
         flat_inputs = tf.nest.flatten(inputs)
         flat_thetas = [tf.nest.flatten(t) for t in thetas]
@@ -171,15 +175,18 @@ class PipeliningLayer(BaseLayer):
             out_structure.append(y)
 
             def grad(*dys):
-                with tf.device(self.devices[-1]), tf.name_scope('output_grads'):
-                    dy = tf.nest.pack_sequence_as(y, [
-                        tf.zeros_like(v) if d is None else d
-                        for v, d in zip(tf.nest.flatten(y), dys)])
-                    run.set_output_grads([float_leaves(d) for d in
-                                          microbatch.split(dy, len(micro))])
-                run.run(t for tick in ticks for t in tick if t.phase == schedule.BACKWARD)
-                return self._InputGrads(x, run) + [g for k in range(len(self.cells))
-                                                   for g in run.theta_grads[k]]
+                # Re-enter the forward's name scope, so that backward ops are found
+                # beside the forward ones ('pipe/cell_k/backward_m').
+                with tf.name_scope(scope or self.params.name):
+                    with tf.device(self.devices[-1]), tf.name_scope('output_grads'):
+                        dy = tf.nest.pack_sequence_as(y, [
+                            tf.zeros_like(v) if d is None else d
+                            for v, d in zip(tf.nest.flatten(y), dys)])
+                        run.set_output_grads([float_leaves(d) for d in
+                                              microbatch.split(dy, len(micro))])
+                    run.run(t for tick in ticks for t in tick if t.phase == schedule.BACKWARD)
+                    return self._InputGrads(x, run) + [g for k in range(len(self.cells))
+                                                       for g in run.theta_grads[k]]
 
             return tf.nest.flatten(y), grad
 
@@ -209,6 +216,11 @@ class PipeliningLayer(BaseLayer):
         examples, exact for uneven micro-batches. `grads` has the structure of
         `theta`; each cell's gradients are summed over micro-batches on its device.
         """
+        with tf.name_scope(self.params.name):
+            return self._ForwardBackward(theta, inputs, loss_fn, targets)
+
+    def _ForwardBackward(self, theta: dict, inputs: Any, loss_fn: LossFn,
+                         targets: Any) -> tuple[tf.Tensor, dict]:
         ctx = fprop_context.current()
         if not ctx.training:
             ctx = fprop_context.FPropContext(training=True, step=ctx.step)

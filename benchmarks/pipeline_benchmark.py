@@ -1,0 +1,470 @@
+"""tfpipe pipeline benchmark: overhead, scaling and memory, measured side by side.
+
+Prints ONE table (see benchmarks/README.md for what each row means):
+
+  1. overhead        plain tf.function SGD step vs tfpipe K=1, M=1
+  2. scaling         K=2 with M=1,2,4,8 relative to K=1, M=1, next to the GPipe bubble
+  3. recompute mem   peak memory of an activation-dominated stack, recompute always vs never
+  4. accum mem       peak memory of a weight-dominated stack, M=1 vs M=4
+
+The machine is shared and noisy, so timing variants are built once, warmed up, and then
+timed in interleaved rounds (the order rotates every round); the table shows medians and
+ratios computed per round (paired), not only absolute times. Memory variants run first,
+one model alive at a time, so their peaks do not include each other's weights.
+
+Run (from the repository root):
+    PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2 python benchmarks/pipeline_benchmark.py          # full
+    PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2 python benchmarks/pipeline_benchmark.py --quick  # ~1 min
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Callable, Optional
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+
+MIB = 1024.0 * 1024.0
+
+# Sizes per mode; every entry can be overridden by the flag of the same name.
+PRESETS = {
+    'full': dict(
+        # rows 1-2: timing model (the notes' reference: 8 x Dense(1024), batch 256)
+        time_batch=256, time_width=1024, time_layers=8, rounds=9, calls=4, warmup=2,
+        # row 3: activation-dominated (notes: B=4096, W=1024, 16 layers, K=4)
+        act_batch=4096, act_width=1024, act_layers=16, act_cells=4, act_micro=4,
+        # row 4: weight-dominated (notes: B=256, W=2048, 16 layers)
+        acc_batch=256, acc_width=2048, acc_layers=16, acc_cells=2, acc_micro=4,
+        mem_repeats=3),
+    'quick': dict(
+        time_batch=128, time_width=512, time_layers=8, rounds=3, calls=3, warmup=1,
+        act_batch=1024, act_width=512, act_layers=16, act_cells=4, act_micro=4,
+        acc_batch=64, acc_width=1024, acc_layers=16, acc_cells=2, acc_micro=4,
+        mem_repeats=1),
+}
+SCALING_MICRO = (1, 2, 4, 8)
+SCALING_CELLS = 2
+OVERHEAD_TARGET = 1.05
+ACCUM_TARGET = 1.2
+LEARNING_RATE = 1e-4
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument('--quick', action='store_true', help='small sizes, ~1 minute smoke run')
+    ap.add_argument('--devices', choices=('cpu', 'gpu'), default='cpu',
+                    help="cpu: cells on /CPU:0../CPU:K-1 (logical CPUs); gpu: devices=None, "
+                         "i.e. GPUs when there are at least K, else logical CPUs")
+    ap.add_argument('--num_logical_cpus', type=int, default=8,
+                    help='logical CPU devices to split the host CPU into (>= 4 for row 3)')
+    ap.add_argument('--pin_threads', choices=('auto', 'on', 'off'), default='auto',
+                    help='set intra_op_parallelism_threads/inter_op_parallelism_threads '
+                         'before TF starts so two logical devices can overlap; auto: on for '
+                         '--devices=cpu, off for gpu')
+    ap.add_argument('--intra_op_threads', type=int, default=1, help='used when pinned')
+    ap.add_argument('--inter_op_threads', type=int, default=2, help='used when pinned')
+    ap.add_argument('--rows', default='1,2,3,4', help='comma-separated rows to run')
+    for name in PRESETS['full']:
+        ap.add_argument(f'--{name}', type=int, default=None,
+                        help=f"default {PRESETS['full'][name]} (quick: {PRESETS['quick'][name]})")
+    args = ap.parse_args(argv)
+    for name, value in PRESETS['quick' if args.quick else 'full'].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.rows = {int(r) for r in args.rows.split(',') if r.strip()}
+    if args.pin_threads == 'auto':
+        args.pin_threads = 'on' if args.devices == 'cpu' else 'off'
+    return args
+
+
+ARGS = parse_args()
+_T_START = time.perf_counter()
+
+import tensorflow as tf  # noqa: E402  (after the environment is set)
+
+tf.get_logger().setLevel('ERROR')  # one tf.function per variant is intended: no retrace warnings
+
+import tfpipe  # noqa: E402
+from tfpipe import devices as devices_lib  # noqa: E402
+from tfpipe import fprop_context, layers  # noqa: E402
+from tfpipe.pipeline import partition, schedule  # noqa: E402
+
+# --- Runtime configuration: must happen before TensorFlow initialises. -------------------
+if ARGS.pin_threads == 'on':
+    tf.config.threading.set_intra_op_parallelism_threads(ARGS.intra_op_threads)
+    tf.config.threading.set_inter_op_parallelism_threads(ARGS.inter_op_threads)
+tfpipe.configure_logical_cpus(ARGS.num_logical_cpus)
+
+
+# --- Models and steps ---------------------------------------------------------------------
+
+def make_body(num_layers: int, width: int) -> list:
+    return [layers.Dense.Params().Set(name=f'fc{i}', input_dim=width, output_dim=width,
+                                      activation='relu') for i in range(num_layers)]
+
+
+def loss_fn(outputs, targets):
+    """Per-example mean squared error, shape [b]."""
+    return tf.reduce_mean(tf.square(outputs - targets), axis=-1)
+
+
+def cell_devices(num_cells: int) -> Optional[list[str]]:
+    """What the pipeline is given: explicit logical CPUs, or None (GPUs if enough)."""
+    if ARGS.devices == 'cpu':
+        return [f'/CPU:{i}' for i in range(num_cells)]
+    return None
+
+
+def resolved_devices(num_cells: int) -> list[str]:
+    return devices_lib.resolve(cell_devices(num_cells), num_cells)
+
+
+def short(devs: list[str]) -> str:
+    specs = [tf.DeviceSpec.from_string(d) for d in devs]
+    kinds = {s.device_type for s in specs}
+    if len(kinds) == 1:
+        idx = [s.device_index for s in specs]
+        kind = specs[0].device_type
+        if len(idx) > 1 and idx == list(range(idx[0], idx[0] + len(idx))):
+            return f'{kind}:{idx[0]}-{idx[-1]}'
+        return ','.join(f'{kind}:{i}' for i in idx)
+    return ','.join(f'{s.device_type}:{s.device_index}' for s in specs)
+
+
+def memory_devices(devs: list[str]) -> list[str]:
+    """Allocators whose peaks make up the figure: CPU:0 (all logical CPUs share one
+    allocator, so it is global) or each distinct GPU (peaks summed)."""
+    out = []
+    for d in devs:
+        s = tf.DeviceSpec.from_string(d)
+        name = 'CPU:0' if s.device_type == 'CPU' else f'{s.device_type}:{s.device_index or 0}'
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def make_data(batch: int, width: int, device: str):
+    with tf.device(device):
+        x = tf.random.stateless_normal([batch, width], seed=[1, 2])
+        t = tf.random.stateless_normal([batch, width], seed=[3, 4])
+    return x, t
+
+
+def build_plain(num_layers: int, width: int, batch: int):
+    """The unpartitioned twin: Sequential + tf.GradientTape + assign_sub in a tf.function."""
+    device = resolved_devices(1)[0]
+    with tf.device(device):
+        model = layers.Sequential.Params().Set(
+            name='pipe', body=make_body(num_layers, width)).Instantiate()
+    x, t = make_data(batch, width, device)
+    variables = tf.nest.flatten(model.theta)
+
+    @tf.function
+    def step():
+        with tf.device(device), fprop_context.training(step=0):
+            with tf.GradientTape() as tape:
+                out = model.FProp(model.theta, x)
+                loss = tf.reduce_mean(loss_fn(out, t))
+            grads = tape.gradient(loss, variables)
+            for v, g in zip(variables, grads):
+                v.assign_sub(LEARNING_RATE * g)
+        return loss
+
+    return model, step, [device]
+
+
+def build_pipe(num_layers: int, width: int, batch: int, num_cells: int, num_micro: int,
+               recompute: str):
+    """tfpipe's trainer step: ForwardBackward + assign_sub in a tf.function."""
+    pipe = tfpipe.PipeliningLayer.Params().Set(
+        name='pipe', body=make_body(num_layers, width),
+        balance=partition.even_balance(num_layers, num_cells), num_micro_batches=num_micro,
+        recompute=recompute, devices=cell_devices(num_cells)).Instantiate()
+    x, t = make_data(batch, width, pipe.devices[0])
+    variables = tf.nest.flatten(pipe.theta)
+
+    @tf.function
+    def step():
+        with fprop_context.training(step=0):
+            loss, grads = pipe.ForwardBackward(pipe.theta, x, loss_fn, t)
+        for v, g in zip(variables, tf.nest.flatten(grads)):
+            v.assign_sub(LEARNING_RATE * g)
+        return loss
+
+    return pipe, step, list(pipe.devices)
+
+
+# --- Measurement ----------------------------------------------------------------------------
+
+def sync_call(step: Callable) -> None:
+    loss = step().numpy()
+    if not (loss == loss):  # NaN would make timings meaningless
+        raise FloatingPointError('benchmark step returned NaN')
+
+
+def measure_memory(builder: Callable, repeats: int, warmup: int) -> dict:
+    """Peak bytes of one step, after warm-up; one model alive; deleted afterwards."""
+    gc.collect()
+    before = None
+    model, step, devs = builder()
+    mem_devs = memory_devices(devs)
+    for _ in range(max(1, warmup)):  # the first call traces
+        sync_call(step)
+    peaks, transients = [], []
+    for _ in range(repeats):
+        for d in mem_devs:
+            tf.config.experimental.reset_memory_stats(d)
+        base = sum(tf.config.experimental.get_memory_info(d)['current'] for d in mem_devs)
+        sync_call(step)
+        peak = sum(tf.config.experimental.get_memory_info(d)['peak'] for d in mem_devs)
+        peaks.append(peak)
+        transients.append(peak - base)
+        before = base
+    del model, step
+    gc.collect()
+    after = sum(tf.config.experimental.get_memory_info(d)['current'] for d in mem_devs)
+    return dict(peak=statistics.median(peaks), peaks=peaks,
+                transient=statistics.median(transients), resident=before, after=after,
+                devs=devs, mem_devs=mem_devs)
+
+
+def measure_times(builders: dict, reference: dict, rounds: int, calls: int,
+                  warmup: int) -> dict:
+    """Builds every variant once, warms each up, then times interleaved rounds.
+
+    Each round times `calls` synchronised calls of every variant, in an order rotated
+    by one each round. Returns per-variant round means and per-round paired ratios
+    against `reference[name]`.
+    """
+    built = {}
+    for name, builder in builders.items():
+        model, step, devs = builder()
+        for _ in range(max(1, warmup)):
+            sync_call(step)
+        built[name] = (model, step, devs)
+    names = list(builders)
+    per_round = {n: [] for n in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            step = built[name][1]
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                sync_call(step)
+            per_round[name].append((time.perf_counter() - t0) / calls)
+    out = {}
+    for name in names:
+        times = per_round[name]
+        ref = reference.get(name)
+        ratios = ([a / b for a, b in zip(times, per_round[ref])] if ref else None)
+        out[name] = dict(times=times, median=statistics.median(times),
+                         q=quartiles(times), ratio=statistics.median(ratios) if ratios else None,
+                         ratio_q=quartiles(ratios) if ratios else None, devs=built[name][2])
+    del built
+    gc.collect()
+    return out
+
+
+def quartiles(values: list[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return values[0], values[0]
+    q = statistics.quantiles(values, n=4, method='inclusive')
+    return q[0], q[2]
+
+
+# --- Output ---------------------------------------------------------------------------------
+
+COLUMNS = [('row', 3), ('measurement', 13), ('variant', 32), ('devices', 7),
+           ('median', 9), ('[p25, p75] / range', 18), ('ratio [p25, p75]', 18),
+           ('verdict', 7), ('target / reference / detail', 0)]
+
+
+def fmt_row(values) -> str:
+    """values: row, measurement, variant, devices, median, spread, ratio, target, verdict."""
+    values = list(values[:7]) + [values[8], values[7]]  # verdict before the long text
+    return '  '.join(str(v).ljust(w) if i < len(COLUMNS) - 1 else str(v)
+                     for i, (v, (_, w)) in enumerate(zip(values, COLUMNS)))
+
+
+def ms(seconds: float) -> str:
+    return f'{seconds * 1e3:.1f} ms'
+
+
+def mib(nbytes: float) -> str:
+    return f'{nbytes / MIB:.0f} MiB'
+
+
+def header(args) -> list[str]:
+    gpus = tf.config.list_physical_devices('GPU')
+    cpus = tf.config.list_logical_devices('CPU')
+    if args.devices == 'gpu' and gpus:
+        kind = f"GPU ({len(gpus)} x {tf.config.experimental.get_device_details(gpus[0]).get('device_name', 'GPU')})"
+    elif args.devices == 'gpu':
+        kind = 'GPU requested but none found: devices=None falls back to logical CPUs'
+    else:
+        kind = 'CPU (logical devices)'
+    threads = (f'intra_op={tf.config.threading.get_intra_op_parallelism_threads()}, '
+               f'inter_op={tf.config.threading.get_inter_op_parallelism_threads()} '
+               f'(pinned {"ON" if args.pin_threads == "on" else "OFF"}: '
+               + ('each op single-threaded so two logical devices can overlap; applies to '
+                  'every row, the plain step included' if args.pin_threads == 'on' else
+                  '0 = TensorFlow default, all cores per op; logical CPUs then compete for '
+                  'one pool') + ')')
+    lines = [
+        '=' * 100,
+        f'tfpipe pipeline benchmark ({"quick" if args.quick else "full"})   '
+        f'{datetime.datetime.now().astimezone().isoformat(timespec="seconds")}',
+        f'TensorFlow {tf.__version__}, Python {platform.python_version()}, '
+        f'{platform.machine()} {os.cpu_count()} host cores, host {platform.node()}',
+        f'device kind: {kind}; --devices={args.devices}; {len(cpus)} logical CPUs, '
+        f'{len(gpus)} GPUs',
+        f'threads: {threads}',
+        f'timing model (rows 1-2): {args.time_layers} x Dense({args.time_width}) relu, batch '
+        f'{args.time_batch}, f32, MSE, SGD; {args.rounds} interleaved rounds x {args.calls} '
+        f'calls after {args.warmup} warm-up; median of round means, ratios paired per round',
+        f'row 3 model: {args.act_layers} x Dense({args.act_width}), batch {args.act_batch}, '
+        f'K={args.act_cells}, M={args.act_micro};  row 4 model: {args.acc_layers} x '
+        f'Dense({args.acc_width}), batch {args.acc_batch}, K={args.acc_cells}; memory: peak of '
+        f'one step after warm-up, median of {args.mem_repeats}',
+        '=' * 100,
+    ]
+    return lines
+
+
+def main(args) -> int:
+    need_cells = max([1] + ([SCALING_CELLS] if 2 in args.rows else [])
+                     + ([args.act_cells] if 3 in args.rows else [])
+                     + ([args.acc_cells] if 4 in args.rows else []))
+    if args.devices == 'cpu' and args.num_logical_cpus < need_cells:
+        print(f'--num_logical_cpus={args.num_logical_cpus} is too few: the selected rows need '
+              f'{need_cells} devices', file=sys.stderr)
+        return 2
+    for line in header(args):
+        print(line, flush=True)
+    rows: list[list] = []
+    notes: list[str] = []
+
+    # Memory rows first (one model alive at a time), then timing rows.
+    if 3 in args.rows:
+        print('measuring row 3 (recompute memory)...', flush=True)
+        k, m = args.act_cells, args.act_micro
+        res = {}
+        for rc in ('never', 'always'):
+            res[rc] = measure_memory(
+                lambda rc=rc: build_pipe(args.act_layers, args.act_width, args.act_batch, k, m,
+                                         rc), args.mem_repeats, 1)
+        ratio = res['always']['peak'] / res['never']['peak']
+        tratio = res['always']['transient'] / max(res['never']['transient'], 1)
+        for rc in ('never', 'always'):
+            r = res[rc]
+            rows.append([3, 'recompute mem', f'K={k} M={m} recompute={rc}', short(r['devs']),
+                         mib(r['peak']), f'{mib(min(r["peaks"]))}..{mib(max(r["peaks"]))}',
+                         '1.00' if rc == 'never' else f'{ratio:.2f}',
+                         f'step transient {mib(r["transient"])} (resident {mib(r["resident"])})'
+                         + ('' if rc == 'never' else f'; transient ratio {tratio:.2f}'),
+                         ''])
+        rows[-1][7] += '; notes: 0.43-0.50x'
+        notes.append(f'row 3 memory read from {res["never"]["mem_devs"]}; after deleting each '
+                     f'model: {mib(res["never"]["after"])}, {mib(res["always"]["after"])} live')
+
+    if 4 in args.rows:
+        print('measuring row 4 (accumulation memory)...', flush=True)
+        k = args.acc_cells
+        res = {}
+        for m in (1, args.acc_micro):
+            res[m] = measure_memory(
+                lambda m=m: build_pipe(args.acc_layers, args.acc_width, args.acc_batch, k, m,
+                                       'always'), args.mem_repeats, 1)
+        ratio = res[args.acc_micro]['peak'] / res[1]['peak']
+        tratio = res[args.acc_micro]['transient'] / max(res[1]['transient'], 1)
+        weights = args.acc_layers * (args.acc_width + 1) * args.acc_width * 4
+        for m in (1, args.acc_micro):
+            r = res[m]
+            last = m != 1
+            rows.append([4, 'accum mem', f'K={k} M={m} recompute=always', short(r['devs']),
+                         mib(r['peak']), f'{mib(min(r["peaks"]))}..{mib(max(r["peaks"]))}',
+                         f'{ratio:.2f}' if last else '1.00',
+                         (f'target <= {ACCUM_TARGET}x of M=1; transient ratio {tratio:.2f}'
+                          if last else f'step transient {mib(r["transient"])} (resident '
+                          f'{mib(r["resident"])}; weights {mib(weights)})'),
+                         ('PASS' if ratio <= ACCUM_TARGET else 'MISS') if last else ''])
+        rows[-1][7] = (f'step transient {mib(res[args.acc_micro]["transient"])}; '
+                       + rows[-1][7])
+        notes.append(f'row 4 memory read from {res[1]["mem_devs"]}')
+
+    if 1 in args.rows or 2 in args.rows:
+        print('measuring rows 1-2 (timing, interleaved)...', flush=True)
+        L, W, B = args.time_layers, args.time_width, args.time_batch
+        builders, reference = {}, {}
+        if 1 in args.rows:
+            builders['plain'] = lambda: build_plain(L, W, B)
+            builders['k1m1_never'] = lambda: build_pipe(L, W, B, 1, 1, 'never')
+            reference['plain'] = 'plain'
+            reference['k1m1_never'] = 'plain'
+        builders['k1m1_always'] = lambda: build_pipe(L, W, B, 1, 1, 'always')
+        if 1 in args.rows:
+            reference['k1m1_always'] = 'plain'
+        if 2 in args.rows:
+            for m in SCALING_MICRO:
+                builders[f'k2m{m}'] = lambda m=m: build_pipe(L, W, B, SCALING_CELLS, m, 'always')
+                reference[f'k2m{m}'] = 'k1m1_always'
+        res = measure_times(builders, reference, args.rounds, args.calls, args.warmup)
+
+        def trow(row, what, name, variant, target, verdict=''):
+            r = res[name]
+            q = r['q']
+            ratio = '' if r['ratio'] is None else (
+                f'{r["ratio"]:.3f}' if name != 'plain' else '1.000')
+            if r['ratio_q'] is not None and name != 'plain':
+                ratio += f' [{r["ratio_q"][0]:.2f},{r["ratio_q"][1]:.2f}]'
+            rows.append([row, what, variant, short(r['devs']), ms(r['median']),
+                         f'[{ms(q[0])}, {ms(q[1])}]'.replace(' ms', ''), ratio, target, verdict])
+
+        if 1 in args.rows:
+            trow(1, 'overhead', 'plain', 'plain tf.function SGD step', 'ratio = x / plain')
+            ov = res['k1m1_never']['ratio']
+            trow(1, 'overhead', 'k1m1_never', 'tfpipe K=1 M=1 recompute=never',
+                 f'target <= {OVERHEAD_TARGET:.2f}x plain',
+                 'PASS' if ov <= OVERHEAD_TARGET else 'MISS')
+            trow(1, 'overhead', 'k1m1_always', 'tfpipe K=1 M=1 recompute=always',
+                 'info: one extra forward (~4/3 FLOPs)')
+        if 2 in args.rows:
+            k1 = res['k1m1_always']
+            rows.append([2, 'scaling', 'tfpipe K=1 M=1 recompute=always', short(k1['devs']),
+                         ms(k1['median']), f'[{ms(k1["q"][0])}, {ms(k1["q"][1])}]'.replace(
+                             ' ms', ''), '1.000', 'ratio = x / K=1 M=1 (same recompute)', ''])
+            for m in SCALING_MICRO:
+                k = SCALING_CELLS
+                bubble = schedule.bubble_fraction(k, m)
+                ideal = (m + k - 1) / (k * m)
+                trow(2, 'scaling', f'k2m{m}', f'tfpipe K={k} M={m} recompute=always',
+                     f'bubble {bubble:.3f}; ideal {ideal:.3f} (K devs busy)')
+        notes.append('row 2 "ideal" = (M+K-1)/(K*M): the time relative to K=1 if the K '
+                     'devices ran truly in parallel and only the bubble were lost; on CPU '
+                     'the logical devices share the host cores, so this is a bound only when '
+                     'the K=1 step leaves cores idle (see the threads line).')
+
+    print()
+    names = [c for c, _ in COLUMNS]
+    dashes = ['-' * max(w, len(c)) for c, w in COLUMNS]
+    # fmt_row takes (..., target, verdict) and prints verdict first
+    print(fmt_row(names[:7] + names[8:] + names[7:8]))
+    print(fmt_row(dashes[:7] + dashes[8:] + dashes[7:8]))
+    for row in sorted(rows, key=lambda r: r[0]):
+        print(fmt_row(row))
+    print()
+    for n in notes:
+        print('note:', n)
+    print(f'total wall time {time.perf_counter() - _T_START:.0f} s')
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main(ARGS))

@@ -1,0 +1,102 @@
+"""BatchNorm under micro-batching (GPipe's design).
+
+Training normalises each micro-batch with its own statistics, so M changes the
+outputs: a pipelined run equals the K=1 run with the same M, whatever K and the
+recompute policy. The moving statistics are updated once per mini-batch, from
+all micro-batches combined, so they equal a full-batch BN update on the inputs
+that BN layer saw. Eval uses the moving statistics.
+"""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests import model_zoo as mz
+from tfpipe import fprop_context
+from tfpipe.fprop_context import BatchStatsSink
+from tfpipe.pipeline import microbatch
+
+STEP = 5
+DECAY = 0.9  # model_zoo's BN decay
+
+
+def bn_body():
+    return mz.conv_body(batch_norm=True)
+
+
+def run_step(num_cells, num_micro_batches, recompute):
+    body = bn_body()
+    x, y = mz.inputs_for(body)
+    pipe = mz.pipeline(body, num_cells, num_micro_batches, recompute)
+    out, loss, grads = mz.sgd_step_tape(pipe, x, y, STEP)
+    stats = {n: (pipe.children[n].moving_mean.numpy(), pipe.children[n].moving_variance.numpy())
+             for n in ('bn0', 'bn1')}
+    return out, loss, grads, stats
+
+
+def expected_moving_stats(num_micro_batches):
+    """Full-batch BN update on the inputs each BN layer saw, built without the pipeline."""
+    body = bn_body()
+    x, _ = mz.inputs_for(body)
+    names = [p.name for p in body]
+    expected = {}
+    for bn in ('bn0', 'bn1'):
+        prefix = mz.sequential(body[:names.index(bn)])
+        seen = []
+        for mb, offset in zip(microbatch.split(x, num_micro_batches),
+                              microbatch.offsets(microbatch.micro_batch_sizes(
+                                  x.shape[0], num_micro_batches))):
+            with fprop_context.scope(training=True, step=STEP, example_offset=offset,
+                                     batch_stats=BatchStatsSink(discard=True)):
+                seen.append(prefix.FProp(prefix.theta, mb).numpy())
+        seen = np.concatenate(seen).reshape(-1, seen[0].shape[-1])
+        expected[bn] = (DECAY * 0 + (1 - DECAY) * seen.mean(0),
+                        DECAY * 1 + (1 - DECAY) * seen.var(0))
+    return expected
+
+
+_same_m_reference = {}
+
+
+@pytest.mark.parametrize('num_micro_batches', [1, 2, 3, 4])
+@pytest.mark.parametrize('num_cells,recompute', [(1, 'never'), (2, 'always'), (4, 'always'),
+                                                 (4, 'except_last'), (4, 'never')])
+def test_batch_norm_pipeline(num_cells, num_micro_batches, recompute):
+    if num_micro_batches not in _same_m_reference:
+        _same_m_reference[num_micro_batches] = run_step(1, num_micro_batches, 'never')
+    ref_out, ref_loss, ref_grads, _ = _same_m_reference[num_micro_batches]
+    out, loss, grads, stats = run_step(num_cells, num_micro_batches, recompute)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-12)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-12)
+    for name, (mean, var) in expected_moving_stats(num_micro_batches).items():
+        np.testing.assert_allclose(stats[name][0], mean, rtol=1e-5, atol=1e-12, err_msg=name)
+        np.testing.assert_allclose(stats[name][1], var, rtol=1e-5, atol=1e-12, err_msg=name)
+
+
+def test_micro_batching_changes_training_outputs_but_first_bn_stats_do_not():
+    out1, _, _, stats1 = run_step(2, 1, 'always')
+    out4, _, _, stats4 = run_step(2, 4, 'always')
+    assert np.abs(out1 - out4).max() > 1e-6  # per-micro-batch statistics differ
+    # bn0 sees the raw conv outputs, identical for any M: same full-batch update.
+    np.testing.assert_allclose(stats1['bn0'][0], stats4['bn0'][0], rtol=1e-10)
+    np.testing.assert_allclose(stats1['bn0'][1], stats4['bn0'][1], rtol=1e-10)
+
+
+def test_eval_uses_moving_statistics_and_ignores_micro_batching():
+    body = bn_body()
+    x, y = mz.inputs_for(body)
+    pipe4 = mz.pipeline(body, 4, 4)
+    mz.sgd_step_forward_backward(pipe4, x, y, STEP)  # moves the statistics off their init
+    seq = mz.sequential(body)
+    for name, layer in seq.children.items():
+        for v_seq, v_pipe in zip(layer.variables, pipe4.children[name].variables):
+            v_seq.assign(v_pipe)
+    with fprop_context.evaluation():
+        before = [v.numpy() for v in pipe4.non_trainable_variables]
+        pipelined = pipe4.FProp(pipe4.theta, x).numpy()
+        plain = seq.FProp(seq.theta, x).numpy()
+        after = [v.numpy() for v in pipe4.non_trainable_variables]
+    np.testing.assert_allclose(pipelined, plain, rtol=1e-10)
+    for b, a in zip(before, after):
+        np.testing.assert_array_equal(a, b)  # eval never updates statistics
