@@ -136,6 +136,15 @@ CASES = {
                 True),
     'Pop-concat-extra': (lambda: layers.Pop.Params().Set(name='pop', key='a', combine='concat'),
                          {'x': [3, 4], 'a': [3, 2], 'b': [3, 1]}, False),
+    'PositionEmbedding': (lambda: layers.PositionEmbedding.Params().Set(
+        name='pos', max_length=7, embedding_dim=4), [2, 5, 4], True),
+    'DropSkips': (lambda: layers.DropSkips.Params().Set(name='drop_skips'),
+                  {'x': [3, 4], 'prev': [3, 2]}, False),
+    'AmoebaCell': (lambda: layers.AmoebaCell.Params().Set(
+        name='cell', input_channels=3, prev_channels=3, filters=4), [2, 6, 6, 3], True),
+    'AmoebaCell-reduction-nested': (lambda: layers.AmoebaCell.Params().Set(
+        name='cell', input_channels=4, prev_channels=2, filters=6, reduction=True),
+        {'x': [2, 4, 4, 4], 'prev': [2, 8, 8, 2]}, True),
 }
 CASE_IDS = sorted(CASES)
 

@@ -138,3 +138,20 @@ class Pop(BaseLayer):
     @classmethod
     def NumParams(cls, p):
         return 0
+
+
+class DropSkips(BaseLayer):
+    """Ends a stretch of nested activations: {'x': main, ...} -> main."""
+
+    NESTED_ACTIVATIONS = True
+
+    def FProp(self, theta, act):
+        return act['x'] if isinstance(act, dict) else act
+
+    @classmethod
+    def FPropMeta(cls, p, shapes):
+        return LayerMeta(0, shapes['x'] if isinstance(shapes, dict) else shapes)
+
+    @classmethod
+    def NumParams(cls, p):
+        return 0

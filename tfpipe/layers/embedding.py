@@ -45,3 +45,38 @@ class Embedding(BaseLayer):
     @classmethod
     def NumParams(cls, p):
         return p.vocab_size * p.embedding_dim
+
+
+class PositionEmbedding(BaseLayer):
+    """Adds a learned vector per position: [batch, time, dim] -> same shape."""
+
+    @classmethod
+    def Params(cls):
+        p = super().Params()
+        p.Define('max_length', 0, 'Longest sequence the table covers.')
+        p.Define('embedding_dim', 0, 'Width of each vector.')
+        return p
+
+    def __init__(self, params, parent=None):
+        super().__init__(params, parent)
+        p = self.params
+        if p.max_length < 1 or p.embedding_dim < 1:
+            raise ValueError(f'{self.path}: max_length={p.max_length} and embedding_dim='
+                             f'{p.embedding_dim} must both be >= 1')
+        self.CreateVariable('pos', [p.max_length, p.embedding_dim], 'gaussian')
+
+    def FProp(self, theta, x):
+        length = x.shape[1]
+        if length > self.params.max_length:
+            raise ValueError(f'{self.path}: sequence length {length} exceeds p.max_length='
+                             f'{self.params.max_length}; raise max_length')
+        return x + theta['pos'][:length]
+
+    @classmethod
+    def FPropMeta(cls, p, x_shape):
+        shape = tf.TensorShape(x_shape)
+        return LayerMeta(shape.num_elements(), shape)
+
+    @classmethod
+    def NumParams(cls, p):
+        return p.max_length * p.embedding_dim

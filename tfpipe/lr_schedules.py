@@ -1,0 +1,147 @@
+"""Learning-rate schedules configured by Params: ``Value(step)`` is a float32 tensor.
+
+A schedule is plain data plus closed-form arithmetic on the step, so it is
+stateless (nothing to checkpoint: the trainer's step counter is the state), can be
+evaluated eagerly or inside ``tf.function`` with a tensor step, and its params sit
+in the experiment's Params tree beside the optimizer's. Whether ``Value`` is an
+absolute rate or a multiplier of one is up to the trainer; the schedules do not care.
+
+Bad params are rejected in ``__init__`` with a one-line ValueError that names the
+param and says how to fix it, so a typo fails at build time and not after hours.
+"""
+from __future__ import annotations
+
+import math
+from typing import Union
+
+import tensorflow as tf
+
+from tfpipe.hyperparams import InstantiableParams, Params
+
+__all__ = ['BaseSchedule', 'Constant', 'LinearWarmupRsqrtDecay', 'Cosine']
+
+StepLike = Union[int, tf.Tensor]
+
+
+def _Require(ok: bool, cls: type, message: str) -> None:
+    if not ok:
+        raise ValueError(f'{cls.__name__}: {message}')
+
+
+class BaseSchedule:
+    """Base class: holds frozen params and checks the common ``value`` param."""
+
+    @classmethod
+    def Params(cls) -> InstantiableParams:
+        p = InstantiableParams(cls)
+        p.Define('value', 1.0, 'Peak (or constant) learning rate or multiplier; >= 0.')
+        return p
+
+    def __init__(self, params: Params) -> None:
+        self._params = params
+        value = params.value
+        _Require(isinstance(value, (int, float)) and math.isfinite(value) and value >= 0,
+                 type(self), f'value={value!r} must be a finite number >= 0; set p.value to '
+                 'the peak learning rate (a negative rate would ascend the loss)')
+
+    @property
+    def params(self) -> Params:
+        return self._params
+
+    def Value(self, step: StepLike) -> tf.Tensor:
+        """The schedule at `step` (int or int tensor), a float32 scalar tensor."""
+        raise NotImplementedError(f'{type(self).__name__} does not implement Value')
+
+    @staticmethod
+    def _Step(step: StepLike) -> tf.Tensor:
+        # float32 is exact for steps below 2**24 and within 1e-7 relative beyond; a
+        # schedule needs no more, and float32 keeps the result usable on any device.
+        return tf.cast(tf.convert_to_tensor(step), tf.float32)
+
+    def _CheckWarmup(self) -> int:
+        warmup = self._params.warmup_steps
+        _Require(isinstance(warmup, int) and warmup >= 0, type(self),
+                 f'warmup_steps={warmup!r} must be an int >= 0; set p.warmup_steps to the '
+                 'number of steps of the linear ramp (0 for none)')
+        return warmup
+
+    @staticmethod
+    def _Warmup(step: tf.Tensor, peak: float, warmup: int) -> tf.Tensor:
+        """peak * step / warmup; safe for warmup == 0 (the caller then never selects it)."""
+        return peak * step / float(max(warmup, 1))
+
+
+class Constant(BaseSchedule):
+    """``value`` at every step: the baseline, and the multiplier 1.0 by default."""
+
+    def Value(self, step: StepLike) -> tf.Tensor:
+        del step  # a constant does not depend on it, but the signature is shared
+        return tf.constant(self._params.value, tf.float32)
+
+
+class LinearWarmupRsqrtDecay(BaseSchedule):
+    """Linear warm-up from 0 to ``value``, then ``value * sqrt(warmup_steps / step)``.
+
+    The Transformer schedule: the ramp avoids early Adam steps with poor second-moment
+    estimates, the inverse-sqrt tail decays slowly enough to need no total length.
+    Both pieces equal ``value`` at ``step == warmup_steps``, so it is continuous.
+    Step 0 gives 0: pass the number of updates done so far plus one if the very
+    first update must move the weights.
+    """
+
+    @classmethod
+    def Params(cls) -> InstantiableParams:
+        p = super().Params()
+        p.Define('warmup_steps', 4000, 'Steps of the linear ramp; > 0 (the rsqrt tail is '
+                 'scaled by it).')
+        return p
+
+    def __init__(self, params: Params) -> None:
+        super().__init__(params)
+        warmup = self._CheckWarmup()
+        _Require(warmup > 0, type(self), 'warmup_steps=0 would make the rsqrt tail 0 '
+                 'everywhere; set p.warmup_steps >= 1 (or use Constant)')
+
+    def Value(self, step: StepLike) -> tf.Tensor:
+        p = self._params
+        s = self._Step(step)
+        warm = float(p.warmup_steps)
+        decay = p.value * tf.sqrt(warm / tf.maximum(s, warm))  # max: no div-by-0 at step 0
+        return tf.where(s < warm, self._Warmup(s, p.value, p.warmup_steps), decay)
+
+
+class Cosine(BaseSchedule):
+    """Linear warm-up to ``value``, cosine decay to ``min_value`` at ``total_steps``.
+
+    After ``total_steps`` the rate stays at ``min_value``, so training a little longer
+    than planned neither crashes nor restarts the cycle.
+    """
+
+    @classmethod
+    def Params(cls) -> InstantiableParams:
+        p = super().Params()
+        p.Define('warmup_steps', 0, 'Steps of the linear ramp from 0 to value; >= 0.')
+        p.Define('total_steps', 100000, 'Step at which the decay reaches min_value; '
+                 '> warmup_steps.')
+        p.Define('min_value', 0.0, 'Final value, in [0, value].')
+        return p
+
+    def __init__(self, params: Params) -> None:
+        super().__init__(params)
+        warmup = self._CheckWarmup()
+        total, low = params.total_steps, params.min_value
+        _Require(isinstance(total, int) and total > warmup, type(self),
+                 f'total_steps={total!r} must be an int > warmup_steps={warmup}; raise '
+                 'p.total_steps or lower p.warmup_steps')
+        _Require(isinstance(low, (int, float)) and 0 <= low <= params.value, type(self),
+                 f'min_value={low!r} must be in [0, value={params.value}]; set p.min_value '
+                 'to the final rate')
+
+    def Value(self, step: StepLike) -> tf.Tensor:
+        p = self._params
+        s = self._Step(step)
+        span = float(p.total_steps - p.warmup_steps)
+        frac = tf.clip_by_value((s - p.warmup_steps) / span, 0.0, 1.0)
+        decay = p.min_value + (p.value - p.min_value) * 0.5 * (1.0 + tf.cos(math.pi * frac))
+        return tf.where(s < float(p.warmup_steps),
+                        self._Warmup(s, p.value, p.warmup_steps), decay)

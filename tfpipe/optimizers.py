@@ -1,0 +1,298 @@
+"""Optimizers for plain tf.Variables keyed by path, with slots beside their variable.
+
+Not Keras optimizers: Keras 3 ones do not reliably drive plain ``tf.Variable`` s and
+name slots by creation order. Here variables are ``{path: variable}``; a slot lives on
+its variable's device (pipeline cells sit on different devices: an update must not
+ship weights or moments across them), is keyed by the path (checkpoint name
+``optimizer/_slots/pipe-fc3-w/m``: it restores into any optimizer built for the same
+paths, whatever the creation order) and starts at zero. ``Apply`` works in tf.function.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Optional
+
+import tensorflow as tf
+
+from tfpipe.hyperparams import InstantiableParams, Params
+
+__all__ = ['BaseOptimizer', 'SGD', 'Adam', 'RMSProp', 'Adafactor', 'clip_by_global_norm']
+
+Grads = dict[str, Optional[tf.Tensor]]
+Variables = dict[str, tf.Variable]
+_T = tf.Tensor
+_PATH_RE = re.compile(r'^\w+(/\w+)*$', re.ASCII)
+_RANGES = {'unit': ('in [0, 1)', lambda x: 0 <= x < 1),
+           'positive': ('a finite number > 0', lambda x: 0 < x < math.inf),
+           'exponent': ('in (0, 1]', lambda x: 0 < x <= 1)}
+
+
+def _SlotKey(path: str) -> str:
+    """'pipe/fc3/w' -> 'pipe-fc3-w': one-to-one, and free of the '/' and '.' that
+    checkpoint keys escape, so the path stays readable in ``tf.train.list_variables``."""
+    if not isinstance(path, str) or not _PATH_RE.match(path):
+        raise ValueError(f'variable path {path!r} is not slash-separated identifiers; use '
+                         "paths like 'pipe/fc3/w' (they name the slots in checkpoints)")
+    return path.replace('/', '-')
+
+
+def _Ema(slot: tf.Variable, decay: float | _T, x: _T) -> _T:
+    """slot = decay * slot + (1 - decay) * x. read_value(): a bare read drops tf.device."""
+    return slot.assign(decay * slot.read_value() + (1 - decay) * x)
+
+
+class BaseOptimizer(tf.Module):
+    """Slot bookkeeping, checks and the per-variable loop; subclasses give the rule."""
+
+    # (name, default, range, doc) per hyper-parameter, for Params() and __init__'s checks;
+    # range: a _RANGES key ('?' appended: None allowed too) or None (no check, for bools).
+    HYPER_PARAMS: tuple[tuple[str, object, Optional[str], str], ...] = ()
+
+    @classmethod
+    def Params(cls) -> InstantiableParams:
+        p = InstantiableParams(cls)
+        p.Define('name', 'optimizer', 'Name of the optimizer module (an identifier).')
+        for name, default, _, doc in cls.HYPER_PARAMS:
+            p.Define(name, default, doc)
+        return p
+
+    def __init__(self, params: Params) -> None:
+        self._Require(isinstance(params.name, str) and params.name.isidentifier(),
+                      f'name={params.name!r} must be an identifier; set p.name')
+        super().__init__(name=params.name)
+        self._params = params
+        for name, _, kind, _ in self.HYPER_PARAMS:
+            value = params.Get(name)
+            if kind is not None and not (value is None and kind.endswith('?')):
+                valid, test = _RANGES[kind.rstrip('?')]
+                self._Require(isinstance(value, (int, float)) and test(value),
+                              f'{name}={value!r} must be {valid}; set p.{name}')
+        with tf.init_scope():  # eager even if the optimizer is built in a tf.function
+            self.iterations = tf.Variable(0, dtype=tf.int64, trainable=False, name='iterations')
+        self._slots: dict = {}  # slot key -> {slot name: variable}; tracked by tf.Module
+        self._shapes: dict[str, tf.TensorShape] = {}  # path -> shape; {}: no slots yet
+
+    def _Require(self, ok: bool, message: str) -> None:
+        if not ok:
+            raise ValueError(f'{type(self).__name__}: {message}')
+
+    def _SlotShapes(self, shape: tf.TensorShape) -> dict[str, list[int]]:
+        """{slot name: shape} for a variable of `shape` (subclasses)."""
+        raise NotImplementedError
+
+    def _ApplyOne(self, lr: _T, step: _T, grad: _T, var: tf.Variable, slots: Variables) -> None:
+        """Updates `var`; lr, step (1-based) and grad are in var's dtype (subclasses)."""
+        raise NotImplementedError
+
+    @property
+    def params(self) -> Params:
+        return self._params
+
+    def CreateSlots(self, variables: Variables) -> None:
+        """Creates zero slots beside each variable; a repeat with the same paths is a no-op."""
+        shapes = {path: tf.TensorShape(var.shape) for path, var in variables.items()}
+        if self._shapes:
+            self._Require(shapes == self._shapes, 'CreateSlots was already called for other '
+                          'paths or shapes; build a new optimizer for a new model')
+            return
+        slots = {}
+        with tf.init_scope():  # eager variables even if called inside tf.function
+            for path in sorted(variables):
+                var, key = variables[path], _SlotKey(path)
+                self._Require(shapes[path].is_fully_defined(), f'variable {path!r} has '
+                              f'shape {shapes[path]}; slots need a fully defined shape')
+                with tf.device(var.device):
+                    slots[key] = {name: tf.Variable(tf.zeros(shape, var.dtype), trainable=False,
+                                                    name=f'{path}/{name}')
+                                  for name, shape in self._SlotShapes(shapes[path]).items()}
+        self._slots.update(slots)  # in place: a restore() made before binds on insertion
+        self._shapes = shapes
+
+    def GetSlot(self, path: str, name: str) -> tf.Variable:
+        """The slot `name` (e.g. 'm') of the variable at `path`."""
+        return self._slots[_SlotKey(path)][name]
+
+    @property
+    def slot_variables(self) -> list[tf.Variable]:
+        """All slots, ordered by variable path then slot name (not creation order)."""
+        return [s[n] for _, s in sorted(self._slots.items()) for n in sorted(s)]
+
+    def Apply(self, lr: tf.Tensor, grads: Grads, variables: Variables) -> None:
+        """Applies one update with learning rate `lr`; None gradients are skipped."""
+        self._Require(not isinstance(lr, (int, float)) or lr >= 0,
+                      f'learning rate {lr!r} must be >= 0')
+        for path, grad in grads.items():
+            self._Require(path in self._shapes, f'no slots for {path!r}; call '
+                          'CreateSlots(variables) with it before Apply')
+            self._Require(path in variables, f'gradient for {path!r} has no variable')
+            shape = tf.TensorShape(variables[path].shape)
+            self._Require(shape == self._shapes[path], f'variable {path!r} has shape {shape}, '
+                          f'slots {self._shapes[path]}; pass the variable given to CreateSlots')
+            self._Require(grad is None or tf.TensorShape(grad.shape).is_compatible_with(shape),
+                          f'gradient for {path!r} has shape {getattr(grad, "shape", None)}, '
+                          f'variable {shape}; they must match')
+        step = self.iterations.assign_add(1)  # this update's 1-based number
+        for path in sorted(grads):
+            grad, var = grads[path], variables[path]
+            if grad is not None:
+                with tf.device(var.device):
+                    args = [tf.cast(tf.convert_to_tensor(x, dtype_hint=var.dtype), var.dtype)
+                            for x in (lr, step, grad)]  # a Python lr not via float32
+                    self._ApplyOne(*args, var, self._slots[_SlotKey(path)])
+
+
+class SGD(BaseOptimizer):
+    """Gradient descent with optional (Nesterov) momentum, TF1 MomentumOptimizer rule.
+
+    ``a = momentum * a + g``; ``w -= lr * a`` (Nesterov: ``w -= lr * (g + momentum * a)``).
+    The accumulator holds no lr, so a schedule's change of lr takes effect at once.
+    """
+
+    HYPER_PARAMS = (
+        ('momentum', 0.0, 'unit', 'Momentum in [0, 1); 0 keeps no accumulator slot.'),
+        ('nesterov', False, None, 'Use Nesterov momentum (no effect if momentum is 0).'))
+
+    def _SlotShapes(self, shape: tf.TensorShape) -> dict[str, list[int]]:
+        return {'momentum': shape.as_list()} if self._params.momentum > 0 else {}
+
+    def _ApplyOne(self, lr: _T, step: _T, grad: _T, var: tf.Variable, slots: Variables) -> None:
+        mu = self._params.momentum
+        if mu > 0:
+            accum = slots['momentum'].assign(mu * slots['momentum'].read_value() + grad)
+            grad = grad + mu * accum if self._params.nesterov else accum
+        var.assign_sub(lr * grad)
+
+
+class Adam(BaseOptimizer):
+    """Adam (Kingma & Ba 2015, Algorithm 1: epsilon outside the bias-corrected sqrt).
+
+    ``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g^2``,
+    ``w -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + epsilon)``, t = iterations.
+    """
+
+    HYPER_PARAMS = (
+        ('beta1', 0.9, 'unit', 'Decay of the first moment, in [0, 1).'),
+        ('beta2', 0.999, 'unit', 'Decay of the second moment, in [0, 1).'),
+        ('epsilon', 1e-8, 'positive', 'Added to sqrt(v_hat) to bound the step; > 0.'))
+
+    def _SlotShapes(self, shape: tf.TensorShape) -> dict[str, list[int]]:
+        return {'m': shape.as_list(), 'v': shape.as_list()}
+
+    def _ApplyOne(self, lr: _T, step: _T, grad: _T, var: tf.Variable, slots: Variables) -> None:
+        p = self._params
+        m_hat = _Ema(slots['m'], p.beta1, grad) / (1 - p.beta1 ** step)
+        v_hat = _Ema(slots['v'], p.beta2, tf.square(grad)) / (1 - p.beta2 ** step)
+        var.assign_sub(lr * m_hat / (tf.sqrt(v_hat) + p.epsilon))
+
+
+class RMSProp(BaseOptimizer):
+    """RMSProp with momentum, TF1 RMSPropOptimizer rule (epsilon inside the sqrt).
+
+    ``ms = decay ms + (1-decay) g^2``; ``mom = momentum mom + lr g / sqrt(ms + epsilon)``;
+    ``w -= mom``. Defaults (decay 0.9, momentum 0.9, epsilon 1.0) are the TF ImageNet
+    recipe that GPipe's AmoebaNet training follows; the large epsilon damps the first
+    steps. ``ms`` starts at zero (TF1 used one) like every slot here.
+    """
+
+    HYPER_PARAMS = (
+        ('decay', 0.9, 'unit', 'Decay of the mean square, in [0, 1).'),
+        ('momentum', 0.9, 'unit', 'Momentum in [0, 1); 0 keeps no momentum slot.'),
+        ('epsilon', 1.0, 'positive', 'Added to the mean square under the sqrt; > 0.'))
+
+    def _SlotShapes(self, shape: tf.TensorShape) -> dict[str, list[int]]:
+        names = ('ms', 'momentum') if self._params.momentum > 0 else ('ms',)
+        return {name: shape.as_list() for name in names}
+
+    def _ApplyOne(self, lr: _T, step: _T, grad: _T, var: tf.Variable, slots: Variables) -> None:
+        p = self._params
+        ms = _Ema(slots['ms'], p.decay, tf.square(grad))
+        delta = lr * grad * tf.math.rsqrt(ms + p.epsilon)
+        if p.momentum > 0:
+            mom = slots['momentum']
+            delta = mom.assign(p.momentum * mom.read_value() + delta)
+        var.assign_sub(delta)
+
+
+class Adafactor(BaseOptimizer):
+    """Adafactor (Shazeer & Stern 2018), simplified: Algorithms 4/5 without their lr rule.
+
+    - Second moments of g^2 + epsilon1: for rank >= 2 factored over the last two axes
+      into row means ``vr`` (shape[:-1]) and column means ``vc`` (shape[:-2]+shape[-1:]),
+      ``V = vr vc / mean(vr)`` (equal to the paper's sums form); rank < 2 keeps a full ``v``.
+    - beta2: ``1 - t^(-decay_exponent)`` (paper's 0.8 schedule) when ``beta2`` is None,
+      else the bias-corrected fixed ``beta2 (1 - beta2^(t-1)) / (1 - beta2^t)`` (paper
+      sec. 7). Both are 0 at t = 1, so zero-initialised slots carry no bias.
+    - ``U = g / sqrt(V)`` clipped to ``U / max(1, RMS(U) / clipping_threshold)``; with
+      beta1 > 0 (default 0: no momentum, no slot) U is then averaged into slot ``m``.
+    - Step ``lr * max(epsilon2, RMS(w))`` (multiply_by_parameter_scale) or ``lr``: the
+      schedule's lr plays the paper's relative step size rho_t.
+    """
+
+    HYPER_PARAMS = (
+        ('beta1', 0.0, 'unit', 'Momentum on the clipped update, in [0, 1); 0 = no slot.'),
+        ('beta2', None, 'unit?', 'Fixed beta2 (bias-corrected); None: 1 - t^-decay_exponent.'),
+        ('decay_exponent', 0.8, 'exponent', 'c of beta2_t = 1 - t^(-c); in (0, 1].'),
+        ('epsilon1', 1e-30, 'positive', 'Added to g^2 before averaging; > 0.'),
+        ('epsilon2', 1e-3, 'positive', 'Lower bound of the parameter scale RMS(w); > 0.'),
+        ('clipping_threshold', 1.0, 'positive', 'Update clipping threshold d; > 0.'),
+        ('multiply_by_parameter_scale', True, None, 'Scale steps by max(eps2, RMS(w)).'),
+        ('factored', True, None, 'Factor second moments of rank >= 2 variables.'))
+
+    def _Factored(self, shape: tf.TensorShape) -> bool:
+        return self._params.factored and shape.rank >= 2
+
+    def _SlotShapes(self, shape: tf.TensorShape) -> dict[str, list[int]]:
+        dims = shape.as_list()
+        out = ({'vr': dims[:-1], 'vc': dims[:-2] + dims[-1:]} if self._Factored(shape)
+               else {'v': dims})
+        return {**out, 'm': dims} if self._params.beta1 > 0 else out
+
+    def _ApplyOne(self, lr: _T, step: _T, grad: _T, var: tf.Variable, slots: Variables) -> None:
+        p = self._params
+        if p.beta2 is None:
+            beta2 = 1.0 - step ** -p.decay_exponent
+        else:
+            beta2 = p.beta2 * (1.0 - p.beta2 ** (step - 1)) / (1.0 - p.beta2 ** step)
+        g2 = tf.square(grad) + p.epsilon1
+        if self._Factored(var.shape):
+            vr = _Ema(slots['vr'], beta2, tf.reduce_mean(g2, -1))
+            vc = _Ema(slots['vc'], beta2, tf.reduce_mean(g2, -2))
+            row_mean = tf.reduce_mean(vr, -1, keepdims=True)
+            precond = (tf.math.rsqrt(vr / row_mean)[..., :, None]
+                       * tf.math.rsqrt(vc)[..., None, :])
+        else:
+            precond = tf.math.rsqrt(_Ema(slots['v'], beta2, g2))
+        update = grad * precond
+        rms = tf.sqrt(tf.reduce_mean(tf.square(update)))
+        update /= tf.maximum(rms / p.clipping_threshold, 1.0)
+        if p.beta1 > 0:
+            update = _Ema(slots['m'], p.beta1, update)
+        if p.multiply_by_parameter_scale:
+            lr *= tf.maximum(tf.sqrt(tf.reduce_mean(tf.square(var.read_value()))),
+                             p.epsilon2)
+        var.assign_sub(lr * update)
+
+
+def clip_by_global_norm(grads: Grads, max_norm: Optional[float]) -> tuple[Grads, tf.Tensor]:
+    """Scales all gradients by ``min(1, max_norm / global_norm)``; returns them and the norm.
+
+    Squares and scalings run on each gradient's device, so only scalars cross devices.
+    ``max_norm`` None or 0: no clipping, but the norm is still returned (for logging).
+    """
+    if max_norm is not None and not (isinstance(max_norm, (int, float)) and max_norm >= 0):
+        raise ValueError(f'clip_by_global_norm: max_norm={max_norm!r} must be None or >= 0')
+    dense = {k: tf.convert_to_tensor(g) for k, g in sorted(grads.items()) if g is not None}
+    squares = []
+    for g in dense.values():
+        with tf.device(g.device):
+            squares.append(tf.reduce_sum(tf.square(tf.cast(g, tf.float32))))
+    norm = tf.sqrt(tf.add_n(squares)) if squares else tf.constant(0.0)
+    if not max_norm:
+        return dict(grads), norm
+    scale = max_norm / tf.maximum(norm, max_norm)
+    clipped: Grads = dict.fromkeys(grads)
+    for key, g in dense.items():
+        with tf.device(g.device):
+            clipped[key] = g * tf.cast(scale, g.dtype)
+    return clipped, norm
