@@ -14,7 +14,7 @@ one model alive at a time, so their peaks do not include each other's weights.
 
 Run (from the repository root):
     PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2 python benchmarks/pipeline_benchmark.py          # full
-    PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2 python benchmarks/pipeline_benchmark.py --quick  # ~1 min
+    PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2 python benchmarks/pipeline_benchmark.py --quick  # ~15 s smoke run
 """
 from __future__ import annotations
 
@@ -36,14 +36,14 @@ MIB = 1024.0 * 1024.0
 PRESETS = {
     'full': dict(
         # rows 1-2: timing model (the notes' reference: 8 x Dense(1024), batch 256)
-        time_batch=256, time_width=1024, time_layers=8, rounds=9, calls=4, warmup=2,
+        time_batch=256, time_width=1024, time_layers=8, rounds=21, calls=5, warmup=2,
         # row 3: activation-dominated (notes: B=4096, W=1024, 16 layers, K=4)
         act_batch=4096, act_width=1024, act_layers=16, act_cells=4, act_micro=4,
         # row 4: weight-dominated (notes: B=256, W=2048, 16 layers)
         acc_batch=256, acc_width=2048, acc_layers=16, acc_cells=2, acc_micro=4,
         mem_repeats=3),
     'quick': dict(
-        time_batch=128, time_width=512, time_layers=8, rounds=3, calls=3, warmup=1,
+        time_batch=128, time_width=512, time_layers=8, rounds=5, calls=3, warmup=1,
         act_batch=1024, act_width=512, act_layers=16, act_cells=4, act_micro=4,
         acc_batch=64, acc_width=1024, acc_layers=16, acc_cells=2, acc_micro=4,
         mem_repeats=1),
@@ -181,8 +181,12 @@ def build_plain(num_layers: int, width: int, batch: int):
 
 
 def build_pipe(num_layers: int, width: int, batch: int, num_cells: int, num_micro: int,
-               recompute: str):
-    """tfpipe's trainer step: ForwardBackward + assign_sub in a tf.function."""
+               recompute: str, clip: bool = False):
+    """tfpipe's trainer step: ForwardBackward + assign_sub in a tf.function.
+
+    clip=True clips by global norm first (with a norm that never bites), which needs every
+    gradient alive at once: a trainer step that holds one full gradient set, as M > 1 must.
+    """
     pipe = tfpipe.PipeliningLayer.Params().Set(
         name='pipe', body=make_body(num_layers, width),
         balance=partition.even_balance(num_layers, num_cells), num_micro_batches=num_micro,
@@ -194,7 +198,10 @@ def build_pipe(num_layers: int, width: int, batch: int, num_cells: int, num_micr
     def step():
         with fprop_context.training(step=0):
             loss, grads = pipe.ForwardBackward(pipe.theta, x, loss_fn, t)
-        for v, g in zip(variables, tf.nest.flatten(grads)):
+        grads = tf.nest.flatten(grads)
+        if clip:
+            grads, _ = tf.clip_by_global_norm(grads, 1e30)
+        for v, g in zip(variables, grads):
             v.assign_sub(LEARNING_RATE * g)
         return loss
 
@@ -235,13 +242,12 @@ def measure_memory(builder: Callable, repeats: int, warmup: int) -> dict:
                 devs=devs, mem_devs=mem_devs)
 
 
-def measure_times(builders: dict, reference: dict, rounds: int, calls: int,
-                  warmup: int) -> dict:
+def measure_times(builders: dict, rounds: int, calls: int, warmup: int) -> dict:
     """Builds every variant once, warms each up, then times interleaved rounds.
 
     Each round times `calls` synchronised calls of every variant, in an order rotated
-    by one each round. Returns per-variant round means and per-round paired ratios
-    against `reference[name]`.
+    by one each round. Returns per-variant round means (seconds per step), their median
+    and quartiles, and the median CPU use (process CPU seconds / wall seconds).
     """
     built = {}
     for name, builder in builders.items():
@@ -251,25 +257,37 @@ def measure_times(builders: dict, reference: dict, rounds: int, calls: int,
         built[name] = (model, step, devs)
     names = list(builders)
     per_round = {n: [] for n in names}
+    cpu_use = {n: [] for n in names}
     for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
             step = built[name][1]
-            t0 = time.perf_counter()
+            c0, t0 = process_cpu_seconds(), time.perf_counter()
             for _ in range(calls):
                 sync_call(step)
-            per_round[name].append((time.perf_counter() - t0) / calls)
+            wall = time.perf_counter() - t0
+            per_round[name].append(wall / calls)
+            cpu_use[name].append((process_cpu_seconds() - c0) / wall)
     out = {}
     for name in names:
         times = per_round[name]
-        ref = reference.get(name)
-        ratios = ([a / b for a, b in zip(times, per_round[ref])] if ref else None)
-        out[name] = dict(times=times, median=statistics.median(times),
-                         q=quartiles(times), ratio=statistics.median(ratios) if ratios else None,
-                         ratio_q=quartiles(ratios) if ratios else None, devs=built[name][2])
+        out[name] = dict(times=times, median=statistics.median(times), q=quartiles(times),
+                         devs=built[name][2], cpu=statistics.median(cpu_use[name]))
     del built
     gc.collect()
     return out
+
+
+def paired_ratio(res: dict, name: str, ref: str) -> tuple[float, tuple[float, float]]:
+    """Median and quartiles of time(name) / time(ref), paired round by round."""
+    ratios = [a / b for a, b in zip(res[name]['times'], res[ref]['times'])]
+    return statistics.median(ratios), quartiles(ratios)
+
+
+def process_cpu_seconds() -> float:
+    """User + system CPU time of this process (all threads)."""
+    t = os.times()
+    return t.user + t.system
 
 
 def quartiles(values: list[float]) -> tuple[float, float]:
@@ -281,7 +299,7 @@ def quartiles(values: list[float]) -> tuple[float, float]:
 
 # --- Output ---------------------------------------------------------------------------------
 
-COLUMNS = [('row', 3), ('measurement', 13), ('variant', 32), ('devices', 7),
+COLUMNS = [('row', 3), ('measurement', 13), ('variant', 36), ('devices', 7),
            ('median', 9), ('[p25, p75] / range', 18), ('ratio [p25, p75]', 18),
            ('verdict', 7), ('target / reference / detail', 0)]
 
@@ -305,7 +323,11 @@ def header(args) -> list[str]:
     gpus = tf.config.list_physical_devices('GPU')
     cpus = tf.config.list_logical_devices('CPU')
     if args.devices == 'gpu' and gpus:
-        kind = f"GPU ({len(gpus)} x {tf.config.experimental.get_device_details(gpus[0]).get('device_name', 'GPU')})"
+        name = tf.config.experimental.get_device_details(gpus[0]).get('device_name', 'GPU')
+        kind = f'GPU ({len(gpus)} x {name})'
+        if len(gpus) < 4:
+            kind += (f'; pipelines with K > {len(gpus)} fall back to logical CPUs (see the '
+                     'devices column: compare such rows with care)')
     elif args.devices == 'gpu':
         kind = 'GPU requested but none found: devices=None falls back to logical CPUs'
     else:
@@ -346,6 +368,7 @@ def main(args) -> int:
         print(f'--num_logical_cpus={args.num_logical_cpus} is too few: the selected rows need '
               f'{need_cells} devices', file=sys.stderr)
         return 2
+    load_start = os.getloadavg()
     for line in header(args):
         print(line, flush=True)
     rows: list[list] = []
@@ -370,7 +393,8 @@ def main(args) -> int:
                          f'step transient {mib(r["transient"])} (resident {mib(r["resident"])})'
                          + ('' if rc == 'never' else f'; transient ratio {tratio:.2f}'),
                          ''])
-        rows[-1][7] += '; notes: 0.43-0.50x'
+        rows[-1][7] += ('; shared notes measured 392 -> 212 MiB (0.54x) for B=4096, W=1024, '
+                        '16 layers, K=4' if not args.quick else '')
         notes.append(f'row 3 memory read from {res["never"]["mem_devs"]}; after deleting each '
                      f'model: {mib(res["never"]["after"])}, {mib(res["always"]["after"])} live')
 
@@ -378,78 +402,89 @@ def main(args) -> int:
         print('measuring row 4 (accumulation memory)...', flush=True)
         k = args.acc_cells
         res = {}
-        for m in (1, args.acc_micro):
+        for m in (1, args.acc_micro, 'clip'):
             res[m] = measure_memory(
-                lambda m=m: build_pipe(args.acc_layers, args.acc_width, args.acc_batch, k, m,
-                                       'always'), args.mem_repeats, 1)
-        ratio = res[args.acc_micro]['peak'] / res[1]['peak']
-        tratio = res[args.acc_micro]['transient'] / max(res[1]['transient'], 1)
-        weights = args.acc_layers * (args.acc_width + 1) * args.acc_width * 4
-        for m in (1, args.acc_micro):
-            r = res[m]
-            last = m != 1
-            rows.append([4, 'accum mem', f'K={k} M={m} recompute=always', short(r['devs']),
-                         mib(r['peak']), f'{mib(min(r["peaks"]))}..{mib(max(r["peaks"]))}',
-                         f'{ratio:.2f}' if last else '1.00',
-                         (f'target <= {ACCUM_TARGET}x of M=1; transient ratio {tratio:.2f}'
-                          if last else f'step transient {mib(r["transient"])} (resident '
-                          f'{mib(r["resident"])}; weights {mib(weights)})'),
-                         ('PASS' if ratio <= ACCUM_TARGET else 'MISS') if last else ''])
-        rows[-1][7] = (f'step transient {mib(res[args.acc_micro]["transient"])}; '
-                       + rows[-1][7])
+                lambda m=m: build_pipe(args.acc_layers, args.acc_width, args.acc_batch, k,
+                                       1 if m == 'clip' else m, 'always', clip=m == 'clip'),
+                args.mem_repeats, 1)
+        mm = args.acc_micro
+        ratio = res[mm]['peak'] / res[1]['peak']
+        tratio = res[mm]['transient'] / max(res[1]['transient'], 1)
+        # One full set of weight gradients (the per-cell running sums of M > 1) is as big
+        # as the weights; M=1 can apply each gradient as soon as it exists.
+        grad_set = args.acc_layers * (args.acc_width + 1) * args.acc_width * 4
+        floor = (res[1]['peak'] + grad_set) / res[1]['peak']
+        r = res[1]
+        rows.append([4, 'accum mem', f'K={k} M=1 recompute=always', short(r['devs']),
+                     mib(r['peak']), f'{mib(min(r["peaks"]))}..{mib(max(r["peaks"]))}', '1.00',
+                     f'step transient {mib(r["transient"])} (resident {mib(r["resident"])}; '
+                     f'weights = one gradient set = {mib(grad_set)})', ''])
+        r = res[mm]
+        rows.append([4, 'accum mem', f'K={k} M={mm} recompute=always', short(r['devs']),
+                     mib(r['peak']), f'{mib(min(r["peaks"]))}..{mib(max(r["peaks"]))}',
+                     f'{ratio:.2f}',
+                     f'target <= {ACCUM_TARGET}x of M=1; step transient {mib(r["transient"])} '
+                     f'(transient ratio {tratio:.2f}); M=1 peak + one gradient set = '
+                     f'{mib(res[1]["peak"] + grad_set)} ({floor:.2f}x)',
+                     'PASS' if ratio <= ACCUM_TARGET else 'MISS'])
+        r = res['clip']
+        rows.append([4, 'accum mem', f'diag: K={k} M=1 + clip_by_global_norm', short(r['devs']),
+                     mib(r['peak']), f'{mib(min(r["peaks"]))}..{mib(max(r["peaks"]))}',
+                     f'{r["peak"] / res[1]["peak"]:.2f}',
+                     f'M=1 step that holds every gradient at once; M={mm} / this = '
+                     f'{res[mm]["peak"] / r["peak"]:.2f}x', ''])
         notes.append(f'row 4 memory read from {res[1]["mem_devs"]}')
 
     if 1 in args.rows or 2 in args.rows:
         print('measuring rows 1-2 (timing, interleaved)...', flush=True)
         L, W, B = args.time_layers, args.time_width, args.time_batch
-        builders, reference = {}, {}
+        k2, m_diag = SCALING_CELLS, max(SCALING_MICRO)
+        builders = {}
         if 1 in args.rows:
             builders['plain'] = lambda: build_plain(L, W, B)
             builders['k1m1_never'] = lambda: build_pipe(L, W, B, 1, 1, 'never')
-            reference['plain'] = 'plain'
-            reference['k1m1_never'] = 'plain'
         builders['k1m1_always'] = lambda: build_pipe(L, W, B, 1, 1, 'always')
-        if 1 in args.rows:
-            reference['k1m1_always'] = 'plain'
         if 2 in args.rows:
             for m in SCALING_MICRO:
-                builders[f'k2m{m}'] = lambda m=m: build_pipe(L, W, B, SCALING_CELLS, m, 'always')
-                reference[f'k2m{m}'] = 'k1m1_always'
-        res = measure_times(builders, reference, args.rounds, args.calls, args.warmup)
+                builders[f'k2m{m}'] = lambda m=m: build_pipe(L, W, B, k2, m, 'always')
+            builders[f'k1m{m_diag}'] = lambda: build_pipe(L, W, B, 1, m_diag, 'always')
+        res = measure_times(builders, args.rounds, args.calls, args.warmup)
 
-        def trow(row, what, name, variant, target, verdict=''):
+        def trow(row, what, name, ref, variant, target, verdict=''):
             r = res[name]
-            q = r['q']
-            ratio = '' if r['ratio'] is None else (
-                f'{r["ratio"]:.3f}' if name != 'plain' else '1.000')
-            if r['ratio_q'] is not None and name != 'plain':
-                ratio += f' [{r["ratio_q"][0]:.2f},{r["ratio_q"][1]:.2f}]'
+            ratio, rq = paired_ratio(res, name, ref)
             rows.append([row, what, variant, short(r['devs']), ms(r['median']),
-                         f'[{ms(q[0])}, {ms(q[1])}]'.replace(' ms', ''), ratio, target, verdict])
+                         f'[{ms(r["q"][0])}, {ms(r["q"][1])}]'.replace(' ms', ''),
+                         f'{ratio:.3f}' + ('' if name == ref else f' [{rq[0]:.2f},{rq[1]:.2f}]'),
+                         f'{target}; cpu/wall {r["cpu"]:.2f}', verdict])
+            return ratio
 
         if 1 in args.rows:
-            trow(1, 'overhead', 'plain', 'plain tf.function SGD step', 'ratio = x / plain')
-            ov = res['k1m1_never']['ratio']
-            trow(1, 'overhead', 'k1m1_never', 'tfpipe K=1 M=1 recompute=never',
-                 f'target <= {OVERHEAD_TARGET:.2f}x plain',
-                 'PASS' if ov <= OVERHEAD_TARGET else 'MISS')
-            trow(1, 'overhead', 'k1m1_always', 'tfpipe K=1 M=1 recompute=always',
-                 'info: one extra forward (~4/3 FLOPs)')
+            trow(1, 'overhead', 'plain', 'plain', 'plain tf.function SGD step',
+                 'ratio = variant / plain, paired per round')
+            ov = trow(1, 'overhead', 'k1m1_never', 'plain', 'tfpipe K=1 M=1 recompute=never',
+                      f'target <= {OVERHEAD_TARGET:.2f}x plain')
+            rows[-1][8] = 'PASS' if ov <= OVERHEAD_TARGET else 'MISS'
+            trow(1, 'overhead', 'k1m1_always', 'plain', 'tfpipe K=1 M=1 recompute=always',
+                 'info: recompute adds one forward (~4/3 FLOPs)')
         if 2 in args.rows:
-            k1 = res['k1m1_always']
-            rows.append([2, 'scaling', 'tfpipe K=1 M=1 recompute=always', short(k1['devs']),
-                         ms(k1['median']), f'[{ms(k1["q"][0])}, {ms(k1["q"][1])}]'.replace(
-                             ' ms', ''), '1.000', 'ratio = x / K=1 M=1 (same recompute)', ''])
+            trow(2, 'scaling', 'k1m1_always', 'k1m1_always', 'tfpipe K=1 M=1 recompute=always',
+                 'ratio = variant / K=1 M=1 (same recompute)')
             for m in SCALING_MICRO:
-                k = SCALING_CELLS
-                bubble = schedule.bubble_fraction(k, m)
-                ideal = (m + k - 1) / (k * m)
-                trow(2, 'scaling', f'k2m{m}', f'tfpipe K={k} M={m} recompute=always',
-                     f'bubble {bubble:.3f}; ideal {ideal:.3f} (K devs busy)')
-        notes.append('row 2 "ideal" = (M+K-1)/(K*M): the time relative to K=1 if the K '
-                     'devices ran truly in parallel and only the bubble were lost; on CPU '
-                     'the logical devices share the host cores, so this is a bound only when '
-                     'the K=1 step leaves cores idle (see the threads line).')
+                bubble = schedule.bubble_fraction(k2, m)
+                ideal = (m + k2 - 1) / (k2 * m)
+                trow(2, 'scaling', f'k2m{m}', 'k1m1_always',
+                     f'tfpipe K={k2} M={m} recompute=always',
+                     f'bubble (K-1)/(M+K-1) = {bubble:.3f}; ideal {ideal:.3f}')
+            trow(2, 'scaling', f'k1m{m_diag}', 'k1m1_always',
+                 f'diag: K=1 M={m_diag} recompute=always',
+                 'micro-batching alone, no pipeline: compare with K=2 of the same M')
+    if 2 in args.rows:
+        notes.append('row 2 "ideal" = (M+K-1)/(K*M): time relative to K=1 if K devices each as '
+                     'fast as the K=1 step ran in parallel and only the bubble were lost. '
+                     'Logical CPUs share the host cores, so on CPU it is reachable only when '
+                     'the K=1 step leaves cores idle: "cpu/wall" is the process CPU time over '
+                     'wall time (cores in use on average), the ceiling is the host core count.')
 
     print()
     names = [c for c, _ in COLUMNS]
@@ -460,6 +495,10 @@ def main(args) -> int:
     for row in sorted(rows, key=lambda r: r[0]):
         print(fmt_row(row))
     print()
+    load_end = os.getloadavg()
+    notes.append(f'1-min load average {load_start[0]:.2f} at start, {load_end[0]:.2f} at end, on '
+                 f'{os.cpu_count()} cores (this run contributes up to ~2): other work on the '
+                 'machine shows up as lower cpu/wall and higher times in every variant')
     for n in notes:
         print('note:', n)
     print(f'total wall time {time.perf_counter() - _T_START:.0f} s')
