@@ -58,21 +58,21 @@ class Outer:
         pass
 
 
-def _Opt():
+def _opt():
     p = Params()
     p.Define('learning_rate', 0.1, 'Step size.')
     p.Define('beta1', 0.9, 'Momentum.')
     return p
 
 
-def _Tree():
+def _tree():
     p = Params()
     p.Define('learning_rate', 0.1, 'Step size.')
     p.Define('batch_size', 32, 'Examples per step.')
-    p.Define('opt', _Opt(), 'Optimizer.')
+    p.Define('opt', _opt(), 'Optimizer.')
     p.Define('layers', [Dense.Params().Set(name='fc0', units=4)], 'Layers.')
     p.Define('table', {'a': [1, 2]}, 'A dict.')
-    p.Define('pair', ([1], _Opt()), 'A tuple holding a list and a Params.')
+    p.Define('pair', ([1], _opt()), 'A tuple holding a list and a Params.')
     return p
 
 
@@ -117,7 +117,7 @@ def test_define_rejects_duplicates_and_method_names():
 
 
 def test_dotted_keys():
-    p = _Tree()
+    p = _tree()
     p.Set(**{'opt.learning_rate': 0.3, 'layers[0].units': 8})
     assert p.opt.learning_rate == 0.3 and p.Get('opt.learning_rate') == 0.3
     assert p.layers[0].units == 8 and p.Get('layers[0].units') == 8
@@ -129,7 +129,7 @@ def test_dotted_keys():
 
 
 def test_set_on_container_element_is_rejected():
-    p = _Tree()
+    p = _tree()
     with pytest.raises(UnknownParamError, match='does not name a param'):
         p.Set(**{'layers[0]': Params()})
 
@@ -151,7 +151,7 @@ _HINT = "did you mean 'learning_rate'?"
     lambda p: p.Delete('opt.learnin_rate'),
 ])
 def test_unknown_key_suggests(access):
-    p = _Tree()
+    p = _tree()
     with pytest.raises(AttributeError) as info:
         access(p)
     msg = str(info.value)
@@ -161,7 +161,7 @@ def test_unknown_key_suggests(access):
 
 
 def test_unknown_key_names_the_nested_params_and_omits_far_suggestions():
-    p = _Tree()
+    p = _tree()
     with pytest.raises(UnknownParamError) as info:
         p.Get('layers[0].unitz')
     assert "'unitz'" in str(info.value) and "at 'layers[0]'" in str(info.value)
@@ -172,7 +172,7 @@ def test_unknown_key_names_the_nested_params_and_omits_far_suggestions():
 
 
 def test_unknown_is_attribute_error_for_getattr_and_hasattr():
-    p = _Tree()
+    p = _tree()
     assert not hasattr(p, 'nope')
     assert getattr(p, 'nope', 'default') == 'default'
     with pytest.raises(UnknownParamError, match='no element'):
@@ -181,7 +181,7 @@ def test_unknown_is_attribute_error_for_getattr_and_hasattr():
 
 # -- type checks -----------------------------------------------------------------------
 
-def _Fn():
+def _fn():
     pass
 
 
@@ -205,7 +205,7 @@ def test_type_check_accepts(default, value, stored):
 
 def test_params_default_accepts_params():
     p = Params()
-    p.Define('sub', _Opt(), '')
+    p.Define('sub', _opt(), '')
     q = Params()
     p.sub = q
     assert p.sub is q
@@ -214,7 +214,7 @@ def test_params_default_accepts_params():
 _REJECT = [
     (0.5, True), (0.5, 'x'), (1, True), (1, 2.0), (1, '1'), (True, 1), (True, 0),
     ('s', 1), ('s', b's'), ([1], 'ab'), ([1], {'a': 1}), ({'a': 1}, [1]),
-    (tf.float32, 'float32'), (Dense, Dense(None)), (Dense, _Fn),
+    (tf.float32, 'float32'), (Dense, Dense(None)), (Dense, _fn),
 ]
 
 
@@ -232,7 +232,7 @@ def test_type_check_rejects(default, value):
 
 def test_type_check_rejects_non_params_for_params_default():
     p = Params()
-    p.Define('sub', _Opt(), '')
+    p.Define('sub', _opt(), '')
     with pytest.raises(ParamsTypeError, match="'sub' expects Params"):
         p.sub = {'learning_rate': 1.0}
 
@@ -246,26 +246,26 @@ def test_type_error_names_expected_type():
 
 # -- deep freeze -----------------------------------------------------------------------
 
-def _AssertFrozenError(fn):
+def _assert_frozen_error(fn):
     with pytest.raises(FrozenParamsError) as info:
         fn()
     assert 'frozen' in str(info.value) and 'Copy()' in str(info.value)
 
 
 def test_freeze_is_deep():
-    p = _Tree()
+    p = _tree()
     assert p.Freeze() is p and p.IsFrozen()
     assert p.opt.IsFrozen() and p.layers[0].IsFrozen() and p.pair[1].IsFrozen()
     before = p.ToText()
-    _AssertFrozenError(lambda: setattr(p, 'learning_rate', 1.0))
-    _AssertFrozenError(lambda: p.Set(batch_size=1))
-    _AssertFrozenError(lambda: p.Define('new', 1, ''))
-    _AssertFrozenError(lambda: p.Delete('batch_size'))
-    _AssertFrozenError(lambda: p.FromText('batch_size : 1'))
-    _AssertFrozenError(lambda: setattr(p.opt, 'beta1', 0.0))
-    _AssertFrozenError(lambda: p.opt.Define('new', 1, ''))
-    _AssertFrozenError(lambda: p.layers[0].Set(units=1))
-    _AssertFrozenError(lambda: setattr(p.pair[1], 'beta1', 0.0))
+    _assert_frozen_error(lambda: setattr(p, 'learning_rate', 1.0))
+    _assert_frozen_error(lambda: p.Set(batch_size=1))
+    _assert_frozen_error(lambda: p.Define('new', 1, ''))
+    _assert_frozen_error(lambda: p.Delete('batch_size'))
+    _assert_frozen_error(lambda: p.FromText('batch_size : 1'))
+    _assert_frozen_error(lambda: setattr(p.opt, 'beta1', 0.0))
+    _assert_frozen_error(lambda: p.opt.Define('new', 1, ''))
+    _assert_frozen_error(lambda: p.layers[0].Set(units=1))
+    _assert_frozen_error(lambda: setattr(p.pair[1], 'beta1', 0.0))
     assert p.ToText() == before
 
 
@@ -287,21 +287,21 @@ def test_freeze_is_deep():
     lambda p: p.pair[0].append(2),
 ])
 def test_frozen_containers_are_read_only(mutate):
-    p = _Tree().Freeze()
+    p = _tree().Freeze()
     before = p.ToText()
-    _AssertFrozenError(lambda: mutate(p))
+    _assert_frozen_error(lambda: mutate(p))
     assert p.ToText() == before
 
 
 def test_frozen_containers_keep_their_type_and_equality():
-    p = _Tree().Freeze()
+    p = _tree().Freeze()
     assert isinstance(p.layers, list) and isinstance(p.table, dict)
     assert isinstance(p.pair, tuple) and p.table == {'a': [1, 2]} and p.pair[0] == [1]
-    assert p == _Tree()
+    assert p == _tree()
 
 
 def test_copy_of_frozen_is_unfrozen_and_independent():
-    p = _Tree().Freeze()
+    p = _tree().Freeze()
     q = p.Copy()
     assert not q.IsFrozen() and not q.opt.IsFrozen() and not q.layers[0].IsFrozen()
     assert q == p and type(q.layers) is list and type(q.table) is dict
@@ -314,7 +314,7 @@ def test_copy_of_frozen_is_unfrozen_and_independent():
 
 
 def test_copy_of_unfrozen_is_independent_and_keeps_class():
-    p = _Tree()
+    p = _tree()
     q = p.Copy()
     q.opt.beta1 = 0.5
     p.layers.append(Dense.Params())
@@ -325,10 +325,10 @@ def test_copy_of_unfrozen_is_independent_and_keeps_class():
 
 
 def test_frozen_params_pickle():
-    p = _Tree().Freeze()
+    p = _tree().Freeze()
     q = pickle.loads(pickle.dumps(p))
     assert q == p and q.IsFrozen()
-    _AssertFrozenError(lambda: q.layers.append(1))
+    _assert_frozen_error(lambda: q.layers.append(1))
 
 
 # -- equality --------------------------------------------------------------------------
@@ -365,14 +365,14 @@ _TRICKY = [
 ]
 
 
-def _Same(a, b):
+def _same(a, b):
     """Strict structural identity: types, float bits (so -0.0 and nan count)."""
     if isinstance(a, (list, tuple, dict)):
         if type(a) is not type(b) or len(a) != len(b):
             return False
         if isinstance(a, dict):
-            return list(a) == list(b) and all(_Same(a[k], b[k]) for k in a)
-        return all(map(_Same, a, b))
+            return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+        return all(map(_same, a, b))
     if isinstance(a, float):
         return type(b) is float and (repr(a) == repr(b))
     return type(a) is type(b) and a == b
@@ -389,7 +389,7 @@ def test_round_trip_values(value, wrap):
     text = p.ToText()
     assert len(text.splitlines()) == 2, text
     q = base.Copy().FromText(text)
-    assert q == p and q.after == 8 and _Same(q.v, value), (text, q.v)
+    assert q == p and q.after == 8 and _same(q.v, value), (text, q.v)
     assert q.ToText() == text
 
 
@@ -402,26 +402,26 @@ def test_round_trip_into_typed_defaults():
     assert p.Copy().FromText(q.ToText()) == q
 
 
-def _Model():
+def _model():
     p = Model.Params().Set(name='m', dtype=tf.bfloat16)
     bare = InstantiableParams(Bare)
     bare.Define('width', 3, '')
     bare.Define('inner', [Dense.Params().Set(name='deep')], '')
     plain = Params()
     plain.Define('rate', float('nan'), '')
-    plain.Define('sub', _Opt(), '')
+    plain.Define('sub', _opt(), '')
     p.body = [Dense.Params().Set(name='fc0', units=128),
               Dense.Params().Set(name='fc1', units=10, activation='none'),
-              bare, plain, [Dense.Params().Set(name='nested')], {'enc': _Opt()},
+              bare, plain, [Dense.Params().Set(name='nested')], {'enc': _opt()},
               (Dense.Params().Set(name='in_tuple'), 2)]
-    p.optimizer = _Opt().Set(learning_rate=1e-3)
+    p.optimizer = _opt().Set(learning_rate=1e-3)
     return p
 
 
 def test_text_format_example():
     p = Model.Params().Set(name='m')
     p.body = [Dense.Params().Set(name='fc0', units=2)]
-    p.optimizer = _Opt()
+    p.optimizer = _opt()
     mod = __name__
     assert p.ToText().splitlines() == [
         f'cls : {mod}.Model',
@@ -439,7 +439,7 @@ def test_text_format_example():
 
 
 def test_round_trip_params_in_lists_into_fresh_params():
-    p = _Model()
+    p = _model()
     q = Model.Params()
     assert q.body == [] and q.optimizer is None
     q.FromText(p.ToText())
@@ -451,13 +451,13 @@ def test_round_trip_params_in_lists_into_fresh_params():
 
 
 def test_round_trip_of_frozen_params():
-    p = _Model().Freeze()
+    p = _model().Freeze()
     q = Model.Params().FromText(p.ToText())
     assert q == p and not q.IsFrozen() and type(q.body) is list
 
 
 def test_from_text_reuses_matching_params_and_replaces_others():
-    p = _Model()
+    p = _model()
     base = Model.Params()
     keep = Dense.Params().Set(name='old', units=1)
     base.body = [keep, Dense.Params()]
@@ -475,7 +475,7 @@ def test_from_text_closed_params_reject_unknown_keys():
 
 def test_from_text_unknown_key_suggests():
     text = 'learning_rate : 0.2\n\n# comment\nlearnin_rate : 0.3'
-    p = _Tree()
+    p = _tree()
     with pytest.raises(UnknownParamError) as info:
         p.FromText(text)
     msg = str(info.value)
@@ -486,11 +486,11 @@ def test_from_text_unknown_key_suggests():
 
 def test_from_text_type_error_names_line():
     with pytest.raises(ParamsTypeError, match=r"^line 2 .*'batch_size' expects int"):
-        _Tree().FromText("learning_rate : 1\nbatch_size : 'many'")
+        _tree().FromText("learning_rate : 1\nbatch_size : 'many'")
 
 
 def test_from_text_skips_blank_and_comment_lines_and_converts_int_to_float():
-    p = _Tree().FromText('\n  # learning_rate : 5\n   learning_rate : 2  \n')
+    p = _tree().FromText('\n  # learning_rate : 5\n   learning_rate : 2  \n')
     assert p.learning_rate == 2.0 and type(p.learning_rate) is float
 
 
@@ -499,7 +499,7 @@ def test_from_text_skips_blank_and_comment_lines_and_converts_int_to_float():
     '[x for x in ()]', "f'{1}'", 'os.system', 'os.path', "b'bytes'", '1j', 'tf.nosuchdtype',
     'tf.nn.relu', 'Params(cls=os.path.join)', 'Params(1)', 'Params(x=1)', '{1: 2}',
     'undefined_name', '...', '(1, 2', "'unterminated", '-True', '{**{}}', 'no_such_module_xyz.C',
-    f'{__name__}.NoSuchClass', f'{__name__}._Fn',
+    f'{__name__}.NoSuchClass', f'{__name__}._fn',
 ])
 def test_from_text_rejects_non_literals(value):
     p = Params()
@@ -530,7 +530,7 @@ def test_from_text_rejects_malformed_lines(line):
 # -- TextDiff --------------------------------------------------------------------------
 
 def test_text_diff():
-    p = _Tree()
+    p = _tree()
     assert p.TextDiff(p.Copy()) == ''
     q = p.Copy().Set(learning_rate=0.2, **{'layers[0].units': 9})
     q.Delete('batch_size')
@@ -543,7 +543,7 @@ def test_text_diff():
 
 
 def test_text_diff_is_empty_for_equal_params_with_different_text():
-    p, q = _Tree(), _Tree()
+    p, q = _tree(), _tree()
     p.table = {'a': 1, 'b': 2}
     q.table = {'b': 2, 'a': 1}
     assert p == q and p.ToText() != q.ToText() and p.TextDiff(q) == ''
@@ -559,7 +559,7 @@ def test_instantiate_passes_frozen_copy_and_kwargs():
     assert not p.IsFrozen()
     p.units = 5
     assert layer.params.units == 3
-    _AssertFrozenError(lambda: setattr(layer.params, 'units', 7))
+    _assert_frozen_error(lambda: setattr(layer.params, 'units', 7))
 
 
 def test_instantiable_cls_is_type_checked():
@@ -577,11 +577,14 @@ def test_instantiable_cls_is_type_checked():
 # -- import cost -----------------------------------------------------------------------
 
 def test_module_does_not_import_tensorflow():
-    path = str(REPO / 'tfpipe' / 'hyperparams.py')
+    # hyperparams and params_text are imported as submodules of a bare package, so
+    # tfpipe/__init__.py (which imports TensorFlow for the layers) does not run.
+    package = str(REPO / 'tfpipe')
     code = (
-        'import importlib.util, sys\n'
-        f'spec = importlib.util.spec_from_file_location("hp", {path!r})\n'
-        'hp = importlib.util.module_from_spec(spec); spec.loader.exec_module(hp)\n'
+        'import sys, types\n'
+        f'pkg = types.ModuleType("tfpipe"); pkg.__path__ = [{package!r}]\n'
+        'sys.modules["tfpipe"] = pkg\n'
+        'import tfpipe.hyperparams as hp\n'
         'p = hp.Params(); p.Define("x", [1.5], ""); p.Freeze()\n'
         'q = hp.Params(); q.Define("x", None, ""); q.FromText(p.ToText())\n'
         'assert q == p, q\n'

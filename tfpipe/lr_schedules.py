@@ -23,7 +23,7 @@ __all__ = ['BaseSchedule', 'Constant', 'LinearWarmupRsqrtDecay', 'Cosine']
 StepLike = Union[int, tf.Tensor]
 
 
-def _Require(ok: bool, cls: type, message: str) -> None:
+def _require(ok: bool, cls: type, message: str) -> None:
     if not ok:
         raise ValueError(f'{cls.__name__}: {message}')
 
@@ -40,7 +40,7 @@ class BaseSchedule:
     def __init__(self, params: Params) -> None:
         self._params = params
         value = params.value
-        _Require(isinstance(value, (int, float)) and math.isfinite(value) and value >= 0,
+        _require(isinstance(value, (int, float)) and math.isfinite(value) and value >= 0,
                  type(self), f'value={value!r} must be a finite number >= 0; set p.value to '
                  'the peak learning rate (a negative rate would ascend the loss)')
 
@@ -53,20 +53,20 @@ class BaseSchedule:
         raise NotImplementedError(f'{type(self).__name__} does not implement Value')
 
     @staticmethod
-    def _Step(step: StepLike) -> tf.Tensor:
+    def _step(step: StepLike) -> tf.Tensor:
         # float32 is exact for steps below 2**24 and within 1e-7 relative beyond; a
         # schedule needs no more, and float32 keeps the result usable on any device.
         return tf.cast(tf.convert_to_tensor(step), tf.float32)
 
-    def _CheckWarmup(self) -> int:
+    def _check_warmup(self) -> int:
         warmup = self._params.warmup_steps
-        _Require(isinstance(warmup, int) and warmup >= 0, type(self),
+        _require(isinstance(warmup, int) and warmup >= 0, type(self),
                  f'warmup_steps={warmup!r} must be an int >= 0; set p.warmup_steps to the '
                  'number of steps of the linear ramp (0 for none)')
         return warmup
 
     @staticmethod
-    def _Warmup(step: tf.Tensor, peak: float, warmup: int) -> tf.Tensor:
+    def _warmup(step: tf.Tensor, peak: float, warmup: int) -> tf.Tensor:
         """peak * step / warmup; safe for warmup == 0 (the caller then never selects it)."""
         return peak * step / float(max(warmup, 1))
 
@@ -98,16 +98,16 @@ class LinearWarmupRsqrtDecay(BaseSchedule):
 
     def __init__(self, params: Params) -> None:
         super().__init__(params)
-        warmup = self._CheckWarmup()
-        _Require(warmup > 0, type(self), 'warmup_steps=0 would make the rsqrt tail 0 '
+        warmup = self._check_warmup()
+        _require(warmup > 0, type(self), 'warmup_steps=0 would make the rsqrt tail 0 '
                  'everywhere; set p.warmup_steps >= 1 (or use Constant)')
 
     def Value(self, step: StepLike) -> tf.Tensor:
         p = self._params
-        s = self._Step(step)
+        s = self._step(step)
         warm = float(p.warmup_steps)
         decay = p.value * tf.sqrt(warm / tf.maximum(s, warm))  # max: no div-by-0 at step 0
-        return tf.where(s < warm, self._Warmup(s, p.value, p.warmup_steps), decay)
+        return tf.where(s < warm, self._warmup(s, p.value, p.warmup_steps), decay)
 
 
 class Cosine(BaseSchedule):
@@ -128,20 +128,20 @@ class Cosine(BaseSchedule):
 
     def __init__(self, params: Params) -> None:
         super().__init__(params)
-        warmup = self._CheckWarmup()
+        warmup = self._check_warmup()
         total, low = params.total_steps, params.min_value
-        _Require(isinstance(total, int) and total > warmup, type(self),
+        _require(isinstance(total, int) and total > warmup, type(self),
                  f'total_steps={total!r} must be an int > warmup_steps={warmup}; raise '
                  'p.total_steps or lower p.warmup_steps')
-        _Require(isinstance(low, (int, float)) and 0 <= low <= params.value, type(self),
+        _require(isinstance(low, (int, float)) and 0 <= low <= params.value, type(self),
                  f'min_value={low!r} must be in [0, value={params.value}]; set p.min_value '
                  'to the final rate')
 
     def Value(self, step: StepLike) -> tf.Tensor:
         p = self._params
-        s = self._Step(step)
+        s = self._step(step)
         span = float(p.total_steps - p.warmup_steps)
         frac = tf.clip_by_value((s - p.warmup_steps) / span, 0.0, 1.0)
         decay = p.min_value + (p.value - p.min_value) * 0.5 * (1.0 + tf.cos(math.pi * frac))
         return tf.where(s < float(p.warmup_steps),
-                        self._Warmup(s, p.value, p.warmup_steps), decay)
+                        self._warmup(s, p.value, p.warmup_steps), decay)

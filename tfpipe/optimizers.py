@@ -28,7 +28,7 @@ _RANGES = {'unit': ('in [0, 1)', lambda x: 0 <= x < 1),
            'exponent': ('in (0, 1]', lambda x: 0 < x <= 1)}
 
 
-def _SlotKey(path: str) -> str:
+def _slot_key(path: str) -> str:
     """'pipe/fc3/w' -> 'pipe-fc3-w': one-to-one, and free of the '/' and '.' that
     checkpoint keys escape, so the path stays readable in ``tf.train.list_variables``."""
     if not isinstance(path, str) or not _PATH_RE.match(path):
@@ -37,7 +37,7 @@ def _SlotKey(path: str) -> str:
     return path.replace('/', '-')
 
 
-def _Ema(slot: tf.Variable, decay: float | _T, x: _T) -> _T:
+def _ema(slot: tf.Variable, decay: float | _T, x: _T) -> _T:
     """slot = decay * slot + (1 - decay) * x. read_value(): a bare read drops tf.device."""
     return slot.assign(decay * slot.read_value() + (1 - decay) * x)
 
@@ -58,7 +58,7 @@ class BaseOptimizer(tf.Module):
         return p
 
     def __init__(self, params: Params) -> None:
-        self._Require(isinstance(params.name, str) and params.name.isidentifier(),
+        self._require(isinstance(params.name, str) and params.name.isidentifier(),
                       f'name={params.name!r} must be an identifier; set p.name')
         super().__init__(name=params.name)
         self._params = params
@@ -66,22 +66,22 @@ class BaseOptimizer(tf.Module):
             value = params.Get(name)
             if kind is not None and not (value is None and kind.endswith('?')):
                 valid, test = _RANGES[kind.rstrip('?')]
-                self._Require(isinstance(value, (int, float)) and test(value),
+                self._require(isinstance(value, (int, float)) and test(value),
                               f'{name}={value!r} must be {valid}; set p.{name}')
         with tf.init_scope():  # eager even if the optimizer is built in a tf.function
             self.iterations = tf.Variable(0, dtype=tf.int64, trainable=False, name='iterations')
         self._slots: dict = {}  # slot key -> {slot name: variable}; tracked by tf.Module
         self._shapes: dict[str, tf.TensorShape] = {}  # path -> shape; {}: no slots yet
 
-    def _Require(self, ok: bool, message: str) -> None:
+    def _require(self, ok: bool, message: str) -> None:
         if not ok:
             raise ValueError(f'{type(self).__name__}: {message}')
 
-    def _SlotShapes(self, shape: tf.TensorShape) -> dict[str, list[int]]:
+    def _slot_shapes(self, shape: tf.TensorShape) -> dict[str, list[int]]:
         """{slot name: shape} for a variable of `shape` (subclasses)."""
         raise NotImplementedError
 
-    def _ApplyOne(self, lr: _T, step: _T, grad: _T, var: tf.Variable, slots: Variables) -> None:
+    def _apply_one(self, lr: _T, step: _T, grad: _T, var: tf.Variable, slots: Variables) -> None:
         """Updates `var`; lr, step (1-based) and grad are in var's dtype (subclasses)."""
         raise NotImplementedError
 
@@ -93,25 +93,25 @@ class BaseOptimizer(tf.Module):
         """Creates zero slots beside each variable; a repeat with the same paths is a no-op."""
         shapes = {path: tf.TensorShape(var.shape) for path, var in variables.items()}
         if self._shapes:
-            self._Require(shapes == self._shapes, 'CreateSlots was already called for other '
+            self._require(shapes == self._shapes, 'CreateSlots was already called for other '
                           'paths or shapes; build a new optimizer for a new model')
             return
         slots = {}
         with tf.init_scope():  # eager variables even if called inside tf.function
             for path in sorted(variables):
-                var, key = variables[path], _SlotKey(path)
-                self._Require(shapes[path].is_fully_defined(), f'variable {path!r} has '
+                var, key = variables[path], _slot_key(path)
+                self._require(shapes[path].is_fully_defined(), f'variable {path!r} has '
                               f'shape {shapes[path]}; slots need a fully defined shape')
                 with tf.device(var.device):
                     slots[key] = {name: tf.Variable(tf.zeros(shape, var.dtype), trainable=False,
                                                     name=f'{path}/{name}')
-                                  for name, shape in self._SlotShapes(shapes[path]).items()}
+                                  for name, shape in self._slot_shapes(shapes[path]).items()}
         self._slots.update(slots)  # in place: a restore() made before binds on insertion
         self._shapes = shapes
 
     def GetSlot(self, path: str, name: str) -> tf.Variable:
         """The slot `name` (e.g. 'm') of the variable at `path`."""
-        return self._slots[_SlotKey(path)][name]
+        return self._slots[_slot_key(path)][name]
 
     @property
     def slot_variables(self) -> list[tf.Variable]:
@@ -120,16 +120,16 @@ class BaseOptimizer(tf.Module):
 
     def Apply(self, lr: tf.Tensor, grads: Grads, variables: Variables) -> None:
         """Applies one update with learning rate `lr`; None gradients are skipped."""
-        self._Require(not isinstance(lr, (int, float)) or lr >= 0,
+        self._require(not isinstance(lr, (int, float)) or lr >= 0,
                       f'learning rate {lr!r} must be >= 0')
         for path, grad in grads.items():
-            self._Require(path in self._shapes, f'no slots for {path!r}; call '
+            self._require(path in self._shapes, f'no slots for {path!r}; call '
                           'CreateSlots(variables) with it before Apply')
-            self._Require(path in variables, f'gradient for {path!r} has no variable')
+            self._require(path in variables, f'gradient for {path!r} has no variable')
             shape = tf.TensorShape(variables[path].shape)
-            self._Require(shape == self._shapes[path], f'variable {path!r} has shape {shape}, '
+            self._require(shape == self._shapes[path], f'variable {path!r} has shape {shape}, '
                           f'slots {self._shapes[path]}; pass the variable given to CreateSlots')
-            self._Require(grad is None or tf.TensorShape(grad.shape).is_compatible_with(shape),
+            self._require(grad is None or tf.TensorShape(grad.shape).is_compatible_with(shape),
                           f'gradient for {path!r} has shape {getattr(grad, "shape", None)}, '
                           f'variable {shape}; they must match')
         step = self.iterations.assign_add(1)  # this update's 1-based number
@@ -139,7 +139,7 @@ class BaseOptimizer(tf.Module):
                 with tf.device(var.device):
                     args = [tf.cast(tf.convert_to_tensor(x, dtype_hint=var.dtype), var.dtype)
                             for x in (lr, step, grad)]  # a Python lr not via float32
-                    self._ApplyOne(*args, var, self._slots[_SlotKey(path)])
+                    self._apply_one(*args, var, self._slots[_slot_key(path)])
 
 
 class SGD(BaseOptimizer):
@@ -153,10 +153,10 @@ class SGD(BaseOptimizer):
         ('momentum', 0.0, 'unit', 'Momentum in [0, 1); 0 keeps no accumulator slot.'),
         ('nesterov', False, None, 'Use Nesterov momentum (no effect if momentum is 0).'))
 
-    def _SlotShapes(self, shape: tf.TensorShape) -> dict[str, list[int]]:
+    def _slot_shapes(self, shape: tf.TensorShape) -> dict[str, list[int]]:
         return {'momentum': shape.as_list()} if self._params.momentum > 0 else {}
 
-    def _ApplyOne(self, lr: _T, step: _T, grad: _T, var: tf.Variable, slots: Variables) -> None:
+    def _apply_one(self, lr: _T, step: _T, grad: _T, var: tf.Variable, slots: Variables) -> None:
         mu = self._params.momentum
         if mu > 0:
             accum = slots['momentum'].assign(mu * slots['momentum'].read_value() + grad)
@@ -176,13 +176,13 @@ class Adam(BaseOptimizer):
         ('beta2', 0.999, 'unit', 'Decay of the second moment, in [0, 1).'),
         ('epsilon', 1e-8, 'positive', 'Added to sqrt(v_hat) to bound the step; > 0.'))
 
-    def _SlotShapes(self, shape: tf.TensorShape) -> dict[str, list[int]]:
+    def _slot_shapes(self, shape: tf.TensorShape) -> dict[str, list[int]]:
         return {'m': shape.as_list(), 'v': shape.as_list()}
 
-    def _ApplyOne(self, lr: _T, step: _T, grad: _T, var: tf.Variable, slots: Variables) -> None:
+    def _apply_one(self, lr: _T, step: _T, grad: _T, var: tf.Variable, slots: Variables) -> None:
         p = self._params
-        m_hat = _Ema(slots['m'], p.beta1, grad) / (1 - p.beta1 ** step)
-        v_hat = _Ema(slots['v'], p.beta2, tf.square(grad)) / (1 - p.beta2 ** step)
+        m_hat = _ema(slots['m'], p.beta1, grad) / (1 - p.beta1 ** step)
+        v_hat = _ema(slots['v'], p.beta2, tf.square(grad)) / (1 - p.beta2 ** step)
         var.assign_sub(lr * m_hat / (tf.sqrt(v_hat) + p.epsilon))
 
 
@@ -200,13 +200,13 @@ class RMSProp(BaseOptimizer):
         ('momentum', 0.9, 'unit', 'Momentum in [0, 1); 0 keeps no momentum slot.'),
         ('epsilon', 1.0, 'positive', 'Added to the mean square under the sqrt; > 0.'))
 
-    def _SlotShapes(self, shape: tf.TensorShape) -> dict[str, list[int]]:
+    def _slot_shapes(self, shape: tf.TensorShape) -> dict[str, list[int]]:
         names = ('ms', 'momentum') if self._params.momentum > 0 else ('ms',)
         return {name: shape.as_list() for name in names}
 
-    def _ApplyOne(self, lr: _T, step: _T, grad: _T, var: tf.Variable, slots: Variables) -> None:
+    def _apply_one(self, lr: _T, step: _T, grad: _T, var: tf.Variable, slots: Variables) -> None:
         p = self._params
-        ms = _Ema(slots['ms'], p.decay, tf.square(grad))
+        ms = _ema(slots['ms'], p.decay, tf.square(grad))
         delta = lr * grad * tf.math.rsqrt(ms + p.epsilon)
         if p.momentum > 0:
             mom = slots['momentum']
@@ -239,35 +239,35 @@ class Adafactor(BaseOptimizer):
         ('multiply_by_parameter_scale', True, None, 'Scale steps by max(eps2, RMS(w)).'),
         ('factored', True, None, 'Factor second moments of rank >= 2 variables.'))
 
-    def _Factored(self, shape: tf.TensorShape) -> bool:
+    def _factored(self, shape: tf.TensorShape) -> bool:
         return self._params.factored and shape.rank >= 2
 
-    def _SlotShapes(self, shape: tf.TensorShape) -> dict[str, list[int]]:
+    def _slot_shapes(self, shape: tf.TensorShape) -> dict[str, list[int]]:
         dims = shape.as_list()
-        out = ({'vr': dims[:-1], 'vc': dims[:-2] + dims[-1:]} if self._Factored(shape)
+        out = ({'vr': dims[:-1], 'vc': dims[:-2] + dims[-1:]} if self._factored(shape)
                else {'v': dims})
         return {**out, 'm': dims} if self._params.beta1 > 0 else out
 
-    def _ApplyOne(self, lr: _T, step: _T, grad: _T, var: tf.Variable, slots: Variables) -> None:
+    def _apply_one(self, lr: _T, step: _T, grad: _T, var: tf.Variable, slots: Variables) -> None:
         p = self._params
         if p.beta2 is None:
             beta2 = 1.0 - step ** -p.decay_exponent
         else:
             beta2 = p.beta2 * (1.0 - p.beta2 ** (step - 1)) / (1.0 - p.beta2 ** step)
         g2 = tf.square(grad) + p.epsilon1
-        if self._Factored(var.shape):
-            vr = _Ema(slots['vr'], beta2, tf.reduce_mean(g2, -1))
-            vc = _Ema(slots['vc'], beta2, tf.reduce_mean(g2, -2))
+        if self._factored(var.shape):
+            vr = _ema(slots['vr'], beta2, tf.reduce_mean(g2, -1))
+            vc = _ema(slots['vc'], beta2, tf.reduce_mean(g2, -2))
             row_mean = tf.reduce_mean(vr, -1, keepdims=True)
             precond = (tf.math.rsqrt(vr / row_mean)[..., :, None]
                        * tf.math.rsqrt(vc)[..., None, :])
         else:
-            precond = tf.math.rsqrt(_Ema(slots['v'], beta2, g2))
+            precond = tf.math.rsqrt(_ema(slots['v'], beta2, g2))
         update = grad * precond
         rms = tf.sqrt(tf.reduce_mean(tf.square(update)))
         update /= tf.maximum(rms / p.clipping_threshold, 1.0)
         if p.beta1 > 0:
-            update = _Ema(slots['m'], p.beta1, update)
+            update = _ema(slots['m'], p.beta1, update)
         if p.multiply_by_parameter_scale:
             lr *= tf.maximum(tf.sqrt(tf.reduce_mean(tf.square(var.read_value()))),
                              p.epsilon2)
