@@ -18,6 +18,7 @@ setup(
         # tf.summary raises TBNotInstalledError without it since TF 2.16.
         'tensorboard',
     ],
+    entry_points={'console_scripts': ['tfpipe-trainer = trainer.main:run']},
     extras_require={
         # TensorFlow is an extra so CPU-only machines avoid the 500 MB CUDA build.
         'cpu': ['tensorflow-cpu==2.21.*'],

@@ -144,6 +144,18 @@ class BaseLayer(tf.Module):
             out[n] = child.theta
         return out
 
+    def VariablesByPath(self) -> dict[str, tf.Variable]:
+        """Every variable (trainable or not) of this layer and its descendants,
+        keyed by layer path: 'pipe/fc3/w'.
+
+        Checkpoints are keyed this way, never by cell or device, so a run can be
+        resumed under another partitioning.
+        """
+        out = {f'{self.path}/{n}': v for n, v in self._vars.items()}
+        for child in self._children.values():
+            out.update(child.VariablesByPath())
+        return out
+
     # -- Computation -----------------------------------------------------------------
 
     def FProp(self, theta: dict, *inputs: Any) -> Any:
@@ -188,3 +200,16 @@ def layer_meta(p: Params, shapes: Any) -> LayerMeta:
         return p.cls.FPropMeta(p, shapes)
     meta = p.cls.FPropMeta(p, shapes['x'])
     return LayerMeta(meta.flops, {**shapes, 'x': meta.out_shapes})
+
+
+def flatten_by_path(nested: dict, prefix: str) -> dict[str, Any]:
+    """{'pipe': {'fc0': {'w': v}}} -> {'<prefix>/pipe/fc0/w': v}: theta-shaped data
+    (weights, gradients) keyed like `VariablesByPath`."""
+    out: dict[str, Any] = {}
+    for key, value in nested.items():
+        path = f'{prefix}/{key}'
+        if isinstance(value, dict):
+            out.update(flatten_by_path(value, path))
+        else:
+            out[path] = value
+    return out

@@ -1,0 +1,129 @@
+"""The trainer binary end to end, in subprocesses (signals and kill -9 need them)."""
+import glob
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from tests import trainer_helpers as th
+from tfpipe import checkpoints
+
+
+@pytest.fixture(scope='session')
+def data_dir(tmp_path_factory):
+    from tfpipe import datasets
+    path = str(tmp_path_factory.mktemp('tfds'))
+    datasets.prepare('tfpipe_shapes', path)
+    datasets.prepare('tfpipe_reverse', path)
+    return path
+
+
+def test_train_then_evaler_and_decoder(tmp_path, data_dir):
+    logdir = str(tmp_path / 'run')
+    result = th.run(th.FAST, logdir, data_dir, *th.fast_flags(4, 2))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert 'step 4/4' in result.stderr and 'steps/s' in result.stderr and 'ETA' in result.stderr
+    train_dir = os.path.join(logdir, 'train')
+    assert checkpoints.step_of(checkpoints.latest(train_dir)) == 4
+    with open(os.path.join(train_dir, 'params.txt')) as f:
+        assert "task.pipeline.balance : [3, 2]" in f.read()
+    assert glob.glob(os.path.join(train_dir, 'events.out.tfevents.*'))
+    result = th.run(th.FAST, logdir, data_dir, '--job=evaler_dev,decoder_test', '--max_steps=4',
+                    th.overrides(**{'task.eval.samples_per_summary': 64,
+                                    'task.eval.decoder_samples_per_summary': 32}))
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(os.path.join(logdir, 'eval_dev', 'score-4.txt')) as f:
+        scores = dict(line.split(': ') for line in f.read().splitlines())
+    assert set(scores) == {'loss', 'accuracy'} and 0 <= float(scores['accuracy']) <= 1
+    with open(os.path.join(logdir, 'decoder_test', 'decoder_out-4.jsonl')) as f:
+        records = [json.loads(line) for line in f]
+    assert len(records) == 32 and set(records[0]) == {'label', 'prediction', 'confidence'}
+    assert os.path.exists(os.path.join(logdir, 'eval_dev', 'params.txt'))
+    # A restarted evaler does not redo the checkpoint it already processed.
+    before = th.snapshot(os.path.join(logdir, 'eval_dev'))
+    result = th.run(th.FAST, logdir, data_dir, '--job=evaler_dev', '--max_steps=4')
+    assert result.returncode == 0, result.stderr[-3000:]
+    after = th.snapshot(os.path.join(logdir, 'eval_dev'))
+    assert after['score-4.txt'] == before['score-4.txt']
+
+
+def test_kill_9_then_resume_equals_uninterrupted_run(tmp_path, data_dir):
+    steps = 8
+    straight = str(tmp_path / 'straight')
+    result = th.run(th.FAST, straight, data_dir, *th.fast_flags(steps, 2))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    killed = str(tmp_path / 'killed')
+    proc = th.start(th.FAST, killed, data_dir, *th.fast_flags(steps, 2))
+    train_dir = os.path.join(killed, 'train')
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        path = checkpoints.latest(train_dir) if os.path.isdir(train_dir) else None
+        if path and checkpoints.step_of(path) >= 4:
+            break
+        time.sleep(0.05)
+    proc.kill()  # SIGKILL, at whatever point the trainer is
+    proc.wait()
+    interrupted_at = checkpoints.step_of(checkpoints.latest(train_dir))
+    assert 4 <= interrupted_at <= steps
+    result = th.run(th.FAST, killed, data_dir, *th.fast_flags(steps, 2))
+    assert result.returncode == 0, result.stderr[-3000:]
+    final = checkpoints.latest(train_dir)
+    assert checkpoints.step_of(final) == steps
+    expected = th.model_values(checkpoints.latest(os.path.join(straight, 'train')))
+    actual = th.model_values(final)
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5, atol=1e-7,
+                                   err_msg=name)
+
+
+def test_resume_with_another_balance(tmp_path, data_dir):
+    logdir = str(tmp_path / 'run')
+    result = th.run(th.FAST, logdir, data_dir, *th.fast_flags(2, 2))
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = th.model_values(checkpoints.latest(os.path.join(logdir, 'train')))
+    result = th.run(th.FAST, logdir, data_dir, *th.fast_flags(3, 3),
+                    th.overrides(**{'task.pipeline.balance': [1, 1, 3]}), '--mode=sync')
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert 'restored' in result.stderr and 'step 3/3' in result.stderr
+    resumed = th.model_values(checkpoints.latest(os.path.join(logdir, 'train')))
+    assert saved.keys() == resumed.keys()
+    changed = [n for n in saved if not np.allclose(saved[n], resumed[n])]
+    assert changed  # training went on from the restored weights
+
+
+def test_sigterm_saves_and_exits_zero(tmp_path, data_dir):
+    logdir = str(tmp_path / 'run')
+    proc = th.start(th.FAST, logdir, data_dir, *th.fast_flags(100000, 100000))
+    out = ''
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        out += line
+        if 'step 3/' in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    out += proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out[-3000:]
+    assert 'saving a checkpoint' in out
+    step = checkpoints.step_of(checkpoints.latest(os.path.join(logdir, 'train')))
+    assert 3 <= step < 100000
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, data_dir):
+    logdir = str(tmp_path / 'run')
+    result = th.run(th.FAST, logdir, data_dir, *th.fast_flags(2, 2))
+    assert result.returncode == 0, result.stderr[-3000:]
+    good = th.snapshot(os.path.join(logdir, 'train'))
+    result = th.run(th.FAST, logdir, data_dir, *th.fast_flags(50, 1),
+                    th.overrides(**{'task.train.learning_rate': 1e30}))
+    assert result.returncode == 1
+    assert 'training stopped' in th.error_line(result)
+    assert checkpoints.step_of(checkpoints.latest(os.path.join(logdir, 'train'))) >= 2
+    latest = th.model_values(checkpoints.latest(os.path.join(logdir, 'train')))
+    assert all(np.isfinite(v).all() for v in latest.values())
+    assert set(good) <= set(th.snapshot(os.path.join(logdir, 'train')))

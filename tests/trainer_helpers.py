@@ -1,0 +1,74 @@
+"""Running the trainer binary in a subprocess, on data generated once per session."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Sequence
+
+import numpy as np
+import tensorflow as tf
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAST = 'image.shapes.SmallConvPipe'
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e['PYTHONPATH'] = REPO + os.pathsep + e.get('PYTHONPATH', '')
+    e['TF_CPP_MIN_LOG_LEVEL'] = '2'
+    return e
+
+
+def command(model: str, logdir: str, data_dir: str, *flags: str) -> list[str]:
+    return [sys.executable, '-m', 'trainer', f'--model={model}', f'--logdir={logdir}',
+            f'--tfds_data_dir={data_dir}', '--num_logical_cpus=4', *flags]
+
+
+def run(model: str, logdir: str, data_dir: str, *flags: str,
+        timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(command(model, logdir, data_dir, *flags), env=env(), cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def start(model: str, logdir: str, data_dir: str, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen(command(model, logdir, data_dir, *flags), env=env(), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def error_line(result: subprocess.CompletedProcess) -> str:
+    lines = [l for l in result.stderr.splitlines() if l.startswith('error: ')]
+    assert len(lines) == 1, result.stderr[-3000:]
+    return lines[0]
+
+
+def snapshot(directory: str) -> dict:
+    """Every file under `directory` with its size and mtime: 'nothing changed' check."""
+    out = {}
+    for root, _, files in os.walk(directory):
+        for name in files:
+            path = os.path.join(root, name)
+            st = os.stat(path)
+            out[os.path.relpath(path, directory)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def model_values(checkpoint_prefix: str) -> dict[str, np.ndarray]:
+    """The model variables of a checkpoint, by layer path."""
+    reader = tf.train.load_checkpoint(checkpoint_prefix)
+    out = {}
+    for name, _ in tf.train.list_variables(checkpoint_prefix):
+        if name.startswith('model/') and name.endswith('.ATTRIBUTES/VARIABLE_VALUE'):
+            out[name] = reader.get_tensor(name)
+    assert out, f'no model variables in {checkpoint_prefix}'
+    return out
+
+
+def overrides(**kw: object) -> str:
+    return '--params_override=' + ','.join(f'{k}={v!r}' for k, v in kw.items())
+
+
+def fast_flags(max_steps: int, save_every: int, extra: Sequence[str] = ()) -> list[str]:
+    return ['--job=trainer', f'--max_steps={max_steps}',
+            f'--gin_bindings=trainer.save_interval_steps={save_every}',
+            '--gin_bindings=trainer.summary_interval_steps=1', *extra]

@@ -1,0 +1,78 @@
+"""Checkpoints keyed by layer path, restored strictly, with errors that name the fix.
+
+Variables are saved under their layer path ('task/pipe/fc3/w'), never under a
+cell index or device, so a run can resume with another `balance`, K or device
+list: the values land in whichever cell now owns each layer. Every restore
+asserts that each variable of the model found its value in the checkpoint;
+otherwise a changed model would silently start from its initial weights.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import tensorflow as tf
+
+STATE_FILE = 'checkpoint'  # written by tf.train.CheckpointManager after the data files
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used: corrupt, partial, or of another model."""
+
+
+def make(variables: dict[str, tf.Variable], **extras: Optional[tf.Module]) -> tf.train.Checkpoint:
+    """A checkpoint of the model's variables by path plus extras (step, optimizer, iterator)."""
+    return tf.train.Checkpoint(model=dict(variables),
+                               **{k: v for k, v in extras.items() if v is not None})
+
+
+def latest(directory: str) -> Optional[str]:
+    """The newest complete checkpoint in `directory` (None when there is none).
+
+    Only checkpoints listed in the state file count: CheckpointManager writes
+    that file after the data, so a half-written checkpoint is never returned.
+    """
+    return tf.train.latest_checkpoint(directory)
+
+
+def all_complete(directory: str) -> list[str]:
+    state = tf.train.get_checkpoint_state(directory)
+    return list(state.all_model_checkpoint_paths) if state else []
+
+
+def step_of(path: str) -> int:
+    """The global step encoded in a checkpoint prefix such as '.../ckpt-300'."""
+    return int(path.rsplit('-', 1)[1])
+
+
+def restore(checkpoint: tf.train.Checkpoint, path: str, partial: bool = False) -> None:
+    """Restores `path`; every model variable must be found in it.
+
+    `partial=True` lets the checkpoint hold objects this job does not build
+    (an evaler has no optimizer); the model's own variables are still required.
+    """
+    try:
+        status = checkpoint.restore(path)
+        status.assert_existing_objects_matched()
+        if partial:
+            status.expect_partial()
+    except (tf.errors.OpError, ValueError, AssertionError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f'checkpoint {path} cannot be restored into this model ({first[:300]}): if it is '
+            'corrupt or partial, move it out of the train dir to fall back to an older one; if '
+            'the model changed, use a new --logdir') from None
+
+
+def check_readable(path: str) -> None:
+    """Reads the checkpoint's index so a corrupt file fails before anything is written."""
+    if not tf.io.gfile.exists(path + '.index'):
+        raise CheckpointError(f'checkpoint {path} is listed in {os.path.dirname(path)}/'
+                              f'{STATE_FILE} but its files are missing: remove the stale entry '
+                              'or restore the files')
+    try:
+        tf.train.list_variables(path)
+    except (tf.errors.OpError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f'checkpoint {path} is unreadable ({first[:300]}): move it out '
+                              'of the train dir to fall back to an older one') from None

@@ -1,0 +1,1 @@
+"""Tasks: what a model computes, its losses, metrics and decoder."""

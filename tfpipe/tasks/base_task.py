@@ -1,0 +1,100 @@
+"""BaseTask: a model with its losses, metrics, decoder and train/eval settings.
+
+A task owns one pipelined body (`p.pipeline`, a PipeliningLayer) and says how a
+batch of the input becomes the pipeline's inputs and targets, how a
+micro-batch's outputs become per-example losses, what eval metrics are and
+what the decoder writes. The trainer calls only the methods below.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from tfpipe import lr_schedules, optimizers
+from tfpipe.base_layer import BaseLayer
+from tfpipe.hyperparams import Params
+from tfpipe.pipeline.pipelining_layer import PipeliningLayer
+
+Metrics = dict[str, tuple[tf.Tensor, tf.Tensor]]  # name -> (value, weight)
+
+
+def train_params() -> Params:
+    p = Params()
+    p.Define('max_steps', 1000, 'Training stops at this global step.')
+    p.Define('learning_rate', 0.1, 'Base rate; the rate used is learning_rate * '
+             'lr_schedule.Value(step).')
+    p.Define('optimizer', optimizers.SGD.Params(), 'Optimizer params.')
+    p.Define('lr_schedule', lr_schedules.Constant.Params().Set(value=1.0),
+             'Multiplier of learning_rate over steps.')
+    p.Define('clip_gradient_norm_to_value', 0.0, 'Clip the global gradient norm (0: off).')
+    p.Define('save_interval_steps', 100, 'Checkpoint every this many steps.')
+    p.Define('save_max_to_keep', 5, 'Checkpoints kept in the train dir.')
+    p.Define('summary_interval_steps', 10, 'TensorBoard summaries every this many steps.')
+    p.Define('num_micro_batches', None, 'M for the pipelined body (None: the body\'s own).')
+    return p
+
+
+def eval_params() -> Params:
+    p = Params()
+    p.Define('samples_per_summary', 1000, 'Examples per evaluation of a checkpoint.')
+    p.Define('decoder_samples_per_summary', 100, 'Examples decoded per checkpoint.')
+    return p
+
+
+class BaseTask(BaseLayer):
+    """Subclasses define the batch <-> pipeline mapping, loss, metrics and decoding."""
+
+    @classmethod
+    def Params(cls):
+        p = super().Params()
+        p.name = 'task'
+        p.Define('pipeline', PipeliningLayer.Params(), 'The pipelined body of the model.')
+        p.Define('train', train_params(), 'Training settings.')
+        p.Define('eval', eval_params(), 'Evaluation and decoding settings.')
+        return p
+
+    def __init__(self, params, parent=None):
+        super().__init__(params, parent)
+        pipeline = self.params.pipeline.Copy()
+        if self.params.train.num_micro_batches is not None:
+            pipeline.num_micro_batches = self.params.train.num_micro_batches
+        self.pipe = self.CreateChild('pipe', pipeline)
+
+    # -- What subclasses define ----------------------------------------------------------
+
+    def PipelineInputs(self, batch: dict) -> Any:
+        raise NotImplementedError
+
+    def PipelineTargets(self, batch: dict) -> Any:
+        raise NotImplementedError
+
+    def PerExampleLoss(self, outputs: Any, targets: Any) -> tf.Tensor:
+        """One micro-batch's loss per example, shape [b]."""
+        raise NotImplementedError
+
+    def ComputeLoss(self, theta: dict, predictions: Any, batch: dict) -> Metrics:
+        """Eval metrics of a batch: name -> (value, weight); must include 'loss'."""
+        raise NotImplementedError
+
+    def Decode(self, theta: dict, batch: dict) -> dict:
+        raise NotImplementedError
+
+    def PostProcessDecodeOut(self, decode_out: dict) -> list[dict]:
+        """Decoder tensors (as numpy) -> one JSON-able record per example."""
+        raise NotImplementedError
+
+    def DecodeMetrics(self, records: list[dict]) -> dict[str, float]:
+        """Corpus-level metrics of all decoded records (accuracy, BLEU...)."""
+        raise NotImplementedError
+
+    # -- Shared --------------------------------------------------------------------------
+
+    def ComputePredictions(self, theta: dict, batch: dict) -> Any:
+        return self.pipe.FProp(theta['pipe'], self.PipelineInputs(batch))
+
+    def ForwardBackward(self, theta: dict, batch: dict) -> tuple[tf.Tensor, dict]:
+        """Mean training loss of the batch and its gradients (structure of theta)."""
+        loss, grads = self.pipe.ForwardBackward(theta['pipe'], self.PipelineInputs(batch),
+                                                self.PerExampleLoss, self.PipelineTargets(batch))
+        return loss, {'pipe': grads}

@@ -1,0 +1,53 @@
+"""Image classification with a pipelined body (the paper's AmoebaNet workload)."""
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from tfpipe.tasks.base_task import BaseTask
+
+
+class ImageClassifier(BaseTask):
+    """batch {'image': [B,H,W,C] float, 'label': [B] int} -> logits [B, num_classes]."""
+
+    @classmethod
+    def Params(cls):
+        p = super().Params()
+        p.Define('num_classes', 0, 'Number of classes; the body must end with this width.')
+        return p
+
+    def __init__(self, params, parent=None):
+        super().__init__(params, parent)
+        if self.params.num_classes < 2:
+            raise ValueError(f'{self.path}: num_classes={self.params.num_classes} must be >= 2')
+
+    def PipelineInputs(self, batch):
+        return batch['image']
+
+    def PipelineTargets(self, batch):
+        return batch['label']
+
+    def PerExampleLoss(self, logits, labels):
+        return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+
+    def ComputeLoss(self, theta, logits, batch):
+        labels = batch['label']
+        weight = tf.cast(tf.size(labels), tf.float32)
+        loss = tf.reduce_mean(self.PerExampleLoss(logits, labels))
+        correct = tf.equal(tf.argmax(logits, -1, output_type=labels.dtype), labels)
+        return {'loss': (loss, weight),
+                'accuracy': (tf.reduce_mean(tf.cast(correct, tf.float32)), weight)}
+
+    def Decode(self, theta, batch):
+        probs = tf.nn.softmax(self.ComputePredictions(theta, batch))
+        return {'label': batch['label'], 'prediction': tf.argmax(probs, -1),
+                'confidence': tf.reduce_max(probs, -1)}
+
+    def PostProcessDecodeOut(self, decode_out):
+        return [{'label': int(l), 'prediction': int(p), 'confidence': round(float(c), 4)}
+                for l, p, c in zip(decode_out['label'], decode_out['prediction'],
+                                   decode_out['confidence'])]
+
+    def DecodeMetrics(self, records):
+        correct = [r['label'] == r['prediction'] for r in records]
+        return {'accuracy': float(np.mean(correct)) if correct else 0.0}

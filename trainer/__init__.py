@@ -1,0 +1,1 @@
+"""The tfpipe trainer binary: train, eval and decode jobs over one logdir."""

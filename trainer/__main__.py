@@ -1,0 +1,3 @@
+from trainer.main import run
+
+run()

@@ -1,0 +1,102 @@
+"""From a model name and overrides to the Params tree every job builds from.
+
+Order matters for rule 5 (bad input leaves the logdir untouched): everything
+here only reads; the jobs write to the logdir after the model, the inputs and
+the checkpoints have been validated.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import gin
+
+import model_registry
+from tfpipe.hyperparams import Params
+
+MODEL_FILE = 'model.txt'
+PARAMS_FILE = 'params.txt'
+
+
+@gin.configurable('model')
+def gin_model_overrides(overrides: Optional[dict] = None) -> dict:
+    """Model params set from gin: `model.overrides = {'task.train.max_steps': 100}`."""
+    return dict(overrides or {})
+
+
+def split_overrides(text: str) -> list[tuple[str, str]]:
+    """'a.b=1,c.d=[1, 2],e='x,y'' -> [('a.b', '1'), ('c.d', '[1, 2]'), ('e', "'x,y'")].
+
+    Commas inside brackets or quotes do not split.
+    """
+    items, depth, quote, start = [], 0, None, 0
+    for i, ch in enumerate(text + ','):
+        if quote:
+            if ch == quote:
+                quote = None
+        elif ch in '\'"':
+            quote = ch
+        elif ch in '([{':
+            depth += 1
+        elif ch in ')]}':
+            depth -= 1
+        elif ch == ',' and depth == 0:
+            item = text[start:i].strip()
+            start = i + 1
+            if not item:
+                continue
+            if '=' not in item:
+                raise ValueError(f'--params_override item {item!r} has no "=": write '
+                                 'key=value pairs separated by commas, e.g. '
+                                 "task.train.max_steps=100,input.train.batch_size=16")
+            key, value = item.split('=', 1)
+            items.append((key.strip(), value.strip()))
+    return items
+
+
+def apply_overrides(params: Params, pairs: Sequence[tuple[str, str]], source: str) -> None:
+    """Sets each key from its text value through Params.FromText (typed, never eval'd)."""
+    for key, value in pairs:
+        try:
+            params.FromText(f'{key} : {value}')
+        except Exception as e:  # noqa: BLE001 - re-raised with the source named
+            raise ValueError(f"{source}: {e}") from None
+
+
+def load_params(model: str, params_override: str = '', params_file_override: str = '',
+                gin_files: Sequence[str] = (), gin_bindings: Sequence[str] = ()) -> Params:
+    """The model's params with file, flag and gin overrides applied, in that order."""
+    params = model_registry.get_params(model)
+    if params_file_override:
+        if not os.path.exists(params_file_override):
+            raise ValueError(f'--params_file_override {params_file_override} does not exist: '
+                             'give the path of a params.txt-style file')
+        with open(params_file_override) as f:
+            try:
+                params.FromText(f.read())
+            except Exception as e:  # noqa: BLE001
+                raise ValueError(f"{params_file_override}: {e}") from None
+    apply_overrides(params, split_overrides(params_override), '--params_override')
+    if gin_files or gin_bindings:
+        gin.parse_config_files_and_bindings(list(gin_files), list(gin_bindings))
+    apply_overrides(params, [(k, repr(v)) for k, v in gin_model_overrides().items()], 'gin')
+    return params
+
+
+def check_logdir(logdir: str, model: str) -> None:
+    """A logdir belongs to one model: refuse another model's checkpoints."""
+    path = os.path.join(logdir, MODEL_FILE)
+    if os.path.exists(path):
+        with open(path) as f:
+            owner = f.read().strip()
+        if owner != model:
+            raise ValueError(f'--logdir {logdir} holds checkpoints of model {owner}, not '
+                             f'{model}: use a new --logdir for {model}')
+
+
+def write_job_files(logdir: str, job_dir: str, model: str, params: Params) -> None:
+    os.makedirs(job_dir, exist_ok=True)
+    with open(os.path.join(logdir, MODEL_FILE), 'w') as f:
+        f.write(model + '\n')
+    with open(os.path.join(job_dir, PARAMS_FILE), 'w') as f:
+        f.write(params.ToText())

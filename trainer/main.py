@@ -1,0 +1,189 @@
+"""tfpipe trainer binary.
+
+    python -m trainer --model=image.shapes.AmoebaNetPipe --logdir=/tmp/shapes --run_locally=cpu
+    python -m trainer --model=image.shapes.AmoebaNetPipe --logdir=/tmp/shapes --job=evaler_dev
+    python -m trainer --list_models
+
+With no --job, one process runs the trainer and, in threads, an evaler on dev
+and a decoder on test (when the model defines those splits), as Lingvo does
+with --run_locally. Bad input (unknown model, typo in an override, impossible
+partition, missing data, another model's logdir, unreadable checkpoint) exits
+with status 2 and a one-line error, before anything is written to --logdir.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+from absl import app, flags, logging
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string('model', None, 'Registered model: <task>.<dataset>.<ClassName>.')
+flags.DEFINE_string('logdir', None, 'Directory of checkpoints, summaries and job outputs.')
+flags.DEFINE_string('job', None, 'trainer | evaler_<split> | decoder_<split>, or a comma list; '
+                    'default: trainer plus evaler_dev and decoder_test in threads.')
+flags.DEFINE_enum('mode', 'sync', ['sync', 'inspect_params', 'inspect_model'],
+                  'sync: run the jobs; inspect_params: print the params tree; inspect_model: '
+                  'print the partition, devices and variables.')
+flags.DEFINE_enum('run_locally', None, ['cpu', 'gpu'], 'Devices of this process; default: gpu '
+                  'when GPUs are visible, else cpu (logical CPUs).')
+flags.DEFINE_integer('num_logical_cpus', 8, 'Logical CPU devices with --run_locally=cpu.')
+flags.DEFINE_string('params_override', '', "Comma list of key=value, e.g. "
+                    "task.train.max_steps=100,input.train.batch_size=16.")
+flags.DEFINE_string('params_file_override', '', 'A params.txt-style file of overrides.')
+flags.DEFINE_multi_string('gin_file', [], 'Gin files (trainer.* runtime knobs, model.overrides).')
+flags.DEFINE_multi_string('gin_bindings', [], 'Gin bindings, e.g. trainer.save_interval_steps=50.')
+flags.DEFINE_integer('max_steps', None, 'Overrides task.train.max_steps.')
+flags.DEFINE_string('tfds_data_dir', None, 'tensorflow-datasets data dir (default: '
+                    '~/tensorflow_datasets); tfpipe generates its own datasets there.')
+flags.DEFINE_bool('list_models', False, 'Print the registered models and exit.')
+
+EXIT_BAD_INPUT = 2
+
+
+class UsageError(ValueError):
+    pass
+
+
+def _configure_devices() -> None:
+    """Logical CPUs must exist before TensorFlow initialises, so this runs first."""
+    import tensorflow as tf
+    import tfpipe
+    kind = FLAGS.run_locally or ('gpu' if tf.config.list_physical_devices('GPU') else 'cpu')
+    if kind == 'cpu':
+        tfpipe.configure_logical_cpus(FLAGS.num_logical_cpus)
+
+
+def _parse_jobs(job_flag: str | None) -> list[str]:
+    if job_flag is None:
+        return ['trainer', 'evaler_dev', 'decoder_test']
+    jobs = [j.strip() for j in job_flag.split(',') if j.strip()]
+    for job in jobs:
+        if job != 'trainer' and not job.startswith(('evaler_', 'decoder_')):
+            raise UsageError(f'unknown --job {job!r}: use trainer, evaler_<split> or '
+                             'decoder_<split> (splits: train, dev, test)')
+    return jobs
+
+
+def _set_data_dir(params) -> None:
+    data_dir = FLAGS.tfds_data_dir or os.path.expanduser('~/tensorflow_datasets')
+    for _, input_params in params.input.IterParams():
+        if input_params is not None and input_params.data_dir is None:
+            input_params.data_dir = data_dir
+
+
+def _inspect_model(params) -> None:
+    task = params.task.Instantiate()
+    pipe = task.pipe
+    print(f'balance {list(pipe.balance)}  micro-batches {pipe.params.num_micro_batches}  '
+          f'recompute {pipe.params.recompute}')
+    for cell in pipe.cells:
+        count = sum(v.shape.num_elements() for layer in cell.layers
+                    for v in layer.trainable_variables)
+        print(f'cell {cell.index} on {cell.device}: {cell.names} ({count} params)')
+    for path, var in task.VariablesByPath().items():
+        print(f'{path} {var.shape.as_list()} {var.dtype.name} {var.device}')
+
+
+def main(argv) -> int:
+    del argv
+    if FLAGS.list_models:
+        import model_registry
+        print('\n'.join(model_registry.list_models()))
+        return 0
+    if not FLAGS.model:
+        raise UsageError('--model is required: pick one of --list_models')
+    if FLAGS.mode == 'sync' and not FLAGS.logdir:
+        raise UsageError('--logdir is required: the directory for checkpoints and summaries')
+    jobs = _parse_jobs(FLAGS.job)
+    _configure_devices()
+    import tensorflow_datasets as tfds
+    tfds.disable_progress_bar()
+    from trainer import eval_jobs, experiment, train_job
+
+    params = experiment.load_params(FLAGS.model, FLAGS.params_override,
+                                    FLAGS.params_file_override, FLAGS.gin_file,
+                                    FLAGS.gin_bindings)
+    options = train_job.RuntimeOptions()
+    if FLAGS.max_steps is not None:
+        params.task.train.max_steps = FLAGS.max_steps
+        options.max_steps = FLAGS.max_steps
+    _set_data_dir(params)
+    if FLAGS.mode == 'inspect_params':
+        print(params.ToText())
+        return 0
+    if FLAGS.mode == 'inspect_model':
+        _inspect_model(params)
+        return 0
+    logdir = FLAGS.logdir
+    experiment.check_logdir(logdir, FLAGS.model)
+    max_steps = options.max_steps or params.task.train.max_steps
+
+    # Build (and so validate) every job before writing anything to the logdir.
+    built = []
+    trainer_done = threading.Event()
+    for job in jobs:
+        if job == 'trainer':
+            trainer = train_job.Trainer(params, train_job.train_dir_of(logdir), options)
+            trainer.RestoreLatest()
+            built.append((job, trainer))
+        else:
+            kind, split = job.split('_', 1)
+            if FLAGS.job is None and split not in params.input or \
+                    FLAGS.job is None and params.input.Get(split) is None:
+                continue  # the default job list skips splits the model does not define
+            cls = eval_jobs.Evaler if kind == 'evaler' else eval_jobs.Decoder
+            stop = trainer_done.is_set if 'trainer' in jobs else (lambda: False)
+            built.append((job, cls(params, split, logdir, max_steps,
+                                   options.eval_poll_max_seconds, should_stop=stop)))
+    for job, runner in built:
+        job_dir = (runner.train_dir if job == 'trainer' else runner.job_dir)
+        experiment.write_job_files(logdir, job_dir, FLAGS.model, params)
+
+    errors = []
+
+    def run_in_thread(job, runner):
+        try:
+            runner.Run()
+        except Exception as e:  # noqa: BLE001 - reported by the main thread
+            logging.exception('%s failed', job)
+            errors.append(f'{job}: {e}')
+
+    threads = [threading.Thread(target=run_in_thread, args=item, daemon=True)
+               for item in built if item[0] != 'trainer']
+    for thread in threads:
+        thread.start()
+    try:
+        for job, runner in built:
+            if job == 'trainer':
+                runner.Run()
+    finally:
+        trainer_done.set()
+    for thread in threads:
+        thread.join()
+    if errors:
+        print('error: ' + '; '.join(errors), file=sys.stderr)
+        return 1
+    return 0
+
+
+def _main_with_errors(argv) -> None:
+    from tfpipe import checkpoints
+    from trainer import train_job
+    try:
+        code = main(argv)
+    except (ValueError, TypeError, AttributeError, KeyError, checkpoints.CheckpointError,
+            FileNotFoundError) as e:
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f'error: {message}', file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    except train_job.NonFiniteLossError as e:
+        print(f'error: {e}', file=sys.stderr)
+        sys.exit(1)
+    sys.exit(code)
+
+
+def run() -> None:
+    """Console-script entry point (tfpipe-trainer) and `python -m trainer`."""
+    app.run(_main_with_errors)
