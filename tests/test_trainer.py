@@ -127,3 +127,36 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, data_dir):
     latest = th.model_values(checkpoints.latest(os.path.join(logdir, 'train')))
     assert all(np.isfinite(v).all() for v in latest.values())
     assert set(good) <= set(th.snapshot(os.path.join(logdir, 'train')))
+
+
+def test_transformer_trains_and_decodes(tmp_path, data_dir):
+    logdir = str(tmp_path / 'mt')
+    model = 'mt.reverse.TransformerPipe'
+    result = th.run(model, logdir, data_dir, *th.fast_flags(2, 2))
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = th.run(model, logdir, data_dir, '--job=decoder_test', '--max_steps=2',
+                    th.overrides(**{'task.eval.decoder_samples_per_summary': 32}))
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(os.path.join(logdir, 'decoder_test', 'decoder_out-2.jsonl')) as f:
+        records = [json.loads(line) for line in f]
+    assert len(records) == 32 and set(records[0]) == {'src', 'ref', 'hyp'}
+    assert all(r['ref'] == r['src'][::-1] for r in records)
+    with open(os.path.join(logdir, 'decoder_test', 'score-2.txt')) as f:
+        assert {line.split(':')[0] for line in f} == {'bleu', 'exact_match'}
+
+
+def test_inspect_modes_print_and_write_nothing(tmp_path, data_dir):
+    logdir = str(tmp_path / 'never')
+    result = th.run(th.FAST, logdir, data_dir, '--mode=inspect_model')
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert 'cell 0 on /job:localhost/replica:0/task:0/device:CPU:0' in result.stdout
+    assert 'task/pipe/conv0/w [3, 3, 3, 8]' in result.stdout
+    result = th.run(th.FAST, logdir, data_dir, '--mode=inspect_params')
+    assert result.returncode == 0 and 'task.train.max_steps : 200' in result.stdout
+    assert not os.path.exists(logdir)
+
+
+def test_list_models():
+    result = th.run(th.FAST, '/nonexistent', '/nonexistent', '--list_models')
+    assert result.returncode == 0
+    assert 'image.shapes.AmoebaNetPipe' in result.stdout.split()

@@ -117,16 +117,15 @@ class TfdsInput:
         data_dir = p.data_dir or os.path.expanduser('~/tensorflow_datasets')
         try:
             builder = tfds.builder(p.dataset, data_dir=data_dir)
-        except Exception as e:  # noqa: BLE001 - any lookup failure means: not prepared here
-            builder, reason = None, str(e).splitlines()[0] if str(e) else type(e).__name__
-        else:
-            reason = 'not prepared'
-        if builder is None or not builder.is_prepared():
+            # Reading (not is_prepared()) is the test: it honours tfds.testing.mock_data.
+            builder.as_dataset(split=p.split)
+        except Exception as e:  # noqa: BLE001 - any failure here means: not usable from here
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ValueError(
-                f'dataset {p.dataset} is not in {data_dir} ({reason[:200]}); tfpipe never '
-                f'downloads: run `tfds build {p.dataset.split("/")[0]} --data_dir=DIR` on a '
-                'machine with internet access and copy DIR here, or point --tfds_data_dir at '
-                'an existing copy')
+                f'dataset {p.dataset} split {p.split!r} is not in {data_dir} ({reason[:160]}); '
+                f'tfpipe never downloads: run `tfds build {p.dataset.split("/")[0]} '
+                '--data_dir=DIR` on a machine with internet access and copy DIR here, or '
+                'point --tfds_data_dir at an existing copy') from None
         return builder
 
     def Dataset(self) -> tf.data.Dataset:

@@ -14,8 +14,7 @@ def corpus_bleu(references: Sequence[Sequence], hypotheses: Sequence[Sequence],
                 max_order: int = 4) -> float:
     """Papineni et al. corpus BLEU (0..100) on token sequences, with brevity penalty.
 
-    Uses add-one smoothing of the higher-order precisions only when a corpus
-    has no match of that order at all, so short corpora do not score 0.
+    Unsmoothed: a corpus with no match of some order scores 0.
     """
     if len(references) != len(hypotheses):
         raise ValueError(f'{len(references)} references but {len(hypotheses)} hypotheses')
@@ -29,12 +28,8 @@ def corpus_bleu(references: Sequence[Sequence], hypotheses: Sequence[Sequence],
             overlap = _ngrams(ref, n) & _ngrams(hyp, n)
             matches[n - 1] += sum(overlap.values())
             possible[n - 1] += max(0, len(hyp) - n + 1)
-    if hyp_len == 0:
+    if min(matches) == 0:
         return 0.0
-    log_precision = 0.0
-    for m, p in zip(matches, possible):
-        if p == 0:
-            return 0.0
-        log_precision += math.log((m if m else 1) / (p if m else p + 1)) / max_order
+    log_precision = sum(math.log(m / p) for m, p in zip(matches, possible)) / max_order
     brevity = 1.0 if hyp_len > ref_len else math.exp(1 - ref_len / hyp_len)
     return 100.0 * brevity * math.exp(log_precision)

@@ -139,6 +139,9 @@ class PipelineRun:
             grads = tape.gradient(float_leaves(y), x_leaves + flat_theta, output_gradients=dy,
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
             dx, dtheta = grads[:len(x_leaves)], grads[len(x_leaves):]
+            # Embedding lookups give IndexedSlices; the accumulator is dense.
+            dtheta = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                      for g in dtheta]
             acc = self.theta_grads[k]
             self.theta_grads[k] = dtheta if acc is None else [a + g for a, g in zip(acc, dtheta)]
         self._last[k] = list(self.theta_grads[k]) + list(dx)
