@@ -160,3 +160,37 @@ def test_list_models():
     result = th.run(th.FAST, '/nonexistent', '/nonexistent', '--list_models')
     assert result.returncode == 0
     assert 'image.shapes.AmoebaNetPipe' in result.stdout.split()
+
+
+def test_default_jobs_run_trainer_evaler_and_decoder_in_one_process(tmp_path, data_dir):
+    import tensorflow as tf
+    logdir = str(tmp_path / 'run')
+    result = th.run(th.FAST, logdir, data_dir, '--run_locally=cpu', '--max_steps=4',
+                    '--gin_bindings=trainer.save_interval_steps=2',
+                    '--gin_bindings=trainer.summary_interval_steps=1',
+                    th.overrides(**{'task.eval.samples_per_summary': 32,
+                                    'task.eval.decoder_samples_per_summary': 16}))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert os.path.exists(os.path.join(logdir, 'eval_dev', 'score-4.txt'))
+    assert os.path.exists(os.path.join(logdir, 'decoder_test', 'decoder_out-4.jsonl'))
+    tags = set()
+    for path in glob.glob(os.path.join(logdir, 'train', 'events.out.tfevents.*')):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            tags |= {v.tag for v in event.summary.value}
+    assert {'loss', 'learning_rate', 'grad_norm', 'examples_per_sec', 'steps_per_sec'} <= tags
+
+
+def test_evaler_reads_only_checkpoints_listed_as_complete(tmp_path, data_dir):
+    logdir = str(tmp_path / 'run')
+    result = th.run(th.FAST, logdir, data_dir, *th.fast_flags(2, 2))
+    assert result.returncode == 0, result.stderr[-3000:]
+    train_dir = os.path.join(logdir, 'train')
+    # A checkpoint being written: data files exist, the state file does not list it yet.
+    for suffix in ('.index', '.data-00000-of-00001'):
+        with open(os.path.join(train_dir, f'ckpt-9{suffix}'), 'wb') as f:
+            f.write(b'half written')
+    result = th.run(th.FAST, logdir, data_dir, '--job=evaler_dev', '--max_steps=2',
+                    th.overrides(**{'task.eval.samples_per_summary': 32}))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert os.listdir(os.path.join(logdir, 'eval_dev')).count('score-2.txt') == 1
+    assert not os.path.exists(os.path.join(logdir, 'eval_dev', 'score-9.txt'))
