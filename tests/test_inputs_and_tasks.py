@@ -5,7 +5,6 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 import model_registry
-from tests.test_trainer import data_dir  # noqa: F401 - session fixture
 from tfpipe import fprop_context, inputs, metrics
 from tfpipe.datasets import reverse
 
@@ -14,7 +13,7 @@ def input_params(**kw):
     return inputs.TfdsInput.Params().Set(**kw)
 
 
-def test_shapes_batches_are_static_and_normalised(data_dir):  # noqa: F811
+def test_shapes_batches_are_static_and_normalised(data_dir):
     ds = input_params(dataset='tfpipe_shapes', split='validation', batch_size=8,
                       data_dir=data_dir).Instantiate().Dataset()
     assert ds.element_spec['image'].shape == (8, 16, 16, 3)
@@ -25,7 +24,7 @@ def test_shapes_batches_are_static_and_normalised(data_dir):  # noqa: F811
     assert set(batch['label'].numpy()) <= {0, 1, 2, 3}
 
 
-def test_reverse_batches_pad_and_keep_eos(data_dir):  # noqa: F811
+def test_reverse_batches_pad_and_keep_eos(data_dir):
     ds = input_params(dataset='tfpipe_reverse', split='test', batch_size=4, max_length=13,
                       preprocess='seq2seq', data_dir=data_dir).Instantiate().Dataset()
     batch = next(iter(ds))
@@ -37,7 +36,7 @@ def test_reverse_batches_pad_and_keep_eos(data_dir):  # noqa: F811
         assert tgt[n] == reverse.EOS_ID and (tgt[n + 1:] == reverse.PAD_ID).all()
 
 
-def test_iterator_checkpoint_resumes_at_the_next_batch(data_dir, tmp_path):  # noqa: F811
+def test_iterator_checkpoint_resumes_at_the_next_batch(data_dir, tmp_path):
     p = input_params(dataset='tfpipe_shapes', split='train', batch_size=4, shuffle_buffer=64,
                      repeat=True, data_dir=data_dir)
     it = iter(p.Instantiate().Dataset())
@@ -52,7 +51,7 @@ def test_iterator_checkpoint_resumes_at_the_next_batch(data_dir, tmp_path):  # n
         np.testing.assert_array_equal(a, e)
 
 
-def test_same_seed_same_order(data_dir):  # noqa: F811
+def test_same_seed_same_order(data_dir):
     p = input_params(dataset='tfpipe_shapes', split='train', batch_size=16, shuffle_buffer=256,
                      repeat=True, data_dir=data_dir, seed=7)
     first = next(iter(p.Instantiate().Dataset()))['label'].numpy()

@@ -8,7 +8,6 @@ that BN layer saw. Eval uses the moving statistics.
 """
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from tests import model_zoo as mz
 from tfpipe import fprop_context

@@ -6,19 +6,9 @@ import signal
 import time
 
 import numpy as np
-import pytest
 
 from tests import trainer_helpers as th
 from tfpipe import checkpoints
-
-
-@pytest.fixture(scope='session')
-def data_dir(tmp_path_factory):
-    from tfpipe import datasets
-    path = str(tmp_path_factory.mktemp('tfds'))
-    datasets.prepare('tfpipe_shapes', path)
-    datasets.prepare('tfpipe_reverse', path)
-    return path
 
 
 def test_train_then_evaler_and_decoder(tmp_path, data_dir):

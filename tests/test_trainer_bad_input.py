@@ -4,12 +4,11 @@ import os
 import pytest
 
 from tests import trainer_helpers as th
-from tests.test_trainer import data_dir  # noqa: F401 - session fixture
 from tfpipe import checkpoints
 
 
 @pytest.fixture(scope='module')
-def trained(tmp_path_factory, data_dir):  # noqa: F811
+def trained(tmp_path_factory, data_dir):
     logdir = str(tmp_path_factory.mktemp('trained') / 'run')
     result = th.run(th.FAST, logdir, data_dir, *th.fast_flags(2, 2))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -32,7 +31,7 @@ CASES = [
 
 
 @pytest.mark.parametrize('what,model,flags,message', CASES, ids=[c[0] for c in CASES])
-def test_bad_input_leaves_logdir_unchanged(trained, data_dir, what, model, flags,  # noqa: F811
+def test_bad_input_leaves_logdir_unchanged(trained, data_dir, what, model, flags,
                                            message, tmp_path):
     import re
     logdir, data = trained, data_dir
@@ -46,7 +45,7 @@ def test_bad_input_leaves_logdir_unchanged(trained, data_dir, what, model, flags
     assert os.path.exists(logdir) == (logdir == trained)
 
 
-def test_unreadable_checkpoint(tmp_path, data_dir):  # noqa: F811
+def test_unreadable_checkpoint(tmp_path, data_dir):
     logdir = str(tmp_path / 'run')
     result = th.run(th.FAST, logdir, data_dir, *th.fast_flags(2, 2))
     assert result.returncode == 0, result.stderr[-3000:]
