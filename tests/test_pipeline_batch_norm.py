@@ -8,6 +8,7 @@ that BN layer saw. Eval uses the moving statistics.
 """
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tests import model_zoo as mz
 from tfpipe import fprop_context
@@ -99,3 +100,30 @@ def test_eval_uses_moving_statistics_and_ignores_micro_batching():
     np.testing.assert_allclose(pipelined, plain, rtol=1e-10)
     for b, a in zip(before, after):
         np.testing.assert_array_equal(a, b)  # eval never updates statistics
+
+
+@pytest.mark.parametrize('schedule', ['fill_drain', '1f1b'])
+def test_batch_norm_through_forward_backward(schedule):
+    """The trainer's entry point: same gradients and statistics as FProp under a tape."""
+    ref_out, ref_loss, ref_grads, _ = run_step(1, 3, 'never')
+    body = bn_body()
+    x, y = mz.inputs_for(body)
+    pipe = mz.pipeline(body, 4, 3, 'except_last', schedule=schedule)
+    loss, grads = mz.sgd_step_forward_backward(pipe, x, y, STEP)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-12)
+    for name, (mean, var) in expected_moving_stats(3).items():
+        np.testing.assert_allclose(pipe.children[name].moving_mean.numpy(), mean, rtol=1e-5)
+        np.testing.assert_allclose(pipe.children[name].moving_variance.numpy(), var, rtol=1e-5)
+
+
+def test_low_precision_statistics_stay_finite():
+    """Counts and moments travel in float32: a float16 count of 65536 would be inf."""
+    from tfpipe import layers
+    bn = layers.BatchNorm.Params().Set(name='bn', dim=2, dtype=tf.float16).Instantiate()
+    x = tf.ones([16, 64, 64, 2], tf.float16)
+    with fprop_context.training(step=0):
+        bn(x)
+    assert np.isfinite(bn.moving_mean.numpy()).all()
+    np.testing.assert_allclose(bn.moving_mean.numpy(), 0.01, rtol=1e-2)

@@ -136,3 +136,13 @@ def test_one_f_one_b_schedule_matches_fill_drain():
     np.testing.assert_allclose(loss_1f, loss_fd, rtol=1e-10)
     for a, b in zip(grads_1f, grads_fd):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-14)
+
+
+def test_costs_by_time_sees_a_heavy_layer():
+    body = [layers.Dense.Params().Set(name='small', input_dim=256, output_dim=2),
+            layers.Dense.Params().Set(name='big', input_dim=2, output_dim=256),
+            layers.Dense.Params().Set(name='huge', input_dim=256, output_dim=2048)]
+    small, big, huge = costs.by_time(body, costs.sample_input([256, 256], tf.float32),
+                                     '/CPU:0')
+    assert min(small, big, huge) > 0
+    assert huge > 3 * small  # ~1000x the flops of the small layer

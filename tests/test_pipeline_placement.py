@@ -94,3 +94,49 @@ def test_ops_per_device_reports_each_cell():
     counts = trace.ops_per_device(forward_backward_step(pipe, x, y))
     for k in range(K):
         assert counts.get(f'CPU:{k}', 0) > 0
+
+
+def control_inputs(concrete_fn):
+    """node name -> names of the nodes it waits for through control edges."""
+    graph_def = concrete_fn.graph.as_graph_def()
+    return {n.name: {i[1:].split(':')[0] for i in n.input if i.startswith('^')}
+            for n in graph_def.node}
+
+
+def scope_of(name):
+    """The task a node belongs to: 'pipe/cell_k/<phase>_m'. Gradient ops are named
+    by the tape after the forward ops they differentiate ('gradient_tape/pipe/
+    cell_k/forward_m/...'); they belong to that micro-batch's backward task."""
+    tape = name.startswith('gradient_tape/')
+    parts = name.removeprefix('gradient_tape/').split('/')
+    if len(parts) < 3 or parts[0] != 'pipe':
+        return None
+    if tape:
+        parts[2] = parts[2].replace('forward_', 'backward_')
+    return '/'.join(parts[:3])
+
+
+@pytest.mark.parametrize('recompute', ['always', 'never'])
+def test_control_dependencies_keep_each_device_in_schedule_order(recompute):
+    """The memory bounds rest on these edges: recompute waits for its incoming
+    gradient, each device runs its tasks in schedule order, and micro-batch m's
+    backward waits for the accumulation of the previous one."""
+    body = mz.mlp_body()
+    x, y = mz.inputs_for(body)
+    pipe = mz.pipeline(body, K, 3, recompute)
+    deps = control_inputs(forward_backward_step(pipe, x, y))
+    waits = collections.defaultdict(set)  # task scope -> task scopes it waits for
+    for name, sources in deps.items():
+        for source in sources:
+            if scope_of(name) and scope_of(source) and scope_of(name) != scope_of(source):
+                waits[scope_of(name)].add(scope_of(source))
+    for k in range(K):
+        for m in range(1, 3):  # forwards of a cell in micro-batch order
+            assert f'pipe/cell_{k}/forward_{m - 1}' in waits[f'pipe/cell_{k}/forward_{m}']
+        # backward runs micro-batches in reverse; each waits for the previous one's sums
+        for m in range(2):
+            assert f'pipe/cell_{k}/backward_{m + 1}' in waits[f'pipe/cell_{k}/backward_{m}']
+        assert f'pipe/cell_{k}/forward_2' in waits[f'pipe/cell_{k}/backward_2']
+        for m in range(3):  # the incoming gradient gates the whole task (recompute included)
+            source = f'pipe/cell_{k + 1}/backward_{m}' if k + 1 < K else f'pipe/cell_{k}/loss_{m}'
+            assert source in waits[f'pipe/cell_{k}/backward_{m}'], (k, m)

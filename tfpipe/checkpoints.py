@@ -31,13 +31,23 @@ def latest(directory: str) -> Optional[str]:
 
     Only checkpoints listed in the state file count: CheckpointManager writes
     that file after the data, so a half-written checkpoint is never returned.
+    A listed checkpoint whose files are gone (moved away by a user, or rotated
+    out by a trainer while an evaler looks) is skipped for the next older one;
+    if the state file lists checkpoints but none has its files, that is an
+    error, not a fresh start.
     """
-    return tf.train.latest_checkpoint(directory)
-
-
-def all_complete(directory: str) -> list[str]:
     state = tf.train.get_checkpoint_state(directory)
-    return list(state.all_model_checkpoint_paths) if state else []
+    if state is None:
+        return None
+    listed = list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
+    for path in reversed(listed):
+        if not os.path.isabs(path):
+            path = os.path.join(directory, path)
+        if tf.io.gfile.exists(path + '.index'):
+            return path
+    raise CheckpointError(
+        f'{directory}/{STATE_FILE} lists checkpoints {[os.path.basename(p) for p in listed]} '
+        'but none of their files exist: restore them, or delete the state file to start over')
 
 
 def step_of(path: str) -> int:
@@ -56,23 +66,33 @@ def restore(checkpoint: tf.train.Checkpoint, path: str, partial: bool = False) -
         status.assert_existing_objects_matched()
         if partial:
             status.expect_partial()
+    except tf.errors.NotFoundError:
+        raise  # the files went away (rotated out): the caller may look again
     except (tf.errors.OpError, ValueError, AssertionError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(
-            f'checkpoint {path} cannot be restored into this model ({first[:300]}): if it is '
-            'corrupt or partial, move it out of the train dir to fall back to an older one; if '
-            'the model changed, use a new --logdir') from None
+            f'checkpoint {path} cannot be restored into this model '
+            f'({one_line(str(e))[:300] or type(e).__name__}): if it is corrupt or partial, move '
+            'it out of the train dir to fall back to an older one; if the model changed, use a '
+            'new --logdir') from None
 
 
 def check_readable(path: str) -> None:
     """Reads the checkpoint's index so a corrupt file fails before anything is written."""
-    if not tf.io.gfile.exists(path + '.index'):
-        raise CheckpointError(f'checkpoint {path} is listed in {os.path.dirname(path)}/'
-                              f'{STATE_FILE} but its files are missing: remove the stale entry '
-                              'or restore the files')
     try:
         tf.train.list_variables(path)
     except (tf.errors.OpError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f'checkpoint {path} is unreadable ({first[:300]}): move it out '
-                              'of the train dir to fall back to an older one') from None
+        raise CheckpointError(f'checkpoint {path} is unreadable ({one_line(str(e))[:300]}): '
+                              'move it out of the train dir to fall back to an older one'
+                              ) from None
+
+
+def one_line(message: str) -> str:
+    """The informative line of a possibly multi-line error message.
+
+    TensorFlow prefixes errors raised while tracing with 'in user code:' and a
+    traceback; the cause is then on the last line.
+    """
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return ''
+    return lines[-1] if lines[0].startswith('in user code') else lines[0]

@@ -51,20 +51,24 @@ def _is_remote(spec: tf.DeviceSpec) -> bool:
 def resolve(devices: Optional[Sequence[str]], num_cells: int) -> list[str]:
     """Returns one canonical device name per cell.
 
-    `devices=None` picks the first `num_cells` GPUs if the process has that
-    many, else logical CPUs. Errors name the fix: too few devices, unknown
-    device, a device listed twice.
+    `devices=None` picks the first `num_cells` GPUs if the process has any GPU,
+    else logical CPUs. Errors name the fix: too few devices, unknown device, a
+    device listed twice.
     """
     if devices is None:
         gpus = tf.config.list_logical_devices('GPU')
-        pool = gpus if len(gpus) >= num_cells else tf.config.list_logical_devices('CPU')
+        if gpus and len(gpus) < num_cells:
+            raise ValueError(
+                f'the pipeline has {num_cells} cells but this process has {len(gpus)} GPU(s): '
+                'use at most that many cells, or list the devices explicitly (devices=[...]; '
+                'the trainer: --run_locally=cpu for logical CPUs)')
+        pool = gpus or tf.config.list_logical_devices('CPU')
         if len(pool) < num_cells:
             raise ValueError(
-                f'the pipeline has {num_cells} cells but this process has only '
-                f'{len(pool)} device(s) ({len(gpus)} GPU, '
-                f'{len(tf.config.list_logical_devices("CPU"))} logical CPU): use fewer '
-                f'cells, or call tfpipe.configure_logical_cpus({num_cells}) before '
-                'TensorFlow starts')
+                f'the pipeline has {num_cells} cells but this process has only {len(pool)} '
+                f'logical CPU device(s): use fewer cells, or call '
+                f'tfpipe.configure_logical_cpus({num_cells}) before TensorFlow starts (the '
+                f'trainer: --num_logical_cpus={num_cells})')
         return [_canonical(d.name).to_string() for d in pool[:num_cells]]
     devices = list(devices)
     if len(devices) < num_cells:
@@ -80,7 +84,8 @@ def resolve(devices: Optional[Sequence[str]], num_cells: int) -> list[str]:
                 raise ValueError(
                     f'unknown device {name!r}: this process has '
                     f'{sorted(known.values())}; pick one of those (for more CPUs '
-                    'call tfpipe.configure_logical_cpus(n) at start-up)')
+                    'call tfpipe.configure_logical_cpus(n) at start-up; the trainer: '
+                    '--num_logical_cpus=n)')
         resolved.append(spec.to_string())
     if len(set(resolved)) != len(resolved):
         raise ValueError(

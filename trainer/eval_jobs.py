@@ -12,7 +12,7 @@ import json
 import math
 import os
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -27,65 +27,78 @@ PROCESSED_FILE = 'processed.txt'
 class _PollingJob:
     """Shared loop: find the newest unprocessed checkpoint, process it, record it."""
 
-    kind = ''
+    kind = ''  # names the output dir: <kind>_<split>
+    job_prefix = ''  # names the job: <job_prefix>_<split>
 
     def __init__(self, params: Params, split: str, logdir: str, max_steps: int,
-                 poll_max_seconds: float = 30.0, should_stop: Callable[[], bool] = lambda: False):
-        input_params = getattr(params.input, split, None) if split in params.input else None
-        if input_params is None:
+                 poll_max_seconds: float = 30.0, idle_timeout_seconds: Optional[float] = None,
+                 should_stop: Callable[[], bool] = lambda: False):
+        defined = [s for s, v in params.input.IterParams() if v is not None]
+        if split not in defined:
             raise ValueError(f'the model defines no input for split {split!r}: use one of '
-                             f'{[s for s, v in params.input.IterParams() if v is not None]} '
-                             f'(e.g. --job={self.kind}_dev)')
+                             f'{defined} (e.g. --job={self.job_prefix}_{defined[0]})')
         self.split = split
         self.train_dir = os.path.join(logdir, 'train')
         self.job_dir = os.path.join(logdir, f'{self.kind}_{split}')
         self.max_steps = max_steps
         self.poll_max_seconds = poll_max_seconds
+        self.idle_timeout_seconds = idle_timeout_seconds
         self.should_stop = should_stop
+        self.input_params = params.input.Get(split)
+        self.input_params.Instantiate()  # fails now, not at the first checkpoint, on bad data
         self.task = params.task.Instantiate()
-        self.input_params = input_params
         self.checkpoint = checkpoints.make(self.task.VariablesByPath())
+        path = checkpoints.latest(self.train_dir) if os.path.isdir(self.train_dir) else None
+        if path is not None:
+            checkpoints.check_readable(path)
 
-    def _Processed(self) -> set[int]:
+    def _processed(self) -> set[int]:
         path = os.path.join(self.job_dir, PROCESSED_FILE)
         if not os.path.exists(path):
             return set()
         with open(path) as f:
             return {int(line) for line in f if line.strip()}
 
-    def _MarkProcessed(self, step: int) -> None:
+    def _mark_processed(self, step: int) -> None:
         with open(os.path.join(self.job_dir, PROCESSED_FILE), 'a') as f:
             f.write(f'{step}\n')
 
-    def Run(self) -> None:
+    def run(self) -> None:
+        """Processes new checkpoints until the one of max_steps (or idle timeout / stop)."""
         os.makedirs(self.job_dir, exist_ok=True)
         writer = tf.summary.create_file_writer(self.job_dir)
-        wait = 1.0
+        wait, idle_since = 1.0, time.time()
         while True:
-            path = checkpoints.latest(self.train_dir)
-            done = self._Processed()
-            if path is not None and checkpoints.step_of(path) not in done:
-                step = checkpoints.step_of(path)
-                checkpoints.restore(self.checkpoint, path, partial=True)
-                self.Process(step, writer)
-                self._MarkProcessed(step)
-                wait = 1.0
+            path = checkpoints.latest(self.train_dir) if os.path.isdir(self.train_dir) else None
+            step = checkpoints.step_of(path) if path is not None else -1
+            if path is not None and step not in self._processed():
+                try:
+                    checkpoints.restore(self.checkpoint, path, partial=True)
+                except tf.errors.NotFoundError:
+                    continue  # rotated out by the trainer meanwhile: look again
+                self.process(step, writer)
+                self._mark_processed(step)
+                wait, idle_since = 1.0, time.time()
                 if step >= self.max_steps:
                     return
                 continue
-            if path is not None and checkpoints.step_of(path) >= self.max_steps:
+            if step >= self.max_steps or self.should_stop():
                 return
-            if self.should_stop():
+            if self.idle_timeout_seconds and time.time() - idle_since > self.idle_timeout_seconds:
+                logging.info('%s_%s: no new checkpoint for %.0fs, stopping', self.kind,
+                             self.split, self.idle_timeout_seconds)
                 return
-            time.sleep(wait)
+            deadline = time.time() + wait
+            while time.time() < deadline and not self.should_stop():
+                time.sleep(0.1)
             wait = min(2 * wait, self.poll_max_seconds)
 
-    def _Batches(self, num_examples: int):
+    def _batches(self, num_examples: int):
         dataset = self.input_params.Instantiate().Dataset()
         batches = math.ceil(num_examples / self.input_params.batch_size)
         return dataset.take(batches)
 
-    def Process(self, step: int, writer) -> None:
+    def process(self, step: int, writer) -> None:
         raise NotImplementedError
 
 
@@ -93,6 +106,7 @@ class Evaler(_PollingJob):
     """Weighted-mean metrics over eval.samples_per_summary examples -> score-<step>.txt."""
 
     kind = 'eval'
+    job_prefix = 'evaler'
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -105,9 +119,9 @@ class Evaler(_PollingJob):
                                         batch)
         self._metrics = metrics
 
-    def Process(self, step, writer):
+    def process(self, step, writer):
         sums, weights = {}, {}
-        for batch in self._Batches(self.task.params.eval.samples_per_summary):
+        for batch in self._batches(self.task.params.eval.samples_per_summary):
             for name, (value, weight) in self._metrics(batch).items():
                 sums[name] = sums.get(name, 0.0) + float(value) * float(weight)
                 weights[name] = weights.get(name, 0.0) + float(weight)
@@ -120,6 +134,7 @@ class Decoder(_PollingJob):
     """Decodes eval.decoder_samples_per_summary examples -> decoder_out-<step>.jsonl."""
 
     kind = 'decoder'
+    job_prefix = 'decoder'
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -131,9 +146,9 @@ class Decoder(_PollingJob):
                 return task.Decode(task.theta, batch)
         self._decode = decode
 
-    def Process(self, step, writer):
+    def process(self, step, writer):
         records = []
-        for batch in self._Batches(self.task.params.eval.decoder_samples_per_summary):
+        for batch in self._batches(self.task.params.eval.decoder_samples_per_summary):
             out = {k: v.numpy() for k, v in self._decode(batch).items()}
             records += self.task.PostProcessDecodeOut(out)
         out_path = os.path.join(self.job_dir, f'decoder_out-{step}.jsonl')

@@ -100,3 +100,28 @@ def write_job_files(logdir: str, job_dir: str, model: str, params: Params) -> No
         f.write(model + '\n')
     with open(os.path.join(job_dir, PARAMS_FILE), 'w') as f:
         f.write(params.ToText())
+
+
+def saved_train_params(train_dir: str, params: Params) -> Optional[Params]:
+    """The params the trainer of this logdir ran with (None before its first run)."""
+    path = os.path.join(train_dir, PARAMS_FILE)
+    if not os.path.exists(path):
+        return None
+    saved = params.Copy()
+    with open(path) as f:
+        saved.FromText(f.read())
+    return saved
+
+
+def check_resumable(saved: Optional[Params], params: Params, train_dir: str) -> None:
+    """The checkpointed input position only fits the input it was saved from."""
+    if saved is None or not os.path.exists(os.path.join(train_dir, 'checkpoint')):
+        return
+    old, new = saved.input.train.Copy(), params.input.train.Copy()
+    old.data_dir = new.data_dir = None  # where the data lives may change; what it is may not
+    diff = old.TextDiff(new)
+    if diff:
+        change = '; '.join(line.strip() for line in diff.splitlines())
+        raise ValueError(f'input.train changed since the checkpoints in {train_dir} were written '
+                         f'({change}): the saved input position cannot be restored into another '
+                         'input; revert the change or use a new --logdir')

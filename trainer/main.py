@@ -52,6 +52,7 @@ def _configure_devices() -> None:
     import tfpipe
     kind = FLAGS.run_locally or ('gpu' if tf.config.list_physical_devices('GPU') else 'cpu')
     if kind == 'cpu':
+        tf.config.set_visible_devices([], 'GPU')  # cells go to logical CPUs even beside a GPU
         tfpipe.configure_logical_cpus(FLAGS.num_logical_cpus)
 
 
@@ -59,6 +60,8 @@ def _parse_jobs(job_flag: str | None) -> list[str]:
     if job_flag is None:
         return ['trainer', 'evaler_dev', 'decoder_test']
     jobs = [j.strip() for j in job_flag.split(',') if j.strip()]
+    if len(set(jobs)) != len(jobs):
+        raise UsageError(f'--job={job_flag} names a job twice: list each job once')
     for job in jobs:
         if job != 'trainer' and not job.startswith(('evaler_', 'decoder_')):
             raise UsageError(f'unknown --job {job!r}: use trainer, evaler_<split> or '
@@ -67,6 +70,7 @@ def _parse_jobs(job_flag: str | None) -> list[str]:
 
 
 def _set_data_dir(params) -> None:
+    """Points every input without a data_dir at --tfds_data_dir (or the tfds default)."""
     data_dir = FLAGS.tfds_data_dir or os.path.expanduser('~/tensorflow_datasets')
     for _, input_params in params.input.IterParams():
         if input_params is not None and input_params.data_dir is None:
@@ -118,15 +122,21 @@ def main(argv) -> int:
         return 0
     logdir = FLAGS.logdir
     experiment.check_logdir(logdir, FLAGS.model)
+    train_dir = train_job.train_dir_of(logdir)
+    saved = experiment.saved_train_params(train_dir, params)
+    if 'trainer' in jobs:
+        experiment.check_resumable(saved, params, train_dir)
     max_steps = options.max_steps or params.task.train.max_steps
+    if 'trainer' not in jobs and options.max_steps is None and saved is not None:
+        max_steps = saved.task.train.max_steps  # stop where this logdir's trainer stops
 
     # Build (and so validate) every job before writing anything to the logdir.
     built = []
     trainer_done = threading.Event()
     for job in jobs:
         if job == 'trainer':
-            trainer = train_job.Trainer(params, train_job.train_dir_of(logdir), options)
-            trainer.RestoreLatest()
+            trainer = train_job.Trainer(params, train_dir, options)
+            trainer.restore_latest()
             built.append((job, trainer))
         else:
             kind, split = job.split('_', 1)
@@ -136,7 +146,8 @@ def main(argv) -> int:
             cls = eval_jobs.Evaler if kind == 'evaler' else eval_jobs.Decoder
             stop = trainer_done.is_set if 'trainer' in jobs else (lambda: False)
             built.append((job, cls(params, split, logdir, max_steps,
-                                   options.eval_poll_max_seconds, should_stop=stop)))
+                                   options.eval_poll_max_seconds,
+                                   options.eval_idle_timeout_seconds, should_stop=stop)))
     for job, runner in built:
         job_dir = (runner.train_dir if job == 'trainer' else runner.job_dir)
         experiment.write_job_files(logdir, job_dir, FLAGS.model, params)
@@ -145,7 +156,7 @@ def main(argv) -> int:
 
     def run_in_thread(job, runner):
         try:
-            runner.Run()
+            runner.run()
         except Exception as e:  # noqa: BLE001 - reported by the main thread
             logging.exception('%s failed', job)
             errors.append(f'{job}: {e}')
@@ -157,7 +168,7 @@ def main(argv) -> int:
     try:
         for job, runner in built:
             if job == 'trainer':
-                runner.Run()
+                runner.run()
     finally:
         trainer_done.set()
     for thread in threads:
@@ -170,13 +181,14 @@ def main(argv) -> int:
 
 def _main_with_errors(argv) -> None:
     from tfpipe import checkpoints
+    from tfpipe.hyperparams import ParamsError
     from trainer import train_job
     try:
         code = main(argv)
-    except (ValueError, TypeError, AttributeError, KeyError, checkpoints.CheckpointError,
-            FileNotFoundError) as e:
-        message = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f'error: {message}', file=sys.stderr)
+    except (ValueError, ParamsError, checkpoints.CheckpointError) as e:
+        # Validation errors: bad flags, params, data or checkpoints. Anything else is
+        # a bug and keeps its traceback.
+        print(f'error: {checkpoints.one_line(str(e)) or type(e).__name__}', file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
     except train_job.NonFiniteLossError as e:
         print(f'error: {e}', file=sys.stderr)

@@ -13,7 +13,7 @@ import math
 import os
 import signal
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 import gin
 import tensorflow as tf
@@ -37,6 +37,24 @@ class RuntimeOptions:
     summary_interval_steps: Optional[int] = None
     save_max_to_keep: Optional[int] = None
     eval_poll_max_seconds: float = 30.0
+    eval_idle_timeout_seconds: Optional[float] = None  # None: evalers wait for the last step
+
+    def __post_init__(self):
+        for name in ('max_steps', 'save_interval_steps', 'summary_interval_steps',
+                     'save_max_to_keep'):
+            _check_positive_int(f'trainer.{name}', getattr(self, name), allow_none=True)
+        for name in ('eval_poll_max_seconds', 'eval_idle_timeout_seconds'):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or
+                                      not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(f'trainer.{name}={value!r} must be a positive number of seconds')
+
+
+def _check_positive_int(name: str, value, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f'{name}={value!r} must be an int >= 1')
 
 
 class NonFiniteLossError(RuntimeError):
@@ -44,10 +62,13 @@ class NonFiniteLossError(RuntimeError):
 
 
 class Trainer:
-    """Builds the task, optimizer, input and checkpoint; `Run()` trains."""
+    """Builds the task, optimizer, input and checkpoint; `run()` trains."""
 
     def __init__(self, params: Params, train_dir: str, options: RuntimeOptions):
         tp = params.task.train
+        for name in ('max_steps', 'save_interval_steps', 'summary_interval_steps',
+                     'save_max_to_keep'):
+            _check_positive_int(f'task.train.{name}', getattr(tp, name))
         self.max_steps = options.max_steps or tp.max_steps
         self.save_interval = options.save_interval_steps or tp.save_interval_steps
         self.summary_interval = options.summary_interval_steps or tp.summary_interval_steps
@@ -70,7 +91,7 @@ class Trainer:
             max_to_keep=options.save_max_to_keep or tp.save_max_to_keep)
         self._stop_signal: Optional[int] = None
 
-    def RestoreLatest(self) -> int:
+    def restore_latest(self) -> int:
         """Restores the newest complete checkpoint, if any; returns the global step."""
         path = checkpoints.latest(self.train_dir)
         if path is not None:
@@ -80,39 +101,54 @@ class Trainer:
         return int(self.global_step.numpy())
 
     @tf.function
-    def _Step(self, batch):
+    def _step(self, batch):
+        """One synchronous step; the update is skipped when loss or gradients are not finite."""
         step = self.global_step
         with fprop_context.training(step=step):
             loss, grads = self.task.ForwardBackward(self.task.theta, batch)
         grads = flatten_by_path(grads, self.task.path)
         grads, norm = clip_by_global_norm(grads, self.clip_norm)
         lr = self.learning_rate * self.schedule.Value(step + 1)  # step + 1: the update number
-        self.optimizer.Apply(lr, grads, self.variables)
-        step.assign_add(1)
+        finite = tf.math.is_finite(loss) & tf.math.is_finite(norm)
+
+        def update():
+            self.optimizer.Apply(lr, grads, self.variables)
+            step.assign_add(1)
+            return tf.constant(True)
+
+        tf.cond(finite, update, lambda: tf.constant(False))
         return loss, norm, lr
 
-    def _InstallSignalHandlers(self) -> None:
+    @tf.function
+    def _weights_are_finite(self):
+        return tf.reduce_all([tf.reduce_all(tf.math.is_finite(v))
+                              for v in self.variables.values()])
+
+    def _install_signal_handlers(self) -> dict:
         def handler(signum, frame):
             del frame
             self._stop_signal = signum
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, handler)
+        return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
 
-    def Run(self, on_checkpoint: Callable[[int], None] = lambda step: None) -> int:
+    def run(self) -> int:
         """Trains to max_steps; returns the final step. SIGINT/SIGTERM save and return."""
-        self._InstallSignalHandlers()
+        previous = self._install_signal_handlers()
+        try:
+            return self._loop()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _loop(self) -> int:
         step = int(self.global_step.numpy())
         writer = tf.summary.create_file_writer(self.train_dir)
         start_step, start_time = step, time.time()
         last_log_step, last_log_time = step, start_time
         while step < self.max_steps and self._stop_signal is None:
-            loss, norm, lr = self._Step(next(self.iterator))
+            loss, norm, lr = self._step(next(self.iterator))
             loss, norm = float(loss), float(norm)
             if not (math.isfinite(loss) and math.isfinite(norm)):
-                raise NonFiniteLossError(
-                    f'loss is {loss} and gradient norm {norm} at step {step}: training stopped; '
-                    f'the last good checkpoint in {self.train_dir} is kept. Lower '
-                    'task.train.learning_rate or set task.train.clip_gradient_norm_to_value')
+                self._non_finite(f'loss is {loss} and gradient norm {norm} at step {step}')
             step += 1
             if step % self.summary_interval == 0 or step == self.max_steps:
                 now = time.time()
@@ -130,23 +166,30 @@ class Trainer:
                              eta // 60, eta % 60)
                 last_log_step, last_log_time = step, now
             if step % self.save_interval == 0 or step == self.max_steps:
-                self._Save(step, on_checkpoint)
+                self._save(step)
         if self._stop_signal is not None:
             logging.info('signal %d: saving a checkpoint at step %d and stopping',
                          self._stop_signal, step)
             if self.manager.latest_checkpoint is None or \
                     checkpoints.step_of(self.manager.latest_checkpoint) != step:
-                self._Save(step, on_checkpoint)
+                self._save(step)
         writer.flush()
         elapsed = time.time() - start_time
         logging.info('trained steps %d..%d in %.1fs', start_step, step, elapsed)
         return step
 
-    def _Save(self, step: int, on_checkpoint: Callable[[int], None]) -> None:
+    def _non_finite(self, what: str) -> None:
+        raise NonFiniteLossError(
+            f'{what}: training stopped; the last good checkpoint in {self.train_dir} is kept. '
+            'Lower task.train.learning_rate or set task.train.clip_gradient_norm_to_value')
+
+    def _save(self, step: int) -> None:
+        if not bool(self._weights_are_finite()):
+            self._non_finite(f'the weights after step {step} are not finite')
         path = self.manager.save(checkpoint_number=step)
         logging.info('saved %s', path)
-        on_checkpoint(step)
 
 
 def train_dir_of(logdir: str) -> str:
+    """Where the trainer writes checkpoints; the evaler and decoder read them there."""
     return os.path.join(logdir, 'train')

@@ -65,8 +65,12 @@ class BatchNorm(BaseLayer):
         else:
             axes = list(range(x.shape.rank - 1))
             mean, var = tf.nn.moments(x, axes)
-            count = tf.cast(tf.size(x) // p.dim, x.dtype)
-            moments = (count, tf.stop_gradient(mean), tf.stop_gradient(var))
+            # Statistics travel in at least float32: a float16 count overflows at 65504
+            # and bfloat16 cannot count past 256 exactly.
+            stat_dtype = tf.float32 if x.dtype.size < 4 else x.dtype
+            count = tf.cast(tf.size(x) // p.dim, stat_dtype)
+            moments = (count, tf.stop_gradient(tf.cast(mean, stat_dtype)),
+                       tf.stop_gradient(tf.cast(var, stat_dtype)))
             if ctx.batch_stats is not None:
                 ctx.batch_stats.record(self, *moments)
             else:
@@ -78,8 +82,9 @@ class BatchNorm(BaseLayer):
         """One moving-average update from the statistics of all parts of a batch."""
         _, mean, var = combine_moments(stats)
         decay = self.params.decay
-        self.moving_mean.assign(decay * self.moving_mean + (1 - decay) * mean)
-        self.moving_variance.assign(decay * self.moving_variance + (1 - decay) * var)
+        for moving, batch in ((self.moving_mean, mean), (self.moving_variance, var)):
+            old = tf.cast(moving, batch.dtype)
+            moving.assign(tf.cast(decay * old + (1 - decay) * batch, moving.dtype))
 
     @classmethod
     def FPropMeta(cls, p, x_shape):
