@@ -6,6 +6,7 @@ import signal
 import time
 
 import numpy as np
+import pytest
 
 from tests import trainer_helpers as th
 from tfpipe import checkpoints
@@ -41,26 +42,27 @@ def test_train_then_evaler_and_decoder(tmp_path, data_dir):
 
 
 def test_kill_9_then_resume_equals_uninterrupted_run(tmp_path, data_dir):
-    steps = 8
+    steps = 60
     straight = str(tmp_path / 'straight')
-    result = th.run(th.FAST, straight, data_dir, *th.fast_flags(steps, 2))
+    result = th.run(th.FAST, straight, data_dir, *th.fast_flags(steps, 4))
     assert result.returncode == 0, result.stderr[-3000:]
 
     killed = str(tmp_path / 'killed')
-    proc = th.start(th.FAST, killed, data_dir, *th.fast_flags(steps, 2))
+    proc = th.start(th.FAST, killed, data_dir, *th.fast_flags(steps, 4))
     train_dir = os.path.join(killed, 'train')
     deadline = time.time() + 240
     while time.time() < deadline:
         path = checkpoints.latest(train_dir) if os.path.isdir(train_dir) else None
         if path and checkpoints.step_of(path) >= 4:
             break
-        time.sleep(0.05)
+        time.sleep(0.01)
     proc.kill()  # SIGKILL, at whatever point the trainer is
     proc.wait()
     interrupted_at = checkpoints.step_of(checkpoints.latest(train_dir))
-    assert 4 <= interrupted_at <= steps
-    result = th.run(th.FAST, killed, data_dir, *th.fast_flags(steps, 2))
+    assert 4 <= interrupted_at < steps
+    result = th.run(th.FAST, killed, data_dir, *th.fast_flags(steps, 4))
     assert result.returncode == 0, result.stderr[-3000:]
+    assert f'at step {interrupted_at}' in result.stderr  # resumed, not restarted
     final = checkpoints.latest(train_dir)
     assert checkpoints.step_of(final) == steps
     expected = th.model_values(checkpoints.latest(os.path.join(straight, 'train')))
@@ -86,7 +88,8 @@ def test_resume_with_another_balance(tmp_path, data_dir):
     assert changed  # training went on from the restored weights
 
 
-def test_sigterm_saves_and_exits_zero(tmp_path, data_dir):
+@pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_and_exits_zero(tmp_path, data_dir, sig):
     logdir = str(tmp_path / 'run')
     proc = th.start(th.FAST, logdir, data_dir, *th.fast_flags(100000, 100000))
     out = ''
@@ -96,7 +99,7 @@ def test_sigterm_saves_and_exits_zero(tmp_path, data_dir):
         out += line
         if 'step 3/' in line:
             break
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     out += proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, out[-3000:]
     assert 'saving a checkpoint' in out
@@ -104,19 +107,20 @@ def test_sigterm_saves_and_exits_zero(tmp_path, data_dir):
     assert 3 <= step < 100000
 
 
-def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, data_dir):
+@pytest.mark.parametrize('learning_rate', [1e30, 1e39])  # NaN loss; weights overflowing
+def test_non_finite_training_stops_and_keeps_the_last_good_checkpoint(tmp_path, data_dir,
+                                                                      learning_rate):
     logdir = str(tmp_path / 'run')
     result = th.run(th.FAST, logdir, data_dir, *th.fast_flags(2, 2))
     assert result.returncode == 0, result.stderr[-3000:]
-    good = th.snapshot(os.path.join(logdir, 'train'))
     result = th.run(th.FAST, logdir, data_dir, *th.fast_flags(50, 1),
-                    th.overrides(**{'task.train.learning_rate': 1e30}))
+                    th.overrides(**{'task.train.learning_rate': learning_rate}))
     assert result.returncode == 1
     assert 'training stopped' in th.error_line(result)
-    assert checkpoints.step_of(checkpoints.latest(os.path.join(logdir, 'train'))) >= 2
-    latest = th.model_values(checkpoints.latest(os.path.join(logdir, 'train')))
-    assert all(np.isfinite(v).all() for v in latest.values())
-    assert set(good) <= set(th.snapshot(os.path.join(logdir, 'train')))
+    train_dir = os.path.join(logdir, 'train')
+    for path in checkpoints.tf.train.get_checkpoint_state(train_dir).all_model_checkpoint_paths:
+        values = th.model_values(path)
+        assert all(np.isfinite(v).all() for v in values.values()), path
 
 
 def test_transformer_trains_and_decodes(tmp_path, data_dir):
@@ -184,3 +188,25 @@ def test_evaler_reads_only_checkpoints_listed_as_complete(tmp_path, data_dir):
     assert result.returncode == 0, result.stderr[-3000:]
     assert os.listdir(os.path.join(logdir, 'eval_dev')).count('score-2.txt') == 1
     assert not os.path.exists(os.path.join(logdir, 'eval_dev', 'score-9.txt'))
+
+
+def test_a_checkpoint_moved_away_falls_back_to_the_previous_one(tmp_path, data_dir):
+    logdir = str(tmp_path / 'run')
+    result = th.run(th.FAST, logdir, data_dir, *th.fast_flags(4, 2))
+    assert result.returncode == 0, result.stderr[-3000:]
+    train_dir = os.path.join(logdir, 'train')
+    for path in glob.glob(os.path.join(train_dir, 'ckpt-4.*')):
+        os.rename(path, str(tmp_path / os.path.basename(path)))
+    result = th.run(th.FAST, logdir, data_dir, *th.fast_flags(6, 2))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert 'ckpt-2 at step 2' in result.stderr and 'trained steps 2..6' in result.stderr
+
+
+def test_standalone_evaler_stops_at_the_trainers_last_step(tmp_path, data_dir):
+    logdir = str(tmp_path / 'run')
+    result = th.run(th.FAST, logdir, data_dir, *th.fast_flags(2, 2))
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = th.run(th.FAST, logdir, data_dir, '--job=evaler_dev', timeout=120,
+                    *[th.overrides(**{'task.eval.samples_per_summary': 32})])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert os.path.exists(os.path.join(logdir, 'eval_dev', 'score-2.txt'))

@@ -59,3 +59,42 @@ def test_unreadable_checkpoint(tmp_path, data_dir):
     assert result.returncode == 2
     assert 'unreadable' in th.error_line(result) or 'cannot be restored' in th.error_line(result)
     assert th.snapshot(logdir) == before
+
+
+def test_evaler_on_an_unreadable_checkpoint(tmp_path, data_dir):
+    logdir = str(tmp_path / 'run')
+    result = th.run(th.FAST, logdir, data_dir, *th.fast_flags(2, 2))
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(checkpoints.latest(os.path.join(logdir, 'train')) + '.index', 'r+b') as f:
+        f.write(b'\0garbage' * 8)
+    before = th.snapshot(logdir)
+    result = th.run(th.FAST, logdir, data_dir, '--job=evaler_dev', '--max_steps=2')
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert 'unreadable' in th.error_line(result)
+    assert th.snapshot(logdir) == before
+
+
+def test_evaler_with_missing_data(tmp_path):
+    logdir = str(tmp_path / 'fresh')
+    result = th.run('image.cifar10.AmoebaNetD', logdir, str(tmp_path / 'empty'),
+                    '--job=evaler_test')
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert 'tfds build cifar10' in th.error_line(result)
+    assert not os.path.exists(logdir)
+
+
+@pytest.mark.parametrize('flags,message', [
+    ([th.overrides(**{'input.train.batch_size': 8})],
+     r'input.train changed since the checkpoints.*batch_size : 16 -> 8.*new --logdir'),
+    (['--gin_bindings=trainer.save_interval_steps=0'], r'trainer.save_interval_steps=0 must be'),
+    ([th.overrides(**{'task.train.summary_interval_steps': 0})],
+     r'task.train.summary_interval_steps=0 must be an int >= 1'),
+    (['--job=evaler_dev,evaler_dev'], r'names a job twice'),
+])
+def test_bad_resume_and_runtime_knobs(trained, data_dir, flags, message):
+    import re
+    before = th.snapshot(trained)
+    result = th.run(th.FAST, trained, data_dir, '--max_steps=3', *flags)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert re.search(message, th.error_line(result)), th.error_line(result)
+    assert th.snapshot(trained) == before
