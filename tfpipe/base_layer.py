@@ -202,6 +202,21 @@ def layer_meta(p: Params, shapes: Any) -> LayerMeta:
     return LayerMeta(meta.flops, {**shapes, 'x': meta.out_shapes})
 
 
+def body_metas(body: Sequence[Params], shapes: Any) -> list[LayerMeta]:
+    """`layer_meta` of each layer of a sequence, each fed the previous one's output shapes."""
+    metas = []
+    for p in body:
+        metas.append(layer_meta(p, shapes))
+        shapes = metas[-1].out_shapes
+    return metas
+
+
+def body_meta(body: Sequence[Params], shapes: Any) -> LayerMeta:
+    """Total flops and final output shapes of a sequence of layers."""
+    metas = body_metas(body, shapes)
+    return LayerMeta(sum(m.flops for m in metas), metas[-1].out_shapes if metas else shapes)
+
+
 def flatten_by_path(nested: dict, prefix: str) -> dict[str, Any]:
     """{'pipe': {'fc0': {'w': v}}} -> {'<prefix>/pipe/fc0/w': v}: theta-shaped data
     (weights, gradients) keyed like `VariablesByPath`."""

@@ -2,28 +2,24 @@
 from model_registry import RegisterSingleTaskModel
 from tfpipe.bodies import amoebanet_body
 from tfpipe import inputs, lr_schedules, optimizers
-from tfpipe.base_model_params import SingleTaskModelParams
+from tfpipe.base_model_params import TfdsModelParams
 from tfpipe.pipeline.pipelining_layer import PipeliningLayer
 from tfpipe.tasks.classifier import ImageClassifier
 
 
 @RegisterSingleTaskModel
-class AmoebaNetD(SingleTaskModelParams):
+class AmoebaNetD(TfdsModelParams):
     """AmoebaNet-D-style body, 6 cells per stage, K=4, M=8, RMSProp as in GPipe."""
 
     BATCH_SIZE = 128
 
-    def _Input(self, split: str, train: bool):
+    TFDS_SPLITS = {'train': 'train', 'test': 'test'}  # CIFAR-10 has no validation split
+
+    def InputParams(self, tfds_split, training):
         return inputs.TfdsInput.Params().Set(
-            dataset='cifar10', split=split, batch_size=self.BATCH_SIZE,
-            preprocess='image_classification', shuffle_buffer=10000 if train else 0,
-            repeat=train)
-
-    def Train(self):
-        return self._Input('train', True)
-
-    def Test(self):
-        return self._Input('test', False)
+            dataset='cifar10', split=tfds_split, batch_size=self.BATCH_SIZE,
+            preprocess='image_classification', shuffle_buffer=10000 if training else 0,
+            repeat=training)
 
     def Task(self):
         p = ImageClassifier.Params().Set(num_classes=10)

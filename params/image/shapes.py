@@ -2,32 +2,23 @@
 from model_registry import RegisterSingleTaskModel
 from tfpipe.bodies import amoebanet_body
 from tfpipe import inputs, layers, lr_schedules, optimizers
-from tfpipe.base_model_params import SingleTaskModelParams
+from tfpipe.base_model_params import TfdsModelParams
 from tfpipe.datasets import shapes
 from tfpipe.pipeline.pipelining_layer import PipeliningLayer
 from tfpipe.tasks.classifier import ImageClassifier
 
 
 @RegisterSingleTaskModel
-class AmoebaNetPipe(SingleTaskModelParams):
+class AmoebaNetPipe(TfdsModelParams):
     """A small AmoebaNet on tfpipe_shapes: K=4 cells, M=4 micro-batches, recompute."""
 
     BATCH_SIZE = 32
 
-    def _Input(self, split: str, train: bool):
+    def InputParams(self, tfds_split, training):
         return inputs.TfdsInput.Params().Set(
-            dataset='tfpipe_shapes', split=split, batch_size=self.BATCH_SIZE,
-            preprocess='image_classification', shuffle_buffer=2048 if train else 0,
-            repeat=train)
-
-    def Train(self):
-        return self._Input('train', True)
-
-    def Dev(self):
-        return self._Input('validation', False)
-
-    def Test(self):
-        return self._Input('test', False)
+            dataset='tfpipe_shapes', split=tfds_split, batch_size=self.BATCH_SIZE,
+            preprocess='image_classification', shuffle_buffer=2048 if training else 0,
+            repeat=training)
 
     def Task(self):
         p = ImageClassifier.Params().Set(num_classes=len(shapes.CLASS_NAMES))

@@ -2,7 +2,7 @@
 from model_registry import RegisterSingleTaskModel
 from tfpipe.bodies import transformer_body
 from tfpipe import inputs, lr_schedules, optimizers
-from tfpipe.base_model_params import SingleTaskModelParams
+from tfpipe.base_model_params import TfdsModelParams
 from tfpipe.datasets import reverse
 from tfpipe.pipeline.pipelining_layer import PipeliningLayer
 from tfpipe.tasks.seq2seq import Seq2SeqTask
@@ -11,25 +11,16 @@ MAX_LENGTH = reverse.MAX_SOURCE_LENGTH + 1  # room for EOS
 
 
 @RegisterSingleTaskModel
-class TransformerPipe(SingleTaskModelParams):
+class TransformerPipe(TfdsModelParams):
     """4 causal Transformer blocks as K=2 cells, M=4 micro-batches."""
 
     BATCH_SIZE = 32
 
-    def _Input(self, split: str, train: bool):
+    def InputParams(self, tfds_split, training):
         return inputs.TfdsInput.Params().Set(
-            dataset='tfpipe_reverse', split=split, batch_size=self.BATCH_SIZE,
-            preprocess='seq2seq', max_length=MAX_LENGTH, shuffle_buffer=4096 if train else 0,
-            repeat=train)
-
-    def Train(self):
-        return self._Input('train', True)
-
-    def Dev(self):
-        return self._Input('validation', False)
-
-    def Test(self):
-        return self._Input('test', False)
+            dataset='tfpipe_reverse', split=tfds_split, batch_size=self.BATCH_SIZE,
+            preprocess='seq2seq', max_length=MAX_LENGTH, shuffle_buffer=4096 if training else 0,
+            repeat=training)
 
     def Task(self):
         p = Seq2SeqTask.Params().Set(vocab_size=reverse.VOCAB_SIZE, pad_id=reverse.PAD_ID,

@@ -2,7 +2,7 @@
 from model_registry import RegisterSingleTaskModel
 from tfpipe.bodies import transformer_body
 from tfpipe import inputs, lr_schedules, optimizers
-from tfpipe.base_model_params import SingleTaskModelParams
+from tfpipe.base_model_params import TfdsModelParams
 from tfpipe.pipeline.pipelining_layer import PipeliningLayer
 from tfpipe.tasks.seq2seq import Seq2SeqTask
 
@@ -11,25 +11,16 @@ MAX_LENGTH = 128
 
 
 @RegisterSingleTaskModel
-class TransformerPipe(SingleTaskModelParams):
+class TransformerPipe(TfdsModelParams):
     """12 Transformer blocks as K=4 cells, M=8, linear warmup + rsqrt decay."""
 
     BATCH_SIZE = 64
 
-    def _Input(self, split: str, train: bool):
+    def InputParams(self, tfds_split, training):
         return inputs.TfdsInput.Params().Set(
-            dataset='wmt14_translate/de-en', split=split, batch_size=self.BATCH_SIZE,
+            dataset='wmt14_translate/de-en', split=tfds_split, batch_size=self.BATCH_SIZE,
             preprocess='seq2seq_text', source_key='en', target_key='de',
-            max_length=MAX_LENGTH, shuffle_buffer=100000 if train else 0, repeat=train)
-
-    def Train(self):
-        return self._Input('train', True)
-
-    def Dev(self):
-        return self._Input('validation', False)
-
-    def Test(self):
-        return self._Input('test', False)
+            max_length=MAX_LENGTH, shuffle_buffer=100000 if training else 0, repeat=training)
 
     def Task(self):
         p = Seq2SeqTask.Params().Set(vocab_size=BYTE_VOCAB, pad_id=0, eos_id=1)

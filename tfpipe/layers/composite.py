@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfpipe.base_layer import BaseLayer, LayerMeta, apply_layer, layer_meta
+from tfpipe.base_layer import BaseLayer, LayerMeta, apply_layer, body_meta
 
 
 class Sequential(BaseLayer):
@@ -30,11 +30,7 @@ class Sequential(BaseLayer):
 
     @classmethod
     def FPropMeta(cls, p, shapes):
-        flops = 0
-        for lp in p.body:
-            meta = layer_meta(lp, shapes)
-            flops, shapes = flops + meta.flops, meta.out_shapes
-        return LayerMeta(flops, shapes)
+        return body_meta(p.body, shapes)
 
     @classmethod
     def NumParams(cls, p):

@@ -15,7 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpipe import fprop_context
-from tfpipe.base_layer import apply_layer, layer_meta
+from tfpipe.base_layer import apply_layer, body_metas
 from tfpipe.hyperparams import Params
 
 PARTITION_BY = ('params', 'flops', 'time')
@@ -26,12 +26,7 @@ def by_params(body: Sequence[Params]) -> list[float]:
 
 
 def by_flops(body: Sequence[Params], input_shape: Any) -> list[float]:
-    costs, shapes = [], input_shape
-    for p in body:
-        meta = layer_meta(p, shapes)
-        costs.append(float(meta.flops))
-        shapes = meta.out_shapes
-    return costs
+    return [float(meta.flops) for meta in body_metas(body, input_shape)]
 
 
 def by_time(body: Sequence[Params], sample: Any, device: str, repeats: int = 5) -> list[float]:

@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from tfpipe import devices as devices_lib
 from tfpipe import fprop_context
-from tfpipe.base_layer import BaseLayer, LayerMeta, layer_meta
+from tfpipe.base_layer import BaseLayer, body_meta
 from tfpipe.pipeline import costs, microbatch, partition, schedule
 from tfpipe.pipeline.cell import RECOMPUTE_POLICIES, Cell, recompute_flags
 from tfpipe.pipeline.executor import PipelineRun, float_leaves
@@ -266,11 +266,7 @@ class PipeliningLayer(BaseLayer):
 
     @classmethod
     def FPropMeta(cls, p, shapes):
-        flops = 0
-        for lp in p.body:
-            meta = layer_meta(lp, shapes)
-            flops, shapes = flops + meta.flops, meta.out_shapes
-        return LayerMeta(flops, shapes)
+        return body_meta(p.body, shapes)
 
     @classmethod
     def NumParams(cls, p):
