@@ -28,9 +28,13 @@ from tfpipe.pipeline.schedule import FORWARD, Task
 OnOutput = Callable[[int, Any], Optional[list]]
 
 
+def is_differentiable(t: tf.Tensor) -> bool:
+    return t.dtype.is_floating or t.dtype.is_complex
+
+
 def float_leaves(struct: Any) -> list[tf.Tensor]:
     """The differentiable leaves of a nested activation, in tf.nest order."""
-    return [t for t in tf.nest.flatten(struct) if t.dtype.is_floating or t.dtype.is_complex]
+    return [t for t in tf.nest.flatten(struct) if is_differentiable(t)]
 
 
 class PipelineRun:

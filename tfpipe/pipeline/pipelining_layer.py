@@ -28,7 +28,7 @@ from tfpipe import fprop_context
 from tfpipe.base_layer import BaseLayer, body_meta
 from tfpipe.pipeline import costs, microbatch, partition, schedule
 from tfpipe.pipeline.cell import RECOMPUTE_POLICIES, Cell, recompute_flags
-from tfpipe.pipeline.executor import PipelineRun, float_leaves
+from tfpipe.pipeline.executor import PipelineRun, float_leaves, is_differentiable
 
 SCHEDULES = {'fill_drain': schedule.fill_drain, '1f1b': schedule.one_f_one_b}
 LossFn = Callable[[Any, Any], tf.Tensor]
@@ -196,8 +196,7 @@ class PipeliningLayer(BaseLayer):
     def _InputGrads(self, x: Any, run: PipelineRun) -> list:
         """Gradients of the flat inputs: merged over micro-batches, None for ints."""
         leaves = tf.nest.flatten(x)
-        float_positions = [i for i, t in enumerate(leaves)
-                           if t.dtype.is_floating or t.dtype.is_complex]
+        float_positions = [i for i, t in enumerate(leaves) if is_differentiable(t)]
         out: list = [None] * len(leaves)
         with tf.device(self.devices[0]), tf.name_scope('input_grads'):
             for j, i in enumerate(float_positions):
