@@ -113,13 +113,23 @@ class BaseLayer(tf.Module):
     def CreateChild(self, name: str, params: Params) -> 'BaseLayer':
         """Builds a child from (a copy of) `params`, named `name`."""
         self._CheckNewName(name)
+        child = self.BuildDetachedChild(name, params)
+        self._children[name] = child
+        return child
+
+    def BuildDetachedChild(self, name: str, params: Params) -> 'BaseLayer':
+        """Builds the layer `CreateChild(name, params)` would, without adopting it.
+
+        It has the same path, hence the same seeds and initial weights, but is
+        not part of this layer's theta, VariablesByPath or checkpoints. Data
+        parallel replicas build their mirrored copies of the pipeline's layers
+        this way: one checkpointed copy, R identical ones in memory.
+        """
         p = params.Copy()
         p.name = name
         if p.random_seed is None:
             p.random_seed = self._seed
-        child = p.Instantiate(parent=self)
-        self._children[name] = child
-        return child
+        return p.Instantiate(parent=self)
 
     def CreateChildren(self, params_list: Sequence[Params]) -> list['BaseLayer']:
         """Builds one child per params, each named by its own `name`."""

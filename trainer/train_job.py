@@ -2,7 +2,11 @@
 
 One step = `task.ForwardBackward` (GPipe over all micro-batches, gradients
 summed per cell) -> global-norm clipping -> optimizer update, in one
-tf.function. The checkpoint holds the model (by layer path), the optimizer
+tf.function. With data-parallel replicas (`task.pipeline.num_replicas` R > 1)
+each replica has its own copy of the variables and an optimizer with slots on
+its own devices, gets the all-reduced gradients and applies the same update,
+so the copies stay identical; only replica 0's copy and optimizer are
+checkpointed, and a restore copies them into the others. The checkpoint holds the model (by layer path), the optimizer
 slots, the global step and the input iterator's position, so a resumed run
 sees exactly the data an uninterrupted run would have seen.
 """
@@ -74,9 +78,13 @@ class Trainer:
         self.summary_interval = options.summary_interval_steps or tp.summary_interval_steps
         self.train_dir = train_dir
         self.task = params.task.Instantiate()
-        self.variables = {p: v for p, v in self.task.VariablesByPath().items() if v.trainable}
-        self.optimizer = tp.optimizer.Instantiate()
-        self.optimizer.CreateSlots(self.variables)
+        self.replica_variables = [{p: v for p, v in copy.items() if v.trainable}
+                                  for copy in self.task.pipe.ReplicaVariablesByPath()]
+        self.variables = self.replica_variables[0]
+        self.optimizers = [tp.optimizer.Instantiate() for _ in self.replica_variables]
+        for optimizer, variables in zip(self.optimizers, self.replica_variables):
+            optimizer.CreateSlots(variables)
+        self.optimizer = self.optimizers[0]
         self.schedule = tp.lr_schedule.Instantiate()
         self.learning_rate = tp.learning_rate
         self.clip_norm = tp.clip_gradient_norm_to_value or None
@@ -97,8 +105,17 @@ class Trainer:
         if path is not None:
             checkpoints.check_readable(path)
             checkpoints.restore(self.checkpoint, path)
+            self._sync_replicas()
             logging.info('restored %s at step %d', path, int(self.global_step.numpy()))
         return int(self.global_step.numpy())
+
+    def _sync_replicas(self) -> None:
+        """Copies replica 0's restored variables and optimizer state into the other replicas."""
+        self.task.pipe.SyncReplicas()
+        for optimizer in self.optimizers[1:]:
+            optimizer.iterations.assign(self.optimizer.iterations)
+            for source, mirror in zip(self.optimizer.slot_variables, optimizer.slot_variables):
+                mirror.assign(source)
 
     @tf.function
     def _step(self, batch):
@@ -106,13 +123,17 @@ class Trainer:
         step = self.global_step
         with fprop_context.training(step=step):
             loss, grads = self.task.ForwardBackward(self.task.theta, batch)
-        grads = flatten_by_path(grads, self.task.path)
-        grads, norm = clip_by_global_norm(grads, self.clip_norm)
+        # One gradient dict per replica (all-reduced: the same values on each replica's devices).
+        clipped = [clip_by_global_norm(flatten_by_path(g, self.task.path), self.clip_norm)
+                   for g in (grads if isinstance(grads, list) else [grads])]
+        norm = clipped[0][1]
         lr = self.learning_rate * self.schedule.Value(step + 1)  # step + 1: the update number
         finite = tf.math.is_finite(loss) & tf.math.is_finite(norm)
 
         def update():
-            self.optimizer.Apply(lr, grads, self.variables)
+            for (replica_grads, _), optimizer, variables in zip(
+                    clipped, self.optimizers, self.replica_variables):
+                optimizer.Apply(lr, replica_grads, variables)
             step.assign_add(1)
             return tf.constant(True)
 

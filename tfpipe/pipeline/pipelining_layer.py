@@ -16,6 +16,15 @@ Two entry points give the gradients:
   1F1B schedule).
 In eval mode (`fprop_context.evaluation()`) FProp runs the forward tasks only,
 without tapes or recompute, and BatchNorm uses its moving statistics.
+
+With `num_replicas=R` there are R copies of the K cells (data parallel x
+pipeline, see `replicas`): the mini-batch is cut into R*M micro-batches and
+replica r runs the r-th group of M. Every entry point accepts one theta, which
+all replicas read (weights shipped to each replica, gradients summed back:
+simple, and what FProp under a tape needs); `ForwardBackward` also accepts a
+list of R thetas, one per replica (`ReplicaThetas()`), and then returns R
+gradient dicts, all-reduced so that every replica can apply the same update to
+its own copy: the trainer's step.
 """
 from __future__ import annotations
 
@@ -26,7 +35,7 @@ import tensorflow as tf
 from tfpipe import devices as devices_lib
 from tfpipe import fprop_context
 from tfpipe.base_layer import BaseLayer, body_meta
-from tfpipe.pipeline import costs, microbatch, partition, schedule
+from tfpipe.pipeline import costs, microbatch, partition, replicas, schedule
 from tfpipe.pipeline.cell import RECOMPUTE_POLICIES, Cell, recompute_flags
 from tfpipe.pipeline.executor import PipelineRun, float_leaves, is_differentiable
 
@@ -50,8 +59,10 @@ class PipeliningLayer(BaseLayer):
         p.Define('input_shape', None, "Mini-batch input shape (batch first), needed by "
                  "partition_by='flops' or 'time'.")
         p.Define('input_dtype', tf.float32, "Input dtype for partition_by='time'.")
-        p.Define('devices', None, 'One device per cell; None: GPUs if there are enough, '
-                 'else logical CPUs.')
+        p.Define('devices', None, 'One device per cell and replica (replica r, cell k: entry '
+                 'r*K+k); None: GPUs if there are enough, else logical CPUs.')
+        p.Define('num_replicas', 1, 'R: data-parallel copies of the K cells on R*K devices; '
+                 'each cell\'s gradients are all-reduced over its R copies.')
         p.Define('num_micro_batches', 1, 'M: micro-batches per mini-batch (uneven sizes are '
                  'allowed; a batch smaller than M gives one example per micro-batch).')
         p.Define('recompute', 'always', 'Re-materialisation: ' + ' | '.join(RECOMPUTE_POLICIES))
@@ -70,19 +81,30 @@ class PipeliningLayer(BaseLayer):
         if p.schedule not in SCHEDULES:
             raise ValueError(f'{self.path}: unknown schedule {p.schedule!r}; use one of '
                              f'{sorted(SCHEDULES)}')
+        if isinstance(p.num_replicas, bool) or not isinstance(p.num_replicas, int) or \
+                p.num_replicas < 1:
+            raise ValueError(f'{self.path}: num_replicas={p.num_replicas!r} must be an int >= 1 '
+                             '(1 means no data parallelism)')
         flags = None
         try:
             self.balance = tuple(self._Balance())
-            flags = recompute_flags(p.recompute, len(self.balance))
-            self.devices = tuple(devices_lib.resolve(p.devices, len(self.balance)))
+            num_cells = len(self.balance)
+            flags = recompute_flags(p.recompute, num_cells)
+            slots = devices_lib.resolve(p.devices, p.num_replicas * num_cells)
         except ValueError as e:
             raise ValueError(f'{self.path}: {e}') from None
+        self.replica_devices = [tuple(slots[r * num_cells:(r + 1) * num_cells])
+                                for r in range(p.num_replicas)]
+        self.devices = self.replica_devices[0]
         layers = []
         for k, (start, stop) in enumerate(partition.cell_ranges(self.balance)):
             with tf.device(self.devices[k]):
                 layers.append(self.CreateChildren(p.body[start:stop]))
         self.cells = [Cell(k, self.devices[k], layers[k], flags[k])
-                      for k in range(len(self.balance))]
+                      for k in range(num_cells)]
+        self.replica_cells = [self.cells] + [
+            replicas.mirror_cells(self, p.body, self.balance, devices, flags)
+            for devices in self.replica_devices[1:]]
 
     def _Balance(self) -> list[int]:
         p = self.params
@@ -110,33 +132,74 @@ class PipeliningLayer(BaseLayer):
                                         first)
         return partition.solve_balance(layer_costs, p.num_cells)
 
+    # -- Replicas ------------------------------------------------------------------------
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.replica_cells)
+
+    def ReplicaThetas(self) -> list[dict]:
+        """One theta per replica (replica 0's is `theta`), for the mirrored ForwardBackward."""
+        return [self.theta] + [replicas.theta_of(cells) for cells in self.replica_cells[1:]]
+
+    def ReplicaVariablesByPath(self) -> list[dict[str, tf.Variable]]:
+        """Every replica's variables keyed by layer path; replica 0's are the checkpointed ones."""
+        return [self.VariablesByPath()] + [replicas.variables_of(cells)
+                                            for cells in self.replica_cells[1:]]
+
+    def SyncReplicas(self) -> None:
+        """Copies replica 0's variables into the mirrors: call after restoring a checkpoint."""
+        replicas.sync(self.ReplicaVariablesByPath())
+
     # -- Forward -------------------------------------------------------------------------
 
-    def _Split(self, inputs: Any, device: str) -> tuple[list, list[int]]:
+    def _Split(self, inputs: Any, device: str) -> tuple[list, list[int], list[range]]:
+        """R*M micro-batches, their offsets in the mini-batch, and each replica's share."""
+        p = self.params
         with tf.device(device), tf.name_scope('split'):
             inputs = tf.nest.map_structure(tf.convert_to_tensor, inputs)
-            micro = microbatch.split(inputs, self.params.num_micro_batches)
+            groups = replicas.micro_batch_groups(microbatch.batch_size(inputs),
+                                                 p.num_micro_batches, self.num_replicas,
+                                                 self.path)
+            micro = microbatch.split(inputs, p.num_micro_batches * self.num_replicas)
         sizes = [tf.nest.flatten(mb)[0].shape[0] for mb in micro]
-        return micro, microbatch.offsets(sizes)
+        return micro, microbatch.offsets(sizes), groups
 
-    def _ReadThetas(self, theta: dict) -> list[dict]:
-        return [cell.read_theta(theta) for cell in self.cells]
+    def _Runs(self, thetas: list[list[dict]], micro: list, offsets: list[int],
+              groups: list[range], ctx, **kwargs) -> list[PipelineRun]:
+        """One PipelineRun per replica over its group of micro-batches."""
+        return [PipelineRun(cells, cell_thetas, [micro[m] for m in group],
+                            [offsets[m] for m in group], ctx, **kwargs)
+                for cells, cell_thetas, group in zip(self.replica_cells, thetas, groups)]
+
+    def _ReadThetas(self, theta: dict | list) -> list[list[dict]]:
+        """Each replica's per-cell thetas, read on the replica's devices.
+
+        One theta is read by every replica; a list gives each replica its own.
+        """
+        per_replica = theta if isinstance(theta, list) else [theta] * self.num_replicas
+        return [[cell.read_theta(t) for cell in cells]
+                for cells, t in zip(self.replica_cells, per_replica)]
 
     def FProp(self, theta: dict, inputs: Any) -> Any:
         """Pipelined forward; differentiable with any outer tf.GradientTape."""
+        if isinstance(theta, list):
+            raise ValueError(f'{self.path}: FProp takes one theta (every replica reads it); a '
+                             'list of per-replica thetas is for ForwardBackward')
         with tf.name_scope(self.params.name) as scope:
             return self._FProp(theta, inputs, scope)
 
     def _FProp(self, theta: dict, inputs: Any, scope: str) -> Any:
         ctx = fprop_context.current()
-        thetas = self._ReadThetas(theta)
         if not ctx.training:
-            micro, offsets = self._Split(inputs, self.devices[0])
-            run = PipelineRun(self.cells, thetas, micro, offsets, ctx)
-            run.run(t for tick in self._Ticks('fill_drain', len(micro)) for t in tick
-                    if t.phase == schedule.FORWARD)
-            return self._Merge(run.outputs)
-        return self._TrainingFProp(thetas, inputs, ctx, scope)
+            micro, offsets, groups = self._Split(inputs, self.devices[0])
+            runs = self._Runs(self._ReadThetas(theta), micro, offsets, groups, ctx)
+            for run, group in zip(runs, groups):
+                run.run(t for tick in self._Ticks('fill_drain', len(group)) for t in tick
+                        if t.phase == schedule.FORWARD)
+            return self._Merge([y for run in runs for y in run.outputs])
+        return self._TrainingFProp([cell.read_theta(theta) for cell in self.cells], inputs, ctx,
+                                   scope)
 
     def _Ticks(self, name: str, num_micro_batches: int) -> schedule.Schedule:
         return SCHEDULES[name](len(self.cells), num_micro_batches)
@@ -145,14 +208,17 @@ class PipeliningLayer(BaseLayer):
         with tf.device(self.devices[-1]), tf.name_scope('merge'):
             return microbatch.merge(micro_outputs)
 
+    def _ApplyBatchStats(self, runs: list[PipelineRun]) -> None:
+        if len(runs) == 1:
+            runs[0].apply_batch_stats()
+        else:
+            replicas.apply_batch_stats(self.replica_cells, [run.sinks for run in runs])
+
     def _TrainingFProp(self, thetas: list[dict], inputs: Any, ctx, scope: str) -> Any:
+        """The whole pipeline as one custom-gradient op of (inputs, replica 0's theta)."""
         inputs = tf.nest.map_structure(tf.convert_to_tensor, inputs)
         flat_inputs = tf.nest.flatten(inputs)
         flat_thetas = [tf.nest.flatten(t) for t in thetas]
-        sizes = [len(f) for f in flat_thetas]
-        num_micro = len(microbatch.micro_batch_sizes(microbatch.batch_size(inputs),
-                                                     self.params.num_micro_batches))
-        ticks = self._Ticks('fill_drain', num_micro)
         out_structure = []
 
         @tf.custom_gradient
@@ -160,18 +226,25 @@ class PipeliningLayer(BaseLayer):
             with tf.device(self.devices[0]), tf.name_scope('inputs'):
                 x = tf.nest.pack_sequence_as(
                     inputs, [tf.stop_gradient(a) for a in args[:len(flat_inputs)]])
-            local_thetas, pos = [], len(flat_inputs)
-            for cell, size, th in zip(self.cells, sizes, thetas):
-                with tf.device(cell.device), tf.name_scope(f'cell_{cell.index}/theta'):
-                    leaves = [tf.stop_gradient(a) for a in args[pos:pos + size]]
-                local_thetas.append(tf.nest.pack_sequence_as(th, leaves))
-                pos += size
-            micro, offsets = self._Split(x, self.devices[0])
-            run = PipelineRun(self.cells, local_thetas, micro, offsets, ctx,
-                              need_input_grads=True)
-            run.run(t for tick in ticks for t in tick if t.phase == schedule.FORWARD)
-            run.apply_batch_stats()
-            y = self._Merge(run.outputs)
+            cell_args, pos = [], len(flat_inputs)
+            for flat in flat_thetas:
+                cell_args.append(args[pos:pos + len(flat)])
+                pos += len(flat)
+            local_thetas = []  # per replica, per cell: the weights read on that cell's device
+            for cells in self.replica_cells:
+                local = []
+                for cell, th, leaves in zip(cells, thetas, cell_args):
+                    with tf.device(cell.device), tf.name_scope(f'cell_{cell.index}/theta'):
+                        local.append(tf.nest.pack_sequence_as(
+                            th, [tf.stop_gradient(a) for a in leaves]))
+                local_thetas.append(local)
+            micro, offsets, groups = self._Split(x, self.devices[0])
+            runs = self._Runs(local_thetas, micro, offsets, groups, ctx, need_input_grads=True)
+            for run, group in zip(runs, groups):
+                run.run(t for tick in self._Ticks('fill_drain', len(group)) for t in tick
+                        if t.phase == schedule.FORWARD)
+            self._ApplyBatchStats(runs)
+            y = self._Merge([out for run in runs for out in run.outputs])
             out_structure.append(y)
 
             def grad(*dys):
@@ -182,44 +255,59 @@ class PipeliningLayer(BaseLayer):
                         dy = tf.nest.pack_sequence_as(y, [
                             tf.zeros_like(v) if d is None else d
                             for v, d in zip(tf.nest.flatten(y), dys)])
-                        run.set_output_grads([float_leaves(d) for d in
-                                              microbatch.split(dy, len(micro))])
-                    run.run(t for tick in ticks for t in tick if t.phase == schedule.BACKWARD)
-                    return self._InputGrads(x, run) + [g for k in range(len(self.cells))
-                                                       for g in run.theta_grads[k]]
+                        micro_dy = microbatch.split(dy, len(micro))
+                    for run, group in zip(runs, groups):
+                        run.set_output_grads([float_leaves(micro_dy[m]) for m in group])
+                        run.run(t for tick in self._Ticks('fill_drain', len(group))
+                                for t in tick if t.phase == schedule.BACKWARD)
+                    return self._InputGrads(x, runs) + [
+                        g for cell_grads in self._SumOverReplicas(runs) for g in cell_grads]
 
             return tf.nest.flatten(y), grad
 
         flat_y = pipelined(*flat_inputs, *[v for f in flat_thetas for v in f])
         return tf.nest.pack_sequence_as(out_structure[0], flat_y)
 
-    def _InputGrads(self, x: Any, run: PipelineRun) -> list:
+    def _SumOverReplicas(self, runs: list[PipelineRun]) -> list[list[tf.Tensor]]:
+        """Each cell's flat weight gradients summed over replicas on replica 0's device."""
+        return [replicas.sum_to([run.theta_grads[k] for run in runs], cell.device)
+                for k, cell in enumerate(self.cells)]
+
+    def _InputGrads(self, x: Any, runs: list[PipelineRun]) -> list:
         """Gradients of the flat inputs: merged over micro-batches, None for ints."""
         leaves = tf.nest.flatten(x)
         float_positions = [i for i, t in enumerate(leaves) if is_differentiable(t)]
+        input_grads = [g for run in runs for g in run.input_grads]
         out: list = [None] * len(leaves)
         with tf.device(self.devices[0]), tf.name_scope('input_grads'):
             for j, i in enumerate(float_positions):
-                parts = [g[j] for g in run.input_grads]
+                parts = [g[j] for g in input_grads]
                 out[i] = parts[0] if len(parts) == 1 else tf.concat(parts, 0)
         return out
 
     # -- The trainer's step --------------------------------------------------------------
 
-    def ForwardBackward(self, theta: dict, inputs: Any, loss_fn: LossFn,
-                        targets: Any) -> tuple[tf.Tensor, dict]:
+    def ForwardBackward(self, theta: dict | list[dict], inputs: Any, loss_fn: LossFn,
+                        targets: Any) -> tuple[tf.Tensor, dict | list[dict]]:
         """Mean loss over the mini-batch and its gradients w.r.t. theta.
 
         `loss_fn(outputs, targets)` gets one micro-batch's outputs and targets and
         returns one loss per example (shape [b]); `loss` is the mean over all N
         examples, exact for uneven micro-batches. `grads` has the structure of
         `theta`; each cell's gradients are summed over micro-batches on its device.
+        With R > 1 replicas `theta` may be one theta (read by every replica; the
+        gradients are summed onto its devices) or the list `ReplicaThetas()`: then
+        `grads` is a list of R dicts, each cell's gradients all-reduced over its R
+        copies, for replica r to apply to `ReplicaVariablesByPath()[r]`.
         """
+        if isinstance(theta, list) and len(theta) != self.num_replicas:
+            raise ValueError(f'{self.path}: got {len(theta)} thetas for num_replicas='
+                             f'{self.num_replicas}: pass one theta, or ReplicaThetas()')
         with tf.name_scope(self.params.name):
             return self._ForwardBackward(theta, inputs, loss_fn, targets)
 
-    def _ForwardBackward(self, theta: dict, inputs: Any, loss_fn: LossFn,
-                         targets: Any) -> tuple[tf.Tensor, dict]:
+    def _ForwardBackward(self, theta: dict | list[dict], inputs: Any, loss_fn: LossFn,
+                         targets: Any) -> tuple[tf.Tensor, dict | list[dict]]:
         ctx = fprop_context.current()
         if not ctx.training:
             ctx = fprop_context.FPropContext(training=True, step=ctx.step)
@@ -229,37 +317,52 @@ class PipeliningLayer(BaseLayer):
             raise ValueError(f'{self.path}: inputs have batch size {n} but targets have '
                              f'{n_targets}; give one target per input example')
         thetas = self._ReadThetas(theta)
-        micro, offsets = self._Split(inputs, self.devices[0])
+        micro, offsets, groups = self._Split(inputs, self.devices[0])
         with tf.device(self.devices[-1]), tf.name_scope('split_targets'):
             micro_targets = microbatch.split(
                 tf.nest.map_structure(tf.convert_to_tensor, targets), len(micro))
         losses = []
 
-        def on_output(m: int, y: Any) -> list:
-            leaves = float_leaves(y)
-            with tf.GradientTape(watch_accessed_variables=False) as tape:
-                tape.watch(leaves)
-                per_example = loss_fn(y, micro_targets[m])
-                b = tf.nest.flatten(y)[0].shape[0]
-                if per_example.shape.rank != 1 or per_example.shape[0] != b:
-                    raise ValueError(
-                        f'{self.path}: loss_fn returned shape {per_example.shape} for a '
-                        f'micro-batch of {b} examples: return one loss per example, shape '
-                        f'[{b}] (do not reduce; the pipeline averages over the mini-batch)')
-                total = tf.reduce_sum(per_example) / tf.cast(n, per_example.dtype)
-            losses.append(total)
-            return tape.gradient(total, leaves,
-                                 unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        def on_output_of(group: range):
+            def on_output(m: int, y: Any) -> list:
+                leaves = float_leaves(y)
+                with tf.GradientTape(watch_accessed_variables=False) as tape:
+                    tape.watch(leaves)
+                    per_example = loss_fn(y, micro_targets[group[m]])
+                    b = tf.nest.flatten(y)[0].shape[0]
+                    if per_example.shape.rank != 1 or per_example.shape[0] != b:
+                        raise ValueError(
+                            f'{self.path}: loss_fn returned shape {per_example.shape} for a '
+                            f'micro-batch of {b} examples: return one loss per example, shape '
+                            f'[{b}] (do not reduce; the pipeline averages over the mini-batch)')
+                    total = tf.reduce_sum(per_example) / tf.cast(n, per_example.dtype)
+                losses.append(total)
+                return tape.gradient(total, leaves,
+                                     unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            return on_output
 
-        run = PipelineRun(self.cells, thetas, micro, offsets, ctx, on_output=on_output)
-        run.run(t for tick in self._Ticks(self.params.schedule, len(micro)) for t in tick)
-        run.apply_batch_stats()
+        runs = [PipelineRun(cells, cell_thetas, [micro[m] for m in group],
+                            [offsets[m] for m in group], ctx, on_output=on_output_of(group))
+                for cells, cell_thetas, group in zip(self.replica_cells, thetas, groups)]
+        for run, group in zip(runs, groups):
+            run.run(t for tick in self._Ticks(self.params.schedule, len(group)) for t in tick)
+        self._ApplyBatchStats(runs)
         with tf.device(self.devices[-1]), tf.name_scope('loss'):
             loss = tf.add_n(losses)
-        grads: dict = {}
+        if not isinstance(theta, list):
+            grads: dict = {}
+            for k, cell_grads in enumerate(self._SumOverReplicas(runs)):
+                grads.update(tf.nest.pack_sequence_as(runs[0].thetas[k], cell_grads))
+            return loss, {name: grads[name] for name in theta}
+        per_replica: list[dict] = [{} for _ in runs]
         for k in range(len(self.cells)):
-            grads.update(run.theta_grads_of(k))
-        return loss, {name: grads[name] for name in theta}
+            reduced = replicas.all_reduce_sum([run.theta_grads[k] for run in runs],
+                                              [devices[k] for devices in self.replica_devices])
+            for r, run in enumerate(runs):
+                run.theta_grads[k] = reduced[r]
+                per_replica[r].update(run.theta_grads_of(k))
+        grads = [{name: g[name] for name in t} for g, t in zip(per_replica, theta)]
+        return loss, (grads if self.num_replicas > 1 else grads[0])
 
     # -- Static cost ---------------------------------------------------------------------
 
@@ -270,3 +373,4 @@ class PipeliningLayer(BaseLayer):
     @classmethod
     def NumParams(cls, p):
         return sum(lp.cls.NumParams(lp) for lp in p.body)
+

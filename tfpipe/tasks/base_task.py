@@ -93,8 +93,18 @@ class BaseTask(BaseLayer):
     def ComputePredictions(self, theta: dict, batch: dict) -> Any:
         return self.pipe.FProp(theta['pipe'], self.PipelineInputs(batch))
 
-    def ForwardBackward(self, theta: dict, batch: dict) -> tuple[tf.Tensor, dict]:
-        """Mean training loss of the batch and its gradients (structure of theta)."""
-        loss, grads = self.pipe.ForwardBackward(theta['pipe'], self.PipelineInputs(batch),
+    def ForwardBackward(self, theta: dict, batch: dict) -> tuple[tf.Tensor, dict | list[dict]]:
+        """Mean training loss of the batch and its gradients (structure of theta).
+
+        With data-parallel replicas (pipeline.num_replicas > 1) the gradients are a
+        list, one dict per replica, all-reduced: replica r's go to the variables
+        `pipe.ReplicaVariablesByPath()[r]`, so every copy takes the same step.
+        """
+        pipe_theta = theta['pipe']
+        if self.pipe.num_replicas > 1:
+            pipe_theta = [pipe_theta] + self.pipe.ReplicaThetas()[1:]
+        loss, grads = self.pipe.ForwardBackward(pipe_theta, self.PipelineInputs(batch),
                                                 self.PerExampleLoss, self.PipelineTargets(batch))
+        if isinstance(grads, list):
+            return loss, [{'pipe': g} for g in grads]
         return loss, {'pipe': grads}

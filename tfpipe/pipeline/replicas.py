@@ -1,0 +1,161 @@
+"""Data parallel x pipeline: R replicas of the K cells, gradients all-reduced per cell.
+
+With `num_replicas=R` a PipeliningLayer holds R copies of its K cells on R*K
+devices. Replica 0's layers are the layer's own children: they alone make up
+`theta`, `VariablesByPath` and checkpoints, so a checkpoint holds one copy of
+each variable and restores into any R and K. Replicas 1..R-1 are *mirrors*
+built from the same params under the same layer paths, hence with the same
+initial weights (initialisers are seeded by path).
+
+A mini-batch is cut into R*M micro-batches exactly as an R=1 pipeline with
+R*M micro-batches would cut it, and replica r runs micro-batches
+[r*M, (r+1)*M) (fewer when the batch is small). So one replicated step is the
+step of one pipeline over the whole mini-batch: the loss is averaged over all
+N examples, Dropout masks keep their global example index and BatchNorm's
+moving statistics combine every replica's micro-batches.
+
+Each cell's weight gradients are summed over the R devices that hold that
+cell with TensorFlow's collective all-reduce (`collective_ops.all_reduce`:
+a ring on CPUs, NCCL on GPUs where TensorFlow picks it). A ring moves
+2(R-1)/R of the gradient bytes in and out of every device whatever R is,
+where gathering on one device would move R-1 copies into that device. The
+gradients of one cell are packed into one buffer per dtype, so a step
+launches one collective per (cell, dtype) rather than one per variable.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any, Sequence
+
+import tensorflow as tf
+from tensorflow.python.ops import collective_ops  # the public tf.distribute wraps these
+
+from tfpipe import fprop_context
+from tfpipe.base_layer import BaseLayer
+from tfpipe.pipeline import microbatch, partition
+from tfpipe.pipeline.cell import Cell
+
+_lock = threading.Lock()
+_group_keys: dict[tuple[str, ...], int] = {}
+_instance_keys = itertools.count(1)
+
+
+def mirror_cells(pipe: BaseLayer, body: Sequence[Any], balance: Sequence[int],
+                 devices: Sequence[str], recompute: Sequence[bool]) -> list[Cell]:
+    """One replica's cells: the body's layers built again on `devices`, not adopted."""
+    cells = []
+    for k, (start, stop) in enumerate(partition.cell_ranges(balance)):
+        with tf.device(devices[k]):
+            layers = [pipe.BuildDetachedChild(p.name, p) for p in body[start:stop]]
+        cells.append(Cell(k, devices[k], layers, recompute[k]))
+    return cells
+
+
+def theta_of(cells: Sequence[Cell]) -> dict:
+    """The theta of a replica's cells, shaped like the pipeline's own theta."""
+    return {layer.params.name: layer.theta for cell in cells for layer in cell.layers}
+
+
+def variables_of(cells: Sequence[Cell]) -> dict[str, tf.Variable]:
+    """Every variable of a replica's cells by layer path (the checkpoint's keys)."""
+    out: dict[str, tf.Variable] = {}
+    for cell in cells:
+        for layer in cell.layers:
+            out.update(layer.VariablesByPath())
+    return out
+
+
+def micro_batch_groups(batch: int, num_micro_batches: int, num_replicas: int,
+                       where: str) -> list[range]:
+    """Which of the R*M micro-batches each replica runs, as index ranges.
+
+    Contiguous and in order, so replica r's examples follow replica r-1's and
+    the merge of all outputs is the mini-batch order. A batch smaller than R
+    would leave a replica idle with nothing to all-reduce: refused.
+    """
+    if batch < num_replicas:
+        raise ValueError(f'{where}: a batch of {batch} example(s) cannot feed num_replicas='
+                         f'{num_replicas}: give each replica at least one example (a larger '
+                         'batch) or use fewer replicas')
+    count = len(microbatch.micro_batch_sizes(batch, num_replicas * num_micro_batches))
+    groups, start = [], 0
+    for size in microbatch.micro_batch_sizes(count, num_replicas):
+        groups.append(range(start, start + size))
+        start += size
+    return groups
+
+
+def _group_key(devices: Sequence[str]) -> int:
+    """One collective group per set of devices, stable for the life of the process."""
+    key = tuple(devices)
+    with _lock:
+        if key not in _group_keys:
+            _group_keys[key] = len(_group_keys) + 1
+        return _group_keys[key]
+
+
+def all_reduce_sum(per_replica: Sequence[Sequence[tf.Tensor]],
+                   devices: Sequence[str]) -> list[list[tf.Tensor]]:
+    """Sums tensor i over replicas; replica r gets the sum on `devices[r]`.
+
+    Tensors of one dtype are packed into one flat buffer, reduced by one
+    collective and cut back, so every replica receives the same bits.
+    """
+    num = len(per_replica)
+    if num == 1:
+        return [list(per_replica[0])]
+    group = _group_key(devices)
+    out: list[list] = [[None] * len(per_replica[0]) for _ in range(num)]
+    by_dtype: dict[tf.DType, list[int]] = {}
+    for i, t in enumerate(per_replica[0]):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    for indices in by_dtype.values():
+        shapes = [per_replica[0][i].shape for i in indices]
+        sizes = [s.num_elements() for s in shapes]
+        with _lock:
+            instance = next(_instance_keys)
+        for r in range(num):
+            with tf.device(devices[r]), tf.name_scope(f'all_reduce_{r}'):
+                packed = tf.concat([tf.reshape(per_replica[r][i], [-1]) for i in indices], 0)
+                summed = collective_ops.all_reduce(packed, num, group, instance, 'Add', 'Id',
+                                                   communication_hint='auto')
+                for i, piece, shape in zip(indices, tf.split(summed, sizes), shapes):
+                    out[r][i] = tf.reshape(piece, shape)
+    return out
+
+
+def sum_to(per_replica: Sequence[Sequence[tf.Tensor]], device: str) -> list[tf.Tensor]:
+    """Sums tensor i over replicas on one device (the broadcast-theta form's gradient)."""
+    if len(per_replica) == 1:
+        return list(per_replica[0])
+    with tf.device(device), tf.name_scope('replica_sum'):
+        return [tf.add_n(list(parts)) for parts in zip(*per_replica)]
+
+
+def apply_batch_stats(replica_cells: Sequence[Sequence[Cell]],
+                      sinks: Sequence[Sequence[fprop_context.BatchStatsSink]]) -> None:
+    """One moving-statistics update per BatchNorm from every replica's micro-batches.
+
+    Every replica applies the same combined statistics, in global micro-batch
+    order, to its own copy of the layer, so the copies stay identical and equal
+    to a full-batch update.
+    """
+    for k in range(len(replica_cells[0])):
+        by_path: dict[str, list] = {}
+        for replica_sinks in sinks:
+            for layer, stats in replica_sinks[k].records.values():
+                by_path.setdefault(layer.path, []).extend(stats)
+        for cells, replica_sinks in zip(replica_cells, sinks):
+            with tf.device(cells[k].device), tf.name_scope(f'cell_{k}/batch_stats'):
+                for layer, _ in replica_sinks[k].records.values():
+                    layer.ApplyBatchStatistics(by_path[layer.path])
+
+
+def sync(replica_variables: Sequence[dict[str, tf.Variable]]) -> None:
+    """Copies replica 0's values into every mirror (after a restore, or a user's assign)."""
+    source = replica_variables[0]
+    for mirror in replica_variables[1:]:
+        for path, var in mirror.items():
+            with tf.device(var.device):
+                var.assign(source[path])
