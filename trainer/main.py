@@ -81,11 +81,13 @@ def _inspect_model(params) -> None:
     task = params.task.Instantiate()
     pipe = task.pipe
     print(f'balance {list(pipe.balance)}  micro-batches {pipe.params.num_micro_batches}  '
-          f'recompute {pipe.params.recompute}')
-    for cell in pipe.cells:
-        count = sum(v.shape.num_elements() for layer in cell.layers
-                    for v in layer.trainable_variables)
-        print(f'cell {cell.index} on {cell.device}: {cell.names} ({count} params)')
+          f'recompute {pipe.params.recompute}  replicas {pipe.num_replicas}')
+    for r, cells in enumerate(pipe.replica_cells):
+        for cell in cells:
+            count = sum(v.shape.num_elements() for layer in cell.layers
+                        for v in layer.trainable_variables)
+            replica = f'replica {r} ' if pipe.num_replicas > 1 else ''
+            print(f'{replica}cell {cell.index} on {cell.device}: {cell.names} ({count} params)')
     for path, var in task.VariablesByPath().items():
         print(f'{path} {var.shape.as_list()} {var.dtype.name} {var.device}')
 
