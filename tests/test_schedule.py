@@ -120,7 +120,7 @@ def test_validate_two_tasks_one_cell_one_tick():
     # F(0,1) moved into tick 0 next to F(0,0).
     schedule = _without(_good(), F(0, 1))
     schedule[0].append(F(0, 1))
-    with pytest.raises(ValueError, match=r'cell 0 runs two tasks at tick 0'):
+    with pytest.raises(ValueError, match=r'device 0 runs two tasks at tick 0'):
         sch.validate(schedule, 2, 2)
 
 
@@ -187,3 +187,99 @@ def test_render_pads_wide_labels():
 
 def test_render_empty():
     assert sch.render([]) == ''
+
+
+# -- Schedules past GPipe: interleaved virtual stages and zero-bubble -----------------------
+
+BI, BW = sch.BACKWARD_INPUT, sch.BACKWARD_WEIGHT
+
+
+@pytest.mark.parametrize('k,m,v', [(k, m, v) for k in (1, 2, 3, 4) for v in (1, 2, 3)
+                                   for m in (k, 2 * k, 3 * k)])
+def test_interleaved_valid_with_the_formula_bubble(k, m, v):
+    schedule = sch.interleaved_one_f_one_b(k, m, v)
+    sch.validate(schedule, k * v, m, num_devices=k)
+    assert len(schedule) == 2 * (v * m + k - 1)
+    assert sch.idle_slots(schedule, k) / (len(schedule) * k) == pytest.approx(
+        (k - 1) / (v * m + k - 1))
+    for d in range(k):
+        cells = {t.cell for t in sch.device_order(schedule, d, k)}
+        assert cells == {d + c * k for c in range(v)}, 'cell j runs on device j mod K'
+
+
+def test_interleaved_order_on_two_devices():
+    """Device 0 holds cells 0 and 2: forwards go chunk by chunk in groups of K."""
+    order = sch.device_order(sch.interleaved_one_f_one_b(2, 2, 2), 0, 2)
+    assert order[:4] == [F(0, 0), F(0, 1), F(2, 0), F(2, 1)]
+    assert [t for t in order if t.phase == BACKWARD] == [B(2, 0), B(2, 1), B(0, 0), B(0, 1)]
+
+
+@pytest.mark.parametrize('k,m,v,match', [
+    (2, 3, 2, 'M=3 is not a multiple of 2'),
+    (2, 4, 0, 'virtual_stages is 0'),
+])
+def test_interleaved_refuses_impossible_sizes(k, m, v, match):
+    with pytest.raises(ValueError, match=match):
+        sch.interleaved_one_f_one_b(k, m, v)
+
+
+@pytest.mark.parametrize('builder', [sch.zb_h1, sch.zb_h2])
+@pytest.mark.parametrize('k,m', [(k, m) for k in (1, 2, 3, 4, 6) for m in (k, k + 1, 2 * k, 13)
+                                 if m >= k])
+def test_zero_bubble_valid_and_at_the_lower_bound(builder, k, m):
+    """Every F, B and W once, in dependency order; the step is 3M+K-1 unit ticks: the
+    last cell cannot start before tick K-1 and has 3M ticks of work."""
+    schedule = builder(k, m)
+    sch.validate(schedule, k, m)
+    assert sch.phases_of(schedule) == (FORWARD, BI, BW)
+    assert len(schedule) == 3 * m + k - 1
+    assert sch.idle_slots(schedule, k) == k * (k - 1)
+
+
+def _awaiting_w(order):
+    """Most micro-batches whose forward ran and whose W has not, along a cell's order."""
+    peak = count = 0
+    for task in order:
+        count += {FORWARD: 1, BW: -1}.get(task.phase, 0)
+        peak = max(peak, count)
+    return peak
+
+
+@pytest.mark.parametrize('k,m', [(2, 4), (4, 8), (4, 5), (3, 9)])
+def test_zero_bubble_memory_and_bubble_against_one_f_one_b(k, m):
+    """ZB-H1 holds at most K micro-batches on any cell (1F1B's peak, on its first cell)
+    and idles a third of 1F1B's time with B and W counted separately; ZB-H2 holds 2K-1."""
+    h1, h2 = sch.zb_h1(k, m), sch.zb_h2(k, m)
+    assert max(_awaiting_w(sch.cell_order(h1, c)) for c in range(k)) == k
+    assert max(_awaiting_w(sch.cell_order(h2, c)) for c in range(k)) <= 2 * k - 1
+    # 1F1B with its fused backward taking two ticks: idle 3(K-1) per device.
+    one_f_one_b_idle_per_device = 3 * (k - 1)
+    assert sch.idle_slots(h1, k) / k * 3 == one_f_one_b_idle_per_device
+
+
+def test_zb_h1_order_of_a_middle_cell():
+    order = sch.cell_order(sch.zb_h1(4, 8), 1)
+    assert order[:6] == [F(1, 0), F(1, 1), F(1, 2), Task(1, 0, BI), F(1, 3), Task(1, 1, BI)]
+    assert order[-2:] == [Task(1, 6, BW), Task(1, 7, BW)]
+
+
+def test_render_split_and_virtual():
+    assert sch.render(sch.zb_h1(2, 2)).splitlines()[1] == 'cell 1: .. F0 B0 F1 B1 W0 W1'
+    lines = sch.render(sch.interleaved_one_f_one_b(2, 2, 2), num_devices=2).splitlines()
+    assert lines[0].startswith('device 0: F0:0 F1:0 F0:2 F1:2')
+
+
+def test_validate_rejects_mixed_phases_and_w_before_b():
+    schedule = sch.zb_h1(2, 2)
+    mixed = [list(tick) for tick in schedule] + [[B(0, 0)]]
+    with pytest.raises(ValueError, match='not a mix'):
+        sch.validate(mixed, 2, 2)
+    swapped = [[Task(t.cell, t.micro_batch, {BI: BW, BW: BI}.get(t.phase, t.phase))
+                if t.cell == 0 and t.micro_batch == 1 else t for t in tick] for tick in schedule]
+    with pytest.raises(ValueError, match='must run after'):
+        sch.validate(swapped, 2, 2)
+
+
+def test_simulate_reports_a_deadlocking_order():
+    with pytest.raises(ValueError, match='deadlock'):
+        sch.simulate([[B(0, 0), F(0, 0)]], 1)

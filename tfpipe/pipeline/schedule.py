@@ -1,10 +1,29 @@
 """The pipeline schedule as plain data.
 
 A schedule is a list of clock ticks; each tick is a list of tasks that may run
-at the same time because each sits on its own cell (device). Keeping the
-schedule as data, with no TensorFlow in sight, lets the executor turn it into
-control dependencies mechanically, and lets tests and docs check and draw it
-without building a graph.
+at the same time because each sits on its own device. Keeping the schedule as
+data, with no TensorFlow in sight, lets the executor turn it into control
+dependencies mechanically, and lets tests and docs check and draw it without
+building a graph.
+
+A task names a *cell* (a stage of consecutive layers). Usually cell k runs on
+device k; with virtual stages (interleaved 1F1B) there are K*v cells and cell
+j runs on device j mod K. Phases:
+
+- FORWARD (F): the cell's forward on one micro-batch;
+- BACKWARD (B): its whole backward, input and weight gradients together;
+- BACKWARD_INPUT (B) and BACKWARD_WEIGHT (W): the backward split in two, as
+  zero-bubble schedules do. The previous cell waits only for B (the gradient
+  with respect to the cell's input); W (the weight gradients) waits for the
+  cell's own B and nobody waits for it, so W can fill idle time.
+
+Builders: `fill_drain` (GPipe), `one_f_one_b` (PipeDream-flush),
+`interleaved_one_f_one_b` (Megatron's virtual stages), `zb_h1` and `zb_h2`
+(Qi et al., ICLR 2024). With unit costs (every F, B and W one tick; a fused B
+also one tick) their step lengths are, for K devices and M micro-batches:
+fill-drain and 1F1B 2(M+K-1), interleaved 2(vM+K-1) (M a multiple of K), and
+ZB-H1 and ZB-H2 3M+K-1 (M >= K), against 3M+3(K-1) for 1F1B with its backward
+counted as B plus W.
 """
 from __future__ import annotations
 
@@ -12,7 +31,12 @@ import dataclasses
 
 FORWARD = 'forward'
 BACKWARD = 'backward'
-_PHASES = (FORWARD, BACKWARD)
+BACKWARD_INPUT = 'backward_input'
+BACKWARD_WEIGHT = 'backward_weight'
+_PHASES = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+_FUSED = (FORWARD, BACKWARD)
+_SPLIT = (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+_LABELS = {FORWARD: 'F', BACKWARD: 'B', BACKWARD_INPUT: 'B', BACKWARD_WEIGHT: 'W'}
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -80,15 +104,51 @@ def _one_f_one_b_order(cell: int, num_cells: int, num_micro_batches: int) -> lis
     return order
 
 
-def _dependencies(task: Task, num_cells: int) -> list[Task]:
-    """Tasks that must have finished (in an earlier tick) before ``task`` runs."""
+def dependencies(task: Task, num_cells: int) -> list[Task]:
+    """Tasks that must have finished (in an earlier tick) before ``task`` runs.
+
+    F(k, m) needs F(k-1, m); a backward of cell k (fused B, or the input part of
+    a split one) needs F(k, m) and the backward of cell k+1 that produces its
+    incoming gradient; W(k, m) needs B(k, m) of its own cell only.
+    """
     k, m = task.cell, task.micro_batch
     if task.phase == FORWARD:
         return [Task(k - 1, m, FORWARD)] if k > 0 else []
+    if task.phase == BACKWARD_WEIGHT:
+        return [Task(k, m, BACKWARD_INPUT)]
     deps = [Task(k, m, FORWARD)]
     if k + 1 < num_cells:
-        deps.append(Task(k + 1, m, BACKWARD))
+        deps.append(Task(k + 1, m, task.phase))
     return deps
+
+
+def simulate(orders: list[list[Task]], num_cells: int) -> Schedule:
+    """Ticks of a unit-time run of per-device task orders.
+
+    At every tick each device starts the next task of its order if all of that
+    task's dependencies finished in an earlier tick. An order that can never
+    finish (a task waits on one that comes later on the same device) is an
+    error, not a hang.
+    """
+    cursor = [0] * len(orders)
+    done: set[Task] = set()
+    remaining = sum(len(o) for o in orders)
+    ticks: Schedule = []
+    while remaining:
+        tick = [order[cursor[d]] for d, order in enumerate(orders)
+                if cursor[d] < len(order) and
+                all(dep in done for dep in dependencies(order[cursor[d]], num_cells))]
+        if not tick:
+            stuck = [order[cursor[d]] for d, order in enumerate(orders) if cursor[d] < len(order)]
+            raise ValueError(f'the per-device orders deadlock: {stuck} wait on tasks that never '
+                             'run first; fix the order')
+        for d, order in enumerate(orders):
+            if cursor[d] < len(order) and order[cursor[d]] in tick:
+                cursor[d] += 1
+        done.update(tick)
+        remaining -= len(tick)
+        ticks.append(sorted(tick))
+    return ticks
 
 
 def one_f_one_b(num_cells: int, num_micro_batches: int) -> Schedule:
@@ -99,31 +159,140 @@ def one_f_one_b(num_cells: int, num_micro_batches: int) -> Schedule:
     micro-batches in increasing order). Compared with fill-drain it has the
     same bubble but holds at most ``K-k`` micro-batches of activations on cell
     k instead of M, which is why it exists.
-
-    Ticks come from a unit-time event simulation: at every tick each cell runs
-    the next task in its order if all of that task's dependencies finished in
-    an earlier tick.
     """
     _check_sizes(num_cells, num_micro_batches)
-    orders = [_one_f_one_b_order(k, num_cells, num_micro_batches)
-              for k in range(num_cells)]
-    cursor = [0] * num_cells
-    done: set[Task] = set()
-    remaining = sum(len(o) for o in orders)
+    return simulate([_one_f_one_b_order(k, num_cells, num_micro_batches)
+                     for k in range(num_cells)], num_cells)
+
+
+def interleaved_one_f_one_b(num_devices: int, num_micro_batches: int,
+                            virtual_stages: int) -> Schedule:
+    """Megatron's interleaved 1F1B: K*v cells, cell j on device j mod K.
+
+    Each device holds v non-adjacent chunks of the model, so a micro-batch
+    crosses every device v times and the fill and drain are v times shorter:
+    the bubble falls from (K-1)/(M+K-1) to (K-1)/(vM+K-1) of the step. Device
+    d runs forwards in groups of K micro-batches per chunk (chunk 0 of micro-
+    batches 0..K-1, then chunk 1 of them, ...), (K-d-1)*2 + (v-1)*K of them as
+    warm-up, then alternates forward and backward; backwards take the chunks in
+    reverse. Groups of K need M to be a multiple of K (as in Megatron).
+    """
+    _check_sizes(num_devices, num_micro_batches)
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or \
+            virtual_stages < 1:
+        raise ValueError(f'virtual_stages is {virtual_stages!r}: use an int >= 1 (1 is plain '
+                         '1F1B)')
+    k_, m_, v = num_devices, num_micro_batches, virtual_stages
+    if v > 1 and m_ % k_:
+        raise ValueError(f'interleaved_1f1b runs micro-batches in groups of K={k_}, but M='
+                         f'{m_} is not a multiple of {k_}: set num_micro_batches to a multiple '
+                         f'of {k_} (e.g. {k_ * -(-m_ // k_)}), or virtual_stages=1')
+    if v == 1:
+        return one_f_one_b(k_, m_)
+
+    def task(i: int, d: int, phase: str) -> Task:
+        group, within = divmod(i, k_ * v)
+        chunk = within // k_ if phase == FORWARD else v - 1 - within // k_
+        return Task(chunk * k_ + d, group * k_ + within % k_, phase)
+
+    orders = []
+    total = m_ * v
+    for d in range(k_):
+        warmup = min(total, (k_ - d - 1) * 2 + (v - 1) * k_)
+        order = [task(i, d, FORWARD) for i in range(warmup)]
+        for i in range(total - warmup):
+            order += [task(warmup + i, d, FORWARD), task(i, d, BACKWARD)]
+        order += [task(i, d, BACKWARD) for i in range(total - warmup, total)]
+        orders.append(order)
+    return simulate(orders, k_ * v)
+
+
+def zb_h1(num_cells: int, num_micro_batches: int) -> Schedule:
+    """Zero-bubble ZB-H1: 1F1B's peak memory, a third of its bubble (Qi et al.).
+
+    The backward is split into B and W. Cell k runs K-k-1 warm-up forwards,
+    then k (F, B) pairs whose W it postpones, then (F, B, W) triples, then the
+    remaining (B, W) pairs and finally the postponed Ws: the Ws fill what would
+    be idle ticks, while at most K micro-batches await their W on any cell, the
+    number 1F1B holds on its first cell. On unit costs a step takes 3M+K-1
+    ticks (M >= K) instead of 1F1B's 3M+3(K-1).
+    """
+    _check_sizes(num_cells, num_micro_batches)
+    orders = []
+    for k in range(num_cells):
+        f = b = w = 0
+        order: list[Task] = []
+
+        def add(phase: str, m: int) -> None:
+            order.append(Task(k, m, phase))
+
+        for _ in range(min(num_cells - k - 1, num_micro_batches)):
+            add(FORWARD, f)
+            f += 1
+        for _ in range(k):
+            if f < num_micro_batches:
+                add(FORWARD, f)
+                add(BACKWARD_INPUT, b)
+                f, b = f + 1, b + 1
+        while f < num_micro_batches:
+            add(FORWARD, f)
+            add(BACKWARD_INPUT, b)
+            add(BACKWARD_WEIGHT, w)
+            f, b, w = f + 1, b + 1, w + 1
+        while b < num_micro_batches:
+            add(BACKWARD_INPUT, b)
+            add(BACKWARD_WEIGHT, w)
+            b, w = b + 1, w + 1
+        while w < num_micro_batches:
+            add(BACKWARD_WEIGHT, w)
+            w += 1
+        orders.append(order)
+    return simulate(orders, num_cells)
+
+
+def zb_h2(num_cells: int, num_micro_batches: int) -> Schedule:
+    """Zero-bubble ZB-H2: more memory (2K-1 micro-batches awaiting W), no idle in between.
+
+    List scheduling on unit costs: each tick a cell runs a ready B if it has
+    one, else its next forward while fewer than 2K-1 micro-batches await their
+    W, else its oldest pending W. The extra warm-up forwards fill the head of
+    the step and the Ws fill its tail, so every cell is busy from its first to
+    its last task (the paper's parallelogram); the step takes 3M+K-1 ticks.
+    """
+    _check_sizes(num_cells, num_micro_batches)
+    k_, m_ = num_cells, num_micro_batches
+    limit = 2 * k_ - 1
+    finish: dict[Task, int] = {}
+    next_f, next_b, pending_w = [0] * k_, [0] * k_, [[] for _ in range(k_)]
+    in_flight = [0] * k_
     ticks: Schedule = []
-    while remaining:
+    while len(finish) < 3 * k_ * m_:
+        t = len(ticks)
         tick = []
-        for k in range(num_cells):
-            if cursor[k] < len(orders[k]):
-                task = orders[k][cursor[k]]
-                if all(dep in done for dep in _dependencies(task, num_cells)):
-                    tick.append(task)
-        if not tick:  # Unreachable for this order; guards future edits.
-            raise RuntimeError('1F1B simulation deadlocked; the per-cell order is wrong.')
+        for k in range(k_):
+            ready = [task for task in (
+                Task(k, next_b[k], BACKWARD_INPUT) if next_b[k] < m_ else None,
+                Task(k, next_f[k], FORWARD) if next_f[k] < m_ and in_flight[k] < limit
+                else None,
+                Task(k, pending_w[k][0], BACKWARD_WEIGHT) if pending_w[k] else None)
+                if task is not None and
+                all(finish.get(dep, t + 1) <= t for dep in dependencies(task, k_))]
+            if ready:
+                tick.append(ready[0])
+        if not tick and ticks and not ticks[-1]:  # unit costs: nothing is still running
+            raise RuntimeError('zb_h2 list scheduling made no progress; this is a bug')
         for task in tick:
-            cursor[task.cell] += 1
-        done.update(tick)
-        remaining -= len(tick)
+            finish[task] = t + 1
+            k = task.cell
+            if task.phase == FORWARD:
+                next_f[k] += 1
+                in_flight[k] += 1
+            elif task.phase == BACKWARD_INPUT:
+                next_b[k] += 1
+                pending_w[k].append(task.micro_batch)
+            else:
+                pending_w[k].pop(0)
+                in_flight[k] -= 1
         ticks.append(tick)
     return ticks
 
@@ -131,21 +300,39 @@ def one_f_one_b(num_cells: int, num_micro_batches: int) -> Schedule:
 def cell_order(schedule: Schedule, cell: int) -> list[Task]:
     """The tasks of ``cell`` in the order its device runs them.
 
-    The executor chains these with control dependencies, so this is the
-    per-device program that a schedule stands for.
+    The executor chains each device's tasks with control dependencies, so this
+    (or `device_order` with virtual stages) is the per-device program that a
+    schedule stands for.
     """
     return [task for tick in schedule for task in tick if task.cell == cell]
 
 
-def validate(schedule: Schedule, num_cells: int, num_micro_batches: int) -> None:
+def device_order(schedule: Schedule, device: int, num_devices: int) -> list[Task]:
+    """The tasks of every cell on ``device`` (cells j with j mod K == device), in order."""
+    return [task for tick in schedule for task in tick if task.cell % num_devices == device]
+
+
+def phases_of(schedule: Schedule) -> tuple[str, ...]:
+    """(F, B) for a fused backward, (F, B, W) for a split one."""
+    split = any(getattr(task, 'phase', None) in (BACKWARD_INPUT, BACKWARD_WEIGHT)
+                for tick in schedule for task in tick)
+    return _SPLIT if split else _FUSED
+
+
+def validate(schedule: Schedule, num_cells: int, num_micro_batches: int,
+             num_devices: int | None = None) -> None:
     """Check that ``schedule`` is a legal pipeline schedule; raise ValueError if not.
 
-    Rules: every task names a real cell, micro-batch and phase; every F and B
-    occurs exactly once; at most one task per cell per tick; F(k, m) after
-    F(k-1, m); B(k, m) after F(k, m) and after B(k+1, m). "After" means in a
-    strictly later tick, since tasks in one tick run concurrently.
+    Rules: every task names a real cell, micro-batch and phase; every phase of
+    every (cell, micro-batch) occurs exactly once, either as F and B or as F, B
+    and W; at most one task per device per tick (cell j on device j mod
+    ``num_devices``, default one device per cell); and each task runs after its
+    `dependencies`. "After" means in a strictly later tick, since tasks in one
+    tick run concurrently.
     """
     _check_sizes(num_cells, num_micro_batches)
+    num_devices = num_devices or num_cells
+    phases = phases_of(schedule)
     tick_of: dict[Task, int] = {}
     for t, tick in enumerate(schedule):
         busy: set[int] = set()
@@ -156,8 +343,12 @@ def validate(schedule: Schedule, num_cells: int, num_micro_batches: int) -> None
                     'from schedule.Task objects.')
             if task.phase not in _PHASES:
                 raise ValueError(
-                    f'{task} at tick {t} has unknown phase {task.phase!r}: use '
-                    f'schedule.FORWARD or schedule.BACKWARD.')
+                    f'{task} at tick {t} has unknown phase {task.phase!r}: use one of '
+                    f'{list(_PHASES)}.')
+            if task.phase not in phases:
+                raise ValueError(
+                    f'{task} at tick {t} has phase {task.phase!r}: a schedule uses either '
+                    f'{list(_FUSED)} or {list(_SPLIT)}, not a mix.')
             if not 0 <= task.cell < num_cells:
                 raise ValueError(
                     f'{task} at tick {t} names cell {task.cell} but there are '
@@ -166,29 +357,36 @@ def validate(schedule: Schedule, num_cells: int, num_micro_batches: int) -> None
                 raise ValueError(
                     f'{task} at tick {t} names micro-batch {task.micro_batch} but there '
                     f'are {num_micro_batches}: use micro-batches 0..{num_micro_batches - 1}.')
-            if task.cell in busy:
+            device = task.cell % num_devices
+            if device in busy:
                 raise ValueError(
-                    f'cell {task.cell} runs two tasks at tick {t}: a cell runs one task '
+                    f'device {device} runs two tasks at tick {t}: a device runs one task '
                     'per tick; move one of them to another tick.')
-            busy.add(task.cell)
+            busy.add(device)
             if task in tick_of:
                 raise ValueError(
-                    f'{task} runs twice (ticks {tick_of[task]} and {t}): every forward and '
-                    'backward must run exactly once; remove the duplicate.')
+                    f'{task} runs twice (ticks {tick_of[task]} and {t}): every task '
+                    'must run exactly once; remove the duplicate.')
             tick_of[task] = t
     for k in range(num_cells):
         for m in range(num_micro_batches):
-            for phase in _PHASES:
+            for phase in phases:
                 if Task(k, m, phase) not in tick_of:
                     raise ValueError(
-                        f'{Task(k, m, phase)} is missing: every forward and backward '
-                        'must run exactly once; add it to a tick.')
+                        f'{Task(k, m, phase)} is missing: every task must run exactly '
+                        'once; add it to a tick.')
     for task, t in tick_of.items():
-        for dep in _dependencies(task, num_cells):
+        for dep in dependencies(task, num_cells):
             if tick_of[dep] >= t:
                 raise ValueError(
                     f'{task} at tick {t} must run after {dep} (tick {tick_of[dep]}): '
                     f'move it to a tick after {tick_of[dep]}.')
+
+
+def idle_slots(schedule: Schedule, num_devices: int) -> int:
+    """Device-ticks with nothing to run over the schedule's whole length (unit costs)."""
+    busy = sum(len(tick) for tick in schedule)
+    return len(schedule) * num_devices - busy
 
 
 def bubble_fraction(num_cells: int, num_micro_batches: int) -> float:
@@ -200,19 +398,28 @@ def bubble_fraction(num_cells: int, num_micro_batches: int) -> float:
     return (num_cells - 1) / (num_micro_batches + num_cells - 1)
 
 
-def render(schedule: Schedule) -> str:
-    """ASCII chart: one row per cell, one column per tick ('F0', 'B3', '..' idle).
+def render(schedule: Schedule, num_devices: int | None = None) -> str:
+    """ASCII chart: one row per device, one column per tick ('F0', 'B3', 'W1', '..' idle).
 
-    Meant for docs and for eyeballing a schedule while debugging.
+    With virtual stages (more cells than devices) labels carry the cell
+    ('F0:2' is micro-batch 0 on cell 2). Meant for docs and for eyeballing a
+    schedule while debugging.
     """
     num_cells = 1 + max((task.cell for tick in schedule for task in tick), default=-1)
-    labels = [[('F' if task.phase == FORWARD else 'B') + str(task.micro_batch)
-               for task in tick] for tick in schedule]
-    width = max((len(label) for tick in labels for label in tick), default=2)
-    rows = [['.' * width] * len(schedule) for _ in range(num_cells)]
+    num_devices = num_devices or num_cells
+    virtual = num_cells > num_devices
+
+    def label(task: Task) -> str:
+        text = f'{_LABELS[task.phase]}{task.micro_batch}'
+        return f'{text}:{task.cell}' if virtual else text
+
+    labels = [[label(task) for task in tick] for tick in schedule]
+    width = max((len(text) for tick in labels for text in tick), default=2)
+    rows = [['.' * width] * len(schedule) for _ in range(num_devices)]
     for t, tick in enumerate(schedule):
-        for task, label in zip(tick, labels[t]):
-            rows[task.cell][t] = label.rjust(width)
-    name_width = len(str(max(num_cells - 1, 0)))
-    return '\n'.join(f'cell {k:>{name_width}}: ' + ' '.join(row)
-                     for k, row in enumerate(rows))
+        for task, text in zip(tick, labels[t]):
+            rows[task.cell % num_devices][t] = text.rjust(width)
+    name = 'device' if virtual else 'cell'
+    name_width = len(str(max(num_devices - 1, 0)))
+    return '\n'.join(f'{name} {k:>{name_width}}: ' + ' '.join(row)
+                      for k, row in enumerate(rows))
