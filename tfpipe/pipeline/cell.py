@@ -62,6 +62,13 @@ class Cell:
 
     def forward(self, theta: dict, x: Any) -> Any:
         """Applies the cell's layers in order (device and context set by the caller)."""
+        return self.forward_layers(theta, x)[-1]
+
+    def forward_layers(self, theta: dict, x: Any) -> list:
+        """The output of each layer in turn; a split backward differentiates each layer's
+        weights from its own output, so it needs them all."""
+        outs = []
         for layer in self.layers:
             x = apply_layer(layer, theta[layer.params.name], x)
-        return x
+            outs.append(x)
+        return outs

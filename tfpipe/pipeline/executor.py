@@ -14,6 +14,17 @@ Backward task B(k, m): recompute (if the cell does) under the cell's device,
 differentiate with the incoming gradient, add the weight gradients into the
 cell's running sum (one set of accumulators per cell, never M sets alive), pass
 the input gradient to cell k-1.
+
+Zero-bubble schedules split B in two. The input part computes the gradients of
+the cell's input and of every layer's output (recomputing first, if the cell
+recomputes) and passes the input gradient on at once; the weight part, later,
+takes each layer's weight gradients from that layer's output gradient alone,
+so it repeats no backward work of the input part. Between the two the cell
+keeps its tape (the recomputed activations): that memory is what W's freedom
+costs.
+
+Ordering is per device, not per cell: with virtual stages several cells share
+a device and their tasks run in the schedule's order for that device.
 """
 from __future__ import annotations
 
@@ -23,7 +34,7 @@ import tensorflow as tf
 
 from tfpipe import fprop_context
 from tfpipe.pipeline.cell import Cell
-from tfpipe.pipeline.schedule import FORWARD, Task
+from tfpipe.pipeline.schedule import BACKWARD, BACKWARD_INPUT, FORWARD, Task
 
 OnOutput = Callable[[int, Any], Optional[list]]
 
@@ -42,13 +53,15 @@ class PipelineRun:
 
     def __init__(self, cells: Sequence[Cell], thetas: Sequence[dict], micro_inputs: Sequence,
                  offsets: Sequence[int], context: fprop_context.FPropContext,
-                 need_input_grads: bool = False, on_output: Optional[OnOutput] = None):
+                 need_input_grads: bool = False, on_output: Optional[OnOutput] = None,
+                 split_backward: bool = False):
         self.cells = list(cells)
         self.thetas = list(thetas)
         self.offsets = list(offsets)
         self.context = context
         self.need_input_grads = need_input_grads
         self.on_output = on_output
+        self.split_backward = split_backward
         num_cells = len(self.cells)
         self.inputs: dict[tuple[int, int], Any] = {(0, m): x for m, x in enumerate(micro_inputs)}
         self.tapes: dict[tuple[int, int], tuple[tf.GradientTape, Any]] = {}
@@ -57,7 +70,9 @@ class PipelineRun:
         self.input_grads: list = [None] * len(micro_inputs)
         self.theta_grads: list[Optional[list]] = [None] * num_cells
         self.sinks = [fprop_context.BatchStatsSink() for _ in range(num_cells)]
-        self._last: list[list[tf.Tensor]] = [[] for _ in range(num_cells)]
+        # Per (cell, micro-batch) between a split backward's input and weight parts.
+        self._awaiting_weights: dict[tuple[int, int], tuple] = {}
+        self._last: dict[str, list[tf.Tensor]] = {}  # device -> outputs of its last task
 
     # -- Public --------------------------------------------------------------------------
 
@@ -65,8 +80,12 @@ class PipelineRun:
         for task in tasks:
             if task.phase == FORWARD:
                 self._forward(task.cell, task.micro_batch)
-            else:
+            elif task.phase == BACKWARD:
                 self._backward(task.cell, task.micro_batch)
+            elif task.phase == BACKWARD_INPUT:
+                self._backward_input(task.cell, task.micro_batch)
+            else:
+                self._backward_weight(task.cell, task.micro_batch)
 
     def set_output_grads(self, grads_by_micro_batch: Sequence[list]) -> None:
         """Gradients of the final outputs (float leaves), one list per micro-batch."""
@@ -89,7 +108,7 @@ class PipelineRun:
 
     def _scope(self, k: int, m: int, phase: str, extra_deps: Sequence[tf.Tensor] = ()):
         cell = self.cells[k]
-        deps = list(self._last[k]) + list(extra_deps)
+        deps = list(self._last.get(cell.device, [])) + list(extra_deps)
         return _Scopes(tf.device(cell.device), tf.name_scope(f'cell_{k}/{phase}_{m}'),
                        tf.control_dependencies(deps))
 
@@ -107,14 +126,16 @@ class PipelineRun:
                 if cell.recompute or not self.context.training:
                     y = cell.forward(theta, x)
                 else:
-                    tape = tf.GradientTape(watch_accessed_variables=False)
+                    tape = tf.GradientTape(watch_accessed_variables=False,
+                                           persistent=self.split_backward)
                     with tape:
                         tape.watch(float_leaves(x) + tf.nest.flatten(theta))
-                        y = cell.forward(theta, x)
-                    self.tapes[(k, m)] = (tape, x, y)
+                        outs = cell.forward_layers(theta, x)
+                    y = outs[-1]
+                    self.tapes[(k, m)] = (tape, x, outs)
             if not (cell.recompute and self.context.training):
                 del self.inputs[(k, m)]  # only a recomputing cell needs its input again
-        self._last[k] = tf.nest.flatten(y)
+        self._last[cell.device] = tf.nest.flatten(y)
         if k + 1 < len(self.cells):
             self.inputs[(k + 1, m)] = y
             return
@@ -129,30 +150,80 @@ class PipelineRun:
         cell, theta = self.cells[k], self.thetas[k]
         dy = self.output_grads.pop((k, m))
         with self._scope(k, m, 'backward', extra_deps=dy):
-            if cell.recompute:
-                x = tf.nest.map_structure(tf.identity, self.inputs.pop((k, m)))
-                tape = tf.GradientTape(watch_accessed_variables=False)
-                with tape:
-                    tape.watch(float_leaves(x) + tf.nest.flatten(theta))
-                    with self._context(m, fprop_context.BatchStatsSink(discard=True)):
-                        y = cell.forward(theta, x)
-            else:
-                tape, x, y = self.tapes.pop((k, m))
+            tape, x, outs = self._tape_of(k, m)
+            y = outs[-1]
             x_leaves = float_leaves(x) if k > 0 or self.need_input_grads else []
             flat_theta = tf.nest.flatten(theta)
             grads = tape.gradient(float_leaves(y), x_leaves + flat_theta, output_gradients=dy,
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
             dx, dtheta = grads[:len(x_leaves)], grads[len(x_leaves):]
-            # Embedding lookups give IndexedSlices; the accumulator is dense.
-            dtheta = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-                      for g in dtheta]
-            acc = self.theta_grads[k]
-            self.theta_grads[k] = dtheta if acc is None else [a + g for a, g in zip(acc, dtheta)]
-        self._last[k] = list(self.theta_grads[k]) + list(dx)
+            self._accumulate(k, dtheta)
+        self._last[cell.device] = list(self.theta_grads[k]) + list(dx)
+        self._pass_input_grads(k, m, dx)
+
+    def _tape_of(self, k: int, m: int) -> tuple[tf.GradientTape, Any, list]:
+        """The tape of F(k, m) and the outputs of each of the cell's layers: recorded by
+        the forward, or recomputed now (under the caller's device and scope)."""
+        cell, theta = self.cells[k], self.thetas[k]
+        if not cell.recompute:
+            return self.tapes.pop((k, m))
+        x = tf.nest.map_structure(tf.identity, self.inputs.pop((k, m)))
+        tape = tf.GradientTape(watch_accessed_variables=False, persistent=self.split_backward)
+        with tape:
+            tape.watch(float_leaves(x) + tf.nest.flatten(theta))
+            with self._context(m, fprop_context.BatchStatsSink(discard=True)):
+                outs = cell.forward_layers(theta, x)
+        return tape, x, outs
+
+    def _accumulate(self, k: int, dtheta: list) -> None:
+        # Embedding lookups give IndexedSlices; the accumulator is dense.
+        dtheta = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                  for g in dtheta]
+        acc = self.theta_grads[k]
+        self.theta_grads[k] = dtheta if acc is None else [a + g for a, g in zip(acc, dtheta)]
+
+    def _pass_input_grads(self, k: int, m: int, dx: list) -> None:
         if k > 0:
             self.output_grads[(k - 1, m)] = dx
         else:
             self.input_grads[m] = dx
+
+    def _backward_input(self, k: int, m: int) -> None:
+        """B of a split backward: gradients of the input and of every layer's output."""
+        cell = self.cells[k]
+        dy = self.output_grads.pop((k, m))
+        with self._scope(k, m, 'backward_input', extra_deps=dy):
+            tape, x, outs = self._tape_of(k, m)
+            x_leaves = float_leaves(x) if k > 0 or self.need_input_grads else []
+            inner = [float_leaves(o) for o in outs[:-1]]
+            grads = tape.gradient(float_leaves(outs[-1]), x_leaves + [t for o in inner for t in o],
+                                  output_gradients=dy,
+                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            dx, rest = grads[:len(x_leaves)], grads[len(x_leaves):]
+            douts, pos = [], 0
+            for leaves in inner:
+                douts.append(rest[pos:pos + len(leaves)])
+                pos += len(leaves)
+            douts.append(list(dy))
+        self._awaiting_weights[(k, m)] = (tape, outs, douts)
+        self._last[cell.device] = list(dx) + [g for d in douts[:-1] for g in d]
+        self._pass_input_grads(k, m, dx)
+
+    def _backward_weight(self, k: int, m: int) -> None:
+        """W of a split backward: each layer's weight gradients from its output gradient."""
+        cell, theta = self.cells[k], self.thetas[k]
+        tape, outs, douts = self._awaiting_weights.pop((k, m))
+        with self._scope(k, m, 'backward_weight'):
+            by_layer = {}
+            for layer, out, dout in zip(cell.layers, outs, douts):
+                name = layer.params.name
+                flat = tf.nest.flatten(theta[name])
+                grads = tape.gradient(float_leaves(out), flat, output_gradients=dout,
+                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                by_layer[name] = tf.nest.pack_sequence_as(theta[name], grads)
+            del tape  # frees the activations it held since the input part
+            self._accumulate(k, tf.nest.flatten({n: by_layer[n] for n in theta}))
+        self._last[cell.device] = list(self.theta_grads[k])
 
 
 class _Scopes:

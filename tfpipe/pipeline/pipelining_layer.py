@@ -39,7 +39,14 @@ from tfpipe.pipeline import costs, microbatch, partition, replicas, schedule
 from tfpipe.pipeline.cell import RECOMPUTE_POLICIES, Cell, recompute_flags
 from tfpipe.pipeline.executor import PipelineRun, float_leaves, is_differentiable
 
-SCHEDULES = {'fill_drain': schedule.fill_drain, '1f1b': schedule.one_f_one_b}
+# name -> builder(num_devices K, num_micro_batches M, virtual_stages v) of the schedule data.
+SCHEDULES = {
+    'fill_drain': lambda k, m, v: schedule.fill_drain(k, m),
+    '1f1b': lambda k, m, v: schedule.one_f_one_b(k, m),
+    'interleaved_1f1b': schedule.interleaved_one_f_one_b,
+    'zb_h1': lambda k, m, v: schedule.zb_h1(k, m),
+    'zb_h2': lambda k, m, v: schedule.zb_h2(k, m),
+}
 LossFn = Callable[[Any, Any], tf.Tensor]
 
 
@@ -52,9 +59,12 @@ class PipeliningLayer(BaseLayer):
     def Params(cls):
         p = super().Params()
         p.Define('body', [], 'Layer params of the body, in order; names must be unique.')
-        p.Define('balance', None, 'Layers per cell, e.g. [2, 2, 2, 2]; None: balance '
-                 'automatically into num_cells cells by partition_by.')
-        p.Define('num_cells', None, 'Number of cells K when balance is None.')
+        p.Define('balance', None, 'Layers per cell, e.g. [2, 2, 2, 2] (K*v cells with '
+                 'virtual_stages=v); None: balance automatically by partition_by.')
+        p.Define('num_cells', None, 'Number of cells K when balance is None (one per device; '
+                 'with virtual_stages=v the body is cut into K*v cells).')
+        p.Define('virtual_stages', 1, "v: cells per device for schedule='interleaved_1f1b'; "
+                 'cell j runs on device j mod K.')
         p.Define('partition_by', 'params', f'Cost used by automatic balance: {costs.PARTITION_BY}.')
         p.Define('input_shape', None, "Mini-batch input shape (batch first), needed by "
                  "partition_by='flops' or 'time'.")
@@ -66,8 +76,9 @@ class PipeliningLayer(BaseLayer):
         p.Define('num_micro_batches', 1, 'M: micro-batches per mini-batch (uneven sizes are '
                  'allowed; a batch smaller than M gives one example per micro-batch).')
         p.Define('recompute', 'always', 'Re-materialisation: ' + ' | '.join(RECOMPUTE_POLICIES))
-        p.Define('schedule', 'fill_drain', f'Schedule of ForwardBackward: {sorted(SCHEDULES)}. '
-                 'FProp under a tape always uses fill_drain.')
+        p.Define('schedule', 'fill_drain', f'Schedule of ForwardBackward: {sorted(SCHEDULES)} '
+                 '(zb_*: backward split into input and weight parts). FProp under a tape '
+                 'always uses fill_drain.')
         return p
 
     def __init__(self, params, parent=None):
@@ -85,23 +96,33 @@ class PipeliningLayer(BaseLayer):
                 p.num_replicas < 1:
             raise ValueError(f'{self.path}: num_replicas={p.num_replicas!r} must be an int >= 1 '
                              '(1 means no data parallelism)')
+        v = p.virtual_stages
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f'{self.path}: virtual_stages={v!r} must be an int >= 1')
+        if v > 1 and p.schedule != 'interleaved_1f1b':
+            raise ValueError(f'{self.path}: virtual_stages={v} needs schedule='
+                             f"'interleaved_1f1b' (schedule is {p.schedule!r}); or set "
+                             'virtual_stages=1')
         flags = None
         try:
             self.balance = tuple(self._Balance())
-            num_cells = len(self.balance)
-            flags = recompute_flags(p.recompute, num_cells)
-            slots = devices_lib.resolve(p.devices, p.num_replicas * num_cells)
+            if len(self.balance) % v:
+                raise ValueError(f'balance {list(self.balance)} has {len(self.balance)} cells, '
+                                 f'not a multiple of virtual_stages={v}: give K*{v} entries')
+            num_devices = len(self.balance) // v
+            flags = recompute_flags(p.recompute, len(self.balance))
+            slots = devices_lib.resolve(p.devices, p.num_replicas * num_devices)
         except ValueError as e:
             raise ValueError(f'{self.path}: {e}') from None
-        self.replica_devices = [tuple(slots[r * num_cells:(r + 1) * num_cells])
+        self.replica_devices = [tuple(slots[r * num_devices:(r + 1) * num_devices])
                                 for r in range(p.num_replicas)]
         self.devices = self.replica_devices[0]
         layers = []
         for k, (start, stop) in enumerate(partition.cell_ranges(self.balance)):
-            with tf.device(self.devices[k]):
+            with tf.device(self.devices[k % num_devices]):
                 layers.append(self.CreateChildren(p.body[start:stop]))
-        self.cells = [Cell(k, self.devices[k], layers[k], flags[k])
-                      for k in range(num_cells)]
+        self.cells = [Cell(k, self.devices[k % num_devices], layers[k], flags[k])
+                      for k in range(len(self.balance))]
         self.replica_cells = [self.cells] + [
             replicas.mirror_cells(self, p.body, self.balance, devices, flags)
             for devices in self.replica_devices[1:]]
@@ -130,7 +151,7 @@ class PipeliningLayer(BaseLayer):
             first = devices_lib.resolve(p.devices, 1)[0]
             layer_costs = costs.by_time(p.body, costs.sample_input(p.input_shape, p.input_dtype),
                                         first)
-        return partition.solve_balance(layer_costs, p.num_cells)
+        return partition.solve_balance(layer_costs, p.num_cells * p.virtual_stages)
 
     # -- Replicas ------------------------------------------------------------------------
 
@@ -202,7 +223,13 @@ class PipeliningLayer(BaseLayer):
                                    scope)
 
     def _Ticks(self, name: str, num_micro_batches: int) -> schedule.Schedule:
-        return SCHEDULES[name](len(self.cells), num_micro_batches)
+        if name == 'fill_drain':  # also the forward order of FProp: one tick per cell
+            return schedule.fill_drain(len(self.cells), num_micro_batches)
+        try:
+            return SCHEDULES[name](len(self.devices), num_micro_batches,
+                                   self.params.virtual_stages)
+        except ValueError as e:
+            raise ValueError(f'{self.path}: {e}') from None
 
     def _Merge(self, micro_outputs: list) -> Any:
         with tf.device(self.devices[-1]), tf.name_scope('merge'):
@@ -341,11 +368,15 @@ class PipeliningLayer(BaseLayer):
                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
             return on_output
 
+        ticks = [self._Ticks(self.params.schedule, len(group)) for group in groups]
         runs = [PipelineRun(cells, cell_thetas, [micro[m] for m in group],
-                            [offsets[m] for m in group], ctx, on_output=on_output_of(group))
-                for cells, cell_thetas, group in zip(self.replica_cells, thetas, groups)]
-        for run, group in zip(runs, groups):
-            run.run(t for tick in self._Ticks(self.params.schedule, len(group)) for t in tick)
+                            [offsets[m] for m in group], ctx, on_output=on_output_of(group),
+                            split_backward=schedule.phases_of(t) != (schedule.FORWARD,
+                                                                     schedule.BACKWARD))
+                for cells, cell_thetas, group, t in zip(self.replica_cells, thetas, groups,
+                                                        ticks)]
+        for run, run_ticks in zip(runs, ticks):
+            run.run(t for tick in run_ticks for t in tick)
         self._ApplyBatchStats(runs)
         with tf.device(self.devices[-1]), tf.name_scope('loss'):
             loss = tf.add_n(losses)
@@ -357,7 +388,7 @@ class PipeliningLayer(BaseLayer):
         per_replica: list[dict] = [{} for _ in runs]
         for k in range(len(self.cells)):
             reduced = replicas.all_reduce_sum([run.theta_grads[k] for run in runs],
-                                              [devices[k] for devices in self.replica_devices])
+                                              [cells[k].device for cells in self.replica_cells])
             for r, run in enumerate(runs):
                 run.theta_grads[k] = reduced[r]
                 per_replica[r].update(run.theta_grads_of(k))

@@ -43,12 +43,14 @@ _instance_keys = itertools.count(1)
 
 def mirror_cells(pipe: BaseLayer, body: Sequence[Any], balance: Sequence[int],
                  devices: Sequence[str], recompute: Sequence[bool]) -> list[Cell]:
-    """One replica's cells: the body's layers built again on `devices`, not adopted."""
+    """One replica's cells: the body's layers built again on `devices`, not adopted
+    (cell k on device k mod K, as the pipeline's own cells)."""
     cells = []
     for k, (start, stop) in enumerate(partition.cell_ranges(balance)):
-        with tf.device(devices[k]):
+        device = devices[k % len(devices)]
+        with tf.device(device):
             layers = [pipe.BuildDetachedChild(p.name, p) for p in body[start:stop]]
-        cells.append(Cell(k, devices[k], layers, recompute[k]))
+        cells.append(Cell(k, device, layers, recompute[k]))
     return cells
 
 

@@ -1,0 +1,128 @@
+"""Interleaved 1F1B and zero-bubble schedules, executed on real logical-CPU placement.
+
+Whatever the schedule, one step must equal the unpartitioned model's step: loss,
+gradients, updated weights (MLP with dropout against K=1, M=1) and, with
+BatchNorm (statistics per micro-batch, as in GPipe), the K=1 run with the same M,
+moving statistics included.
+"""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpipe
+from tests import model_zoo as mz
+from tfpipe.pipeline import partition
+from tfpipe.pipeline.trace import ops_per_device
+
+RECOMPUTE = ['always', 'except_last', 'never']
+ZB_SIZES = [(2, 2), (2, 5), (4, 4)]
+INTERLEAVED_SIZES = [(2, 2, 2), (2, 4, 3), (3, 3, 2)]  # (K, M, v): M a multiple of K
+
+
+def build(body, num_devices, num_micro_batches, schedule_name, recompute, virtual_stages=1):
+    return tfpipe.PipeliningLayer.Params().Set(
+        name='pipe', body=body,
+        balance=partition.even_balance(len(body), num_devices * virtual_stages),
+        num_micro_batches=num_micro_batches, recompute=recompute, schedule=schedule_name,
+        virtual_stages=virtual_stages).Instantiate()
+
+
+def assert_step_equal(pipe, reference, x, y):
+    loss, grads = mz.sgd_step_forward_backward(pipe, x, y, 2)
+    want_loss, want_grads = mz.sgd_step_forward_backward(reference, x, y, 2)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    for g, w in zip(grads, want_grads):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-12)
+    for v, w in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(reference.theta)):
+        np.testing.assert_allclose(v.numpy(), w.numpy(), rtol=1e-5, atol=1e-12)
+
+
+def cases():
+    for name in ('zb_h1', 'zb_h2'):
+        for k, m in ZB_SIZES:
+            yield name, k, m, 1
+    for k, m, v in INTERLEAVED_SIZES:
+        yield 'interleaved_1f1b', k, m, v
+
+
+@pytest.mark.parametrize('recompute', RECOMPUTE)
+@pytest.mark.parametrize('name,k,m,v', list(cases()))
+def test_mlp_with_dropout_equals_unpartitioned(name, k, m, v, recompute):
+    body = mz.mlp_body()
+    x, y = mz.inputs_for(body)
+    pipe = build(body, k, m, name, recompute, v)
+    assert_step_equal(pipe, mz.pipeline(body, 1, 1), x, y)
+
+
+@pytest.mark.parametrize('recompute', ['always', 'never'])
+@pytest.mark.parametrize('name,k,m,v', [('zb_h1', 2, 4, 1), ('zb_h2', 4, 5, 1),
+                                        ('interleaved_1f1b', 2, 2, 3)])
+def test_batch_norm_equals_k1_with_the_same_m(name, k, m, v, recompute):
+    body = mz.conv_body(batch_norm=True)
+
+    x, y = mz.inputs_for(body)
+    pipe = build(body, k, m, name, recompute, v)
+    reference = mz.pipeline(body, 1, m)
+    assert_step_equal(pipe, reference, x, y)
+    for n in ('bn0', 'bn1'):
+        for stat in ('moving_mean', 'moving_variance'):
+            got = getattr(pipe.children[n], stat).numpy()
+            want = getattr(reference.children[n], stat).numpy()
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-12, err_msg=f'{n} {stat}')
+
+
+def test_interleaved_cells_sit_on_device_j_mod_k_and_every_device_works():
+    body = mz.mlp_body()
+    x, y = mz.inputs_for(body)
+    pipe = build(body, 2, 4, 'interleaved_1f1b', 'always', 3)
+    assert [cell.device[-5:] for cell in pipe.cells] == ['CPU:0', 'CPU:1'] * 3
+    for cell in pipe.cells:
+        for layer in cell.layers:
+            assert all(v.device == cell.device for v in layer.VariablesByPath().values())
+
+    @tf.function
+    def step():
+        with tfpipe.fprop_context.training(step=1):
+            return pipe.ForwardBackward(pipe.theta, x, mz.loss_fn, y)
+
+    counts = ops_per_device(step.get_concrete_function())
+    for device in ('CPU:0', 'CPU:1'):
+        assert sum(n for d, n in counts.items() if d.endswith(device)) > 50, counts
+    assert not any(d.endswith(('CPU:2', 'CPU:3')) for d in counts), counts
+
+
+def test_zero_bubble_splits_each_backward_into_input_and_weight_tasks():
+    body = mz.mlp_body()
+    x, y = mz.inputs_for(body)
+    pipe = build(body, 2, 2, 'zb_h1', 'always')
+
+    @tf.function
+    def step():
+        with tfpipe.fprop_context.training(step=1):
+            return pipe.ForwardBackward(pipe.theta, x, mz.loss_fn, y)
+
+    graph = step.get_concrete_function().graph
+    scopes = {op.name.split('/')[2].rsplit('_', 1)[0] for op in graph.get_operations()
+              if op.name.startswith('pipe/cell_')}
+    assert {'forward', 'backward_input', 'backward_weight'} <= scopes, scopes
+    assert 'backward' not in scopes
+
+
+@pytest.mark.parametrize('overrides, message', [
+    (dict(schedule='interleaved_1f1b', virtual_stages=2, num_micro_batches=3),
+     'M=3 is not a multiple of 2'),
+    (dict(schedule='1f1b', virtual_stages=2), "needs schedule='interleaved_1f1b'"),
+    (dict(schedule='interleaved_1f1b', virtual_stages=0), 'virtual_stages=0 must be'),
+    (dict(schedule='interleaved_1f1b', virtual_stages=4), 'more cells than layers|cells'),
+])
+def test_impossible_combinations_are_refused(overrides, message):
+    body = mz.mlp_body()
+    x, y = mz.inputs_for(body)
+    p = tfpipe.PipeliningLayer.Params().Set(name='pipe', body=body, num_cells=2,
+                                            num_micro_batches=2)
+    p.Set(**overrides)
+    with pytest.raises(ValueError, match=message):
+        pipe = p.Instantiate()
+        with tfpipe.fprop_context.training(step=1):
+            pipe.ForwardBackward(pipe.theta, x, mz.loss_fn, y)
+
