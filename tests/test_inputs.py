@@ -2,7 +2,7 @@
 
 The generated data comes from the session fixture `data_dir` (conftest), so it is
 built once for all test modules; real datasets (cifar10, wmt14) go through
-`tfds.testing.mock_data`, since nothing here may download.
+`tfds.testing.mock_data` (tests/tfds_mocks.py), since nothing here may download.
 """
 import os
 from typing import Dict, List
@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from tests import tfds_mocks
 from tfpipe import datasets, inputs
 from tfpipe.datasets import reverse, shapes
 
@@ -208,7 +209,7 @@ def test_iterator_checkpoint_resumes_at_the_same_element(data_dir, tmp_path):
 # --- real datasets, mocked --------------------------------------------------------------------
 
 def test_cifar10_through_mock_data(tmp_path):
-    with tfds.testing.mock_data(num_examples=16):
+    with tfds_mocks.prepared_mock_data(num_examples=16):
         ds = input_params(str(tmp_path), dataset='cifar10', batch_size=4, shuffle_buffer=8,
                           repeat=True).Instantiate().Dataset()
         batches = take(ds, 6)  # more than one pass over 16 examples
@@ -228,7 +229,7 @@ def test_wmt14_through_mock_data_is_byte_tokenised(tmp_path):
         en, de = zip(*pairs)
         return tf.data.Dataset.from_tensor_slices({'en': list(en), 'de': list(de)})
 
-    with tfds.testing.mock_data(as_dataset_fn=as_dataset):
+    with tfds_mocks.prepared_mock_data(as_dataset_fn=as_dataset):
         ds = input_params(str(tmp_path), dataset='wmt14_translate/de-en', batch_size=2,
                           preprocess='seq2seq_text', source_key='en', target_key='de',
                           max_length=16).Instantiate().Dataset()
@@ -266,6 +267,13 @@ def test_missing_real_dataset_says_where_and_how_and_creates_nothing(tmp_path, n
                    f'`tfds build {name} --data_dir=DIR`', 'internet', '--tfds_data_dir'):
         assert phrase in message, (phrase, message)
     assert list(empty.rglob('*')) == []
+
+
+def test_missing_data_is_refused_even_while_tfds_is_mocked(tmp_path):
+    """The library knows nothing of test mocks: mocking alone does not make data prepared."""
+    with tfds.testing.mock_data(num_examples=4):
+        with pytest.raises(inputs.MissingDataError, match='cifar10'):
+            input_params(str(tmp_path), dataset='cifar10').Instantiate()
 
 
 def test_tfpipe_dataset_without_generation_and_unknown_names(tmp_path):

@@ -141,16 +141,6 @@ def _seq2seq_text(p: Params) -> Callable[[Example], Example]:
     return fn
 
 
-def _tfds_is_mocked() -> bool:
-    """Whether `tfds.testing.mock_data` is active.
-
-    It serves fake examples without any files, so "not prepared" is expected
-    there and must not stop tests of inputs built on real datasets.
-    """
-    as_dataset = tfds.core.DatasetBuilder.as_dataset
-    return getattr(as_dataset, '__module__', '') == 'tensorflow_datasets.testing.mocking'
-
-
 class TfdsInput:
     """Batches of a tfds dataset split, preprocessed into a task's layout."""
 
@@ -207,7 +197,7 @@ class TfdsInput:
                              f'name and nothing is prepared under it in '
                              f'{p.data_dir or "the tfds data_dir"}; close names: '
                              f'{close}') from None
-        if builder.is_prepared() or _tfds_is_mocked():
+        if builder.is_prepared():
             return builder
         root = str(builder.data_dir_root)
         if ours:
