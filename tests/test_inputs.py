@@ -61,9 +61,9 @@ def test_shape_classes_differ_at_equal_position_and_size():
             assert (masks[i] != masks[j]).sum() >= 12, (shapes.CLASS_NAMES[i], areas)
 
 
-def test_shapes_are_learnable_by_a_small_conv_net(data_dir):
-    """One epoch of a two-layer conv net reaches > 90% validation accuracy."""
-    p = input_params(data_dir, dataset='tfpipe_shapes', batch_size=64, shuffle_buffer=1024)
+def _one_epoch_conv_net_accuracy(data_dir, seed):
+    p = input_params(data_dir, dataset='tfpipe_shapes', batch_size=64, shuffle_buffer=1024,
+                     seed=seed)
     rng = tf.random.Generator.from_seed(0)
     shapes_ = [(3, 3, 3, 16), (3, 3, 16, 32), (512, 4)]
     ws = [tf.Variable(rng.normal(s) * np.sqrt(2.0 / np.prod(s[:-1]))) for s in shapes_]
@@ -90,8 +90,17 @@ def test_shapes_are_learnable_by_a_small_conv_net(data_dir):
         step(batch)
     val = take(p.Copy().Set(split='validation', batch_size=1024, shuffle_buffer=0)
                .Instantiate().Dataset(), 1)[0]
-    accuracy = np.mean(np.argmax(logits(val['image']).numpy(), 1) == val['label'])
-    assert accuracy > 0.9
+    return np.mean(np.argmax(logits(val['image']).numpy(), 1) == val['label'])
+
+
+def test_shapes_are_learnable_by_a_small_conv_net(data_dir):
+    """One epoch of a two-layer conv net reaches > 90% validation accuracy.
+
+    The median of three data orders: after a single epoch at a high learning rate
+    one order in several ends on a spike (85% for seed 1234, 98-99% for others).
+    """
+    accuracies = [_one_epoch_conv_net_accuracy(data_dir, seed) for seed in (1, 2, 1234)]
+    assert np.median(accuracies) > 0.9, accuracies
 
 
 def test_reverse_targets_are_reversed_sources_plus_eos(data_dir):
