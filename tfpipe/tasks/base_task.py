@@ -37,8 +37,10 @@ def train_params() -> Params:
 
 def eval_params() -> Params:
     p = Params()
-    p.Define('samples_per_summary', 1000, 'Examples per evaluation of a checkpoint.')
-    p.Define('decoder_samples_per_summary', 100, 'Examples decoded per checkpoint.')
+    p.Define('samples_per_summary', 1000, 'Examples per evaluation of a checkpoint: exactly '
+             'the first this many of the split (all of it if smaller), not whole batches.')
+    p.Define('decoder_samples_per_summary', 100, 'Examples decoded per checkpoint, likewise '
+             'exact.')
     return p
 
 
