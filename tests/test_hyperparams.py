@@ -1,5 +1,4 @@
 """Tests for tfpipe.hyperparams: access, type checks, deep freeze, text round trip."""
-import collections
 import copy
 import math
 import pickle
@@ -10,11 +9,15 @@ from pathlib import Path
 import pytest
 import tensorflow as tf
 
+from tfpipe import params_text
 from tfpipe.hyperparams import (FrozenParamsError, InstantiableParams, Params,
                                 ParamsDefineError, ParamsTextError, ParamsTypeError,
                                 UnknownParamError)
 
 REPO = Path(__file__).resolve().parents[1]
+
+# FromText reads this module's classes back by path: let it import modules of the tests.
+params_text.trust_package(__name__.split('.')[0])
 
 
 # -- dummy classes, module level so FromText can import them by path ---------------
@@ -360,7 +363,7 @@ _TRICKY = [
     'back\\slash', '\\n', 'tab\there', 'ünïcödé ☃ 日本', '\x00\ud800', '# not a comment',
     "Params(cls=os.system)", "__import__('os')", True, False, None, [], (), (1,), [[]],
     [1, (2, [3.5, None])], {}, {'a': [1, {'b': (None, 'x : y')}]}, {'k : v': 'w'},
-    Dense, Outer.Inner, collections.OrderedDict, int, tf.float32, tf.bfloat16, tf.int64,
+    Dense, Outer.Inner, int, tf.float32, tf.bfloat16, tf.int64,
     tf.string, tf.bool, [tf.float16, Dense, {'d': tf.int8}],
 ]
 

@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 import tensorflow as tf
-import tensorflow_datasets as tfds
 
 import model_registry
+from tests import tfds_mocks
 from tfpipe import fprop_context, inputs, metrics
 from tfpipe.datasets import reverse
 
@@ -60,7 +60,7 @@ def test_same_seed_same_order(data_dir):
 
 
 def test_cifar10_through_mock_data():
-    with tfds.testing.mock_data(num_examples=8):
+    with tfds_mocks.prepared_mock_data(num_examples=8):
         batch = next(iter(input_params(dataset='cifar10', split='train', batch_size=4,
                                        generate_if_missing=False).Instantiate().Dataset()))
     assert batch['image'].shape == (4, 32, 32, 3) and batch['label'].shape == (4,)
@@ -68,7 +68,7 @@ def test_cifar10_through_mock_data():
 
 
 def test_wmt_through_mock_data_is_byte_tokenised():
-    with tfds.testing.mock_data(num_examples=8):
+    with tfds_mocks.prepared_mock_data(num_examples=8):
         ds = input_params(dataset='wmt14_translate/de-en', split='train', batch_size=2,
                           preprocess='seq2seq_text', max_length=16).Instantiate().Dataset()
         batch = next(iter(ds))

@@ -28,7 +28,8 @@ def test_train_then_evaler_and_decoder(tmp_path, data_dir):
     assert result.returncode == 0, result.stderr[-3000:]
     with open(os.path.join(logdir, 'eval_dev', 'score-4.txt')) as f:
         scores = dict(line.split(': ') for line in f.read().splitlines())
-    assert set(scores) == {'loss', 'accuracy'} and 0 <= float(scores['accuracy']) <= 1
+    assert set(scores) == {'loss', 'accuracy', 'num_examples'}
+    assert 0 <= float(scores['accuracy']) <= 1 and scores['num_examples'] == '64'
     with open(os.path.join(logdir, 'decoder_test', 'decoder_out-4.jsonl')) as f:
         records = [json.loads(line) for line in f]
     assert len(records) == 32 and set(records[0]) == {'label', 'prediction', 'confidence'}
@@ -136,7 +137,7 @@ def test_transformer_trains_and_decodes(tmp_path, data_dir):
     assert len(records) == 32 and set(records[0]) == {'src', 'ref', 'hyp'}
     assert all(r['ref'] == r['src'][::-1] for r in records)
     with open(os.path.join(logdir, 'decoder_test', 'score-2.txt')) as f:
-        assert {line.split(':')[0] for line in f} == {'bleu', 'exact_match'}
+        assert {line.split(':')[0] for line in f} == {'bleu', 'exact_match', 'num_examples'}
 
 
 def test_inspect_modes_print_and_write_nothing(tmp_path, data_dir):

@@ -13,7 +13,14 @@ mutable objects (e.g. numpy arrays) are not made read-only.
 
 Text format (``ToText``/``FromText``/``TextDiff``): one ``key : value`` line per
 value, keys being paths like ``body[0].name``; read back without running code.
-Its grammar and rules live in :mod:`tfpipe.params_text`.
+Its syntax, and which modules a class path may import, live in
+:mod:`tfpipe.params_text`; this module walks the tree and turns the text's
+``Params(...)`` placeholders into Params. A placeholder keeps the Params already
+at its position when it is of the same kind (plain, or instantiable with the
+same ``cls``), else builds one with ``cls.Params()`` when the class has it, else
+``InstantiableParams(cls)`` or ``Params()``. Only those last two accept new keys
+(defined on the fly), which makes ``base.Copy().FromText(p.ToText()) == p`` hold
+even for a ``body`` list that is empty in ``base``.
 """
 from __future__ import annotations
 
@@ -24,8 +31,9 @@ import numbers
 import re
 from typing import Any, Dict, Iterator, Optional, Tuple
 
-from tfpipe.params_text import (KeyPath, KeyToken, format_path, is_dtype, materialize,
-                                parse_line, parse_path, short_repr, text_lines)
+from tfpipe.params_text import (KeyPath, KeyToken, ParamsPlaceholder, TextFormatError,
+                                format_path, format_value, is_dtype, parse_line, parse_path,
+                                short_repr)
 
 __all__ = ['Params', 'InstantiableParams', 'ParamsError', 'UnknownParamError',
            'FrozenParamsError', 'ParamsTypeError', 'ParamsDefineError', 'ParamsTextError']
@@ -119,7 +127,7 @@ def _check_type(path: str, kind: Any, value: Any) -> Any:
         return value
     want = ('float (or int)' if kind == 'float' else kind) if isinstance(kind, str) \
         else kind.__name__
-    raise ParamsTypeError(f'param {path!r} expects {want}, got {short_repr(value)} '
+    raise ParamsTypeError(f'param {path!r} expects {want}, got {_short(value)} '
                           f'({type(value).__name__})')
 
 
@@ -137,7 +145,7 @@ def _step(obj: Any, token: KeyToken, prefix: KeyPath) -> Any:
     except (IndexError, KeyError):
         pass
     raise UnknownParamError(f'no element [{key!r}] in {format_path(prefix)!r} '
-                            f'({short_repr(obj)})')
+                            f'({_short(obj)})')
 
 
 def _map_leaves(value: Any, fn: Any, list_type: type = list, dict_type: type = dict) -> Any:
@@ -180,6 +188,87 @@ def _values_equal(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:  # pylint: disable=broad-except  (e.g. ambiguous array truth value)
         return a is b
+
+
+# -- text form: Params trees as the lines and placeholders of tfpipe.params_text -----
+
+def _placeholder_of(value: Any) -> Any:
+    if not isinstance(value, Params):
+        return value
+    if isinstance(value, InstantiableParams):
+        return ParamsPlaceholder(getattr(value, 'cls', None))
+    return ParamsPlaceholder(ParamsPlaceholder.PLAIN)
+
+
+def _text_form(value: Any) -> Any:
+    """value with every Params in it replaced by its placeholder."""
+    return _map_leaves(value, _placeholder_of)
+
+
+def _short(value: Any) -> str:
+    return short_repr(_text_form(value))
+
+
+def _text_lines(p: Params, prefix: str = '') -> Iterator[Tuple[str, str]]:
+    """(key, value text) for each value of Params p and of the Params inside it."""
+    for name, value in p.IterParams():
+        yield prefix + name, format_value(_text_form(value))
+        yield from _child_lines(prefix + name, value)
+
+
+def _child_lines(key: str, value: Any) -> Iterator[Tuple[str, str]]:
+    """Lines for the contents of the Params inside value (whose own line is written)."""
+    if isinstance(value, Params):
+        yield from _text_lines(value, key + '.')
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _child_lines(f'{key}[{i}]', item)
+    elif isinstance(value, dict):
+        for k, item in value.items():
+            yield from _child_lines(f'{key}[{k!r}]', item)
+
+
+def _matches(placeholder: ParamsPlaceholder, old: Any) -> bool:
+    if placeholder.cls is ParamsPlaceholder.PLAIN:
+        return isinstance(old, Params) and not isinstance(old, InstantiableParams)
+    return isinstance(old, InstantiableParams) and getattr(old, 'cls', None) is placeholder.cls
+
+
+def _build(placeholder: ParamsPlaceholder) -> Tuple[Params, bool]:
+    """Returns (new params, whether FromText may define new keys on it)."""
+    cls = placeholder.cls
+    if cls is ParamsPlaceholder.PLAIN:
+        return Params(), True
+    if not callable(getattr(cls, 'Params', None)):
+        return InstantiableParams(cls), True
+    p = cls.Params()
+    if not isinstance(p, Params):
+        raise ParamsTextError(f'{cls.__qualname__}.Params() returned a {type(p).__name__}, '
+                              'not Params')
+    return p, False
+
+
+def _materialize(value: Any, old: Any, opened: Dict[int, Params]) -> Any:
+    """Replaces placeholders, reusing matching Params found at the same position.
+
+    Params built from a bare placeholder (which may take new keys) go into `opened`.
+    """
+    if isinstance(value, ParamsPlaceholder):
+        if _matches(value, old):
+            return old
+        fresh, is_open = _build(value)
+        if is_open:
+            opened[id(fresh)] = fresh
+        return fresh
+    if isinstance(value, (list, tuple)):
+        olds = old if isinstance(old, (list, tuple)) else ()
+        items = [_materialize(v, olds[i] if i < len(olds) else None, opened)
+                 for i, v in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
+    if isinstance(value, dict):
+        olds = old if isinstance(old, dict) else {}
+        return {k: _materialize(v, olds.get(k), opened) for k, v in value.items()}
+    return value
 
 
 class Params:
@@ -283,7 +372,7 @@ class Params:
 
     def ToText(self) -> str:
         """``key : value`` lines in definition order; FromText reads them back."""
-        return '\n'.join(f'{key} : {text}' for key, text in text_lines(self))
+        return '\n'.join(f'{key} : {text}' for key, text in _text_lines(self))
 
     __str__ = __repr__ = ToText
 
@@ -299,10 +388,12 @@ class Params:
                 path, value = parse_line(line)
                 owner, name, prefix = self._Owner(path)
                 if id(owner) in opened and name not in owner.__params:
-                    owner.Define(name, materialize(value, None, opened), '')
+                    owner.Define(name, _materialize(value, None, opened), '')
                     continue
                 old = owner._Lookup(name, prefix).value
-                owner._SetOne(name, materialize(value, old, opened), prefix)
+                owner._SetOne(name, _materialize(value, old, opened), prefix)
+            except TextFormatError as e:
+                raise ParamsTextError(f'line {lineno} ({short_repr(line)}): {e}') from e
             except ParamsError as e:
                 raise type(e)(f'line {lineno} ({short_repr(line)}): {e}') from e
         return self
@@ -311,7 +402,7 @@ class Params:
         """``- key : v`` (only in self), ``+ key : v`` (only in other), ``key : a -> b``."""
         if self == other:
             return ''
-        mine, theirs = dict(text_lines(self)), dict(text_lines(other))
+        mine, theirs = dict(_text_lines(self)), dict(_text_lines(other))
         lines = [f'- {key} : {text}' if key not in theirs else f'{key} : {text} -> {theirs[key]}'
                  for key, text in mine.items() if theirs.get(key) != text]
         lines += [f'+ {key} : {text}' for key, text in theirs.items() if key not in mine]

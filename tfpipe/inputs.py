@@ -1,17 +1,21 @@
 """Params-configured input generators over tensorflow-datasets.
 
-`TfdsInput.Params().Set(dataset=..., split=..., batch_size=...).Instantiate()
-.Dataset()` gives batches with static shapes (the pipeline unrolls its
-micro-batches at trace time, so every batch must look the same: fixed batch
-size via `drop_remainder`, text padded to `max_length`), as dicts in one of the
-layouts the tasks read.
+`TfdsInput.Params().Set(dataset=..., split=..., batch_size=...).Instantiate()`
+gives batches with static shapes (the pipeline unrolls its micro-batches at
+trace time, so every batch must look the same: a fixed batch size, text padded
+to `max_length`), as dicts in one of the layouts the tasks read:
+
+- `Dataset()` / `Iterator()` for training: the last partial batch of a split is
+  dropped. The order is a function of `seed` alone; `Iterator()` is saved in a
+  tf.train.Checkpoint as its position (epoch, index), so a resumed run continues
+  with the next unseen batch without the shuffle buffer in every checkpoint.
+- `EvalDataset(n)` for evaluation and decoding: each of the first n examples
+  exactly once, the last batch padded and marked by a 'weight' of 0.
 
 Nothing here downloads. tfpipe's own datasets (`tfpipe_shapes`,
 `tfpipe_reverse`) are generated into `data_dir` on first use; any other
 dataset must already be prepared in `data_dir`, or `MissingDataError` says how
-to prepare it. The order is a function of `seed` alone, and the iterator of
-`Dataset()` can be saved in a tf.train.Checkpoint, so a resumed run continues
-with the next unseen batch.
+to prepare it.
 
 Token ids (shared with `tfpipe.datasets.reverse`): PAD_ID = 0 pads, EOS_ID = 1
 ends every target, sources carry no EOS. The byte tokeniser of
@@ -21,6 +25,7 @@ translation data needs no vocabulary file.
 from __future__ import annotations
 
 import difflib
+import functools
 from typing import Callable, Dict, Sequence, Union
 
 import tensorflow as tf
@@ -31,7 +36,7 @@ from tfpipe.datasets.reverse import EOS_ID, PAD_ID
 from tfpipe.hyperparams import InstantiableParams, Params
 
 __all__ = ['BYTE_OFFSET', 'BYTE_VOCAB_SIZE', 'EOS_ID', 'PAD_ID', 'PREPROCESSORS',
-           'MissingDataError', 'TfdsInput', 'byte_detokenize', 'byte_tokenize',
+           'InputIterator', 'MissingDataError', 'TfdsInput', 'byte_detokenize', 'byte_tokenize',
            'register_preprocessor']
 
 BYTE_OFFSET = 2  # byte b becomes id b + 2, so PAD (0) and EOS (1) stay free
@@ -141,16 +146,6 @@ def _seq2seq_text(p: Params) -> Callable[[Example], Example]:
     return fn
 
 
-def _tfds_is_mocked() -> bool:
-    """Whether `tfds.testing.mock_data` is active.
-
-    It serves fake examples without any files, so "not prepared" is expected
-    there and must not stop tests of inputs built on real datasets.
-    """
-    as_dataset = tfds.core.DatasetBuilder.as_dataset
-    return getattr(as_dataset, '__module__', '') == 'tensorflow_datasets.testing.mocking'
-
-
 class TfdsInput:
     """Batches of a tfds dataset split, preprocessed into a task's layout."""
 
@@ -161,12 +156,14 @@ class TfdsInput:
         p.Define('dataset', '', "tfds name, e.g. 'tfpipe_shapes', 'cifar10', "
                  "'wmt14_translate/de-en'.")
         p.Define('split', 'train', 'tfds split, e.g. train, validation, test, train[:90%].')
-        p.Define('batch_size', 32, 'Examples per batch (the last partial batch is dropped).')
+        p.Define('batch_size', 32, 'Examples per batch (training drops the last partial batch; '
+                 'EvalDataset pads it).')
         p.Define('data_dir', None, 'tfds data dir; None: the tfds default.')
-        p.Define('shuffle_buffer', 0, 'Shuffle buffer size; 0: keep the stored order. The '
-                 'buffer is part of every iterator checkpoint.')
+        p.Define('shuffle_buffer', 0, 'Shuffle buffer size, reseeded every epoch; 0: keep the '
+                 'stored order. Not in Iterator() checkpoints.')
         p.Define('repeat', False, 'Repeat forever (training).')
-        p.Define('seed', 1234, 'Seed of file and example shuffling: same seed, same order.')
+        p.Define('seed', 1234, 'Seed of the file order and of each epoch\'s example shuffle: '
+                 'same seed, same order.')
         p.Define('max_length', 0, 'Static length of token sequences (pad or truncate).')
         p.Define('preprocess', 'image_classification', f'One of {sorted(PREPROCESSORS)}.')
         p.Define('source_key', 'en', "seq2seq_text: feature holding the source string.")
@@ -207,7 +204,7 @@ class TfdsInput:
                              f'name and nothing is prepared under it in '
                              f'{p.data_dir or "the tfds data_dir"}; close names: '
                              f'{close}') from None
-        if builder.is_prepared() or _tfds_is_mocked():
+        if builder.is_prepared():
             return builder
         root = str(builder.data_dir_root)
         if ours:
@@ -221,24 +218,143 @@ class TfdsInput:
                                f'downloads: {how}')
 
     def Dataset(self) -> tf.data.Dataset:
-        """Batches of dict examples with fully static shapes, in an order fixed by seed."""
+        """Batches of dict examples with fully static shapes, in an order fixed by seed.
+
+        The last partial batch of a non-repeating input is dropped (training); use
+        EvalDataset to see every example. Its tf.data iterator checkpoints hold the
+        shuffle buffer; `Iterator()` checkpoints only the position.
+        """
+        return self._Batches(0, 0).map(lambda batch, epochs, indices: batch).prefetch(2)
+
+    def Iterator(self) -> InputIterator:
+        """An iterator over Dataset()'s batches whose checkpoint is its position only."""
+        return InputIterator(self)
+
+    def EvalDataset(self, num_examples: int) -> tf.data.Dataset:
+        """Every one of the first `num_examples` examples (all, if the split is smaller).
+
+        Batches keep the static batch_size: the last partial batch is padded with
+        zero examples, and a 'weight' feature (float32 [batch_size]) is 1 for real
+        examples and 0 for padding, so metrics and decoders can ignore the padding.
+        """
+        p = self.params
+        if num_examples < 1:
+            raise ValueError(f'{p.name}: num_examples={num_examples} must be >= 1')
+        ds = self._Epochs(0).take(num_examples).map(lambda ex, epoch, index: ex)
+        ds = ds.map(self._Preprocess, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        ds = ds.map(lambda ex: {**ex, 'weight': tf.ones([], tf.float32)})
+        ds = ds.batch(p.batch_size).map(functools.partial(_pad_batch, size=p.batch_size))
+        self._CheckStatic(ds.element_spec)
+        return ds.prefetch(2)
+
+    def _Preprocess(self, ex: Example) -> Example:
+        return PREPROCESSORS[self.params.preprocess](self.params)(ex)
+
+    def _Epochs(self, start_epoch: int) -> tf.data.Dataset:
+        """(example, epoch, index in epoch) from the start of `start_epoch` on.
+
+        Epoch e is the stored split (files in one seeded order, the same every
+        epoch) through a shuffle buffer seeded by (seed, e): any epoch's order is
+        a function of the seed alone, so a position (epoch, index) is all a
+        checkpoint needs to continue the same sequence.
+        """
         p = self.params
         shuffle = p.shuffle_buffer > 0
         # No autocache: tfds would cache small datasets (cifar10 included) in memory,
-        # and a tf.data cache is written into every iterator checkpoint.
-        read_config = tfds.ReadConfig(shuffle_seed=p.seed, try_autocache=False)
-        ds = self._builder.as_dataset(split=p.split, shuffle_files=shuffle,
-                                      read_config=read_config)
-        if shuffle:  # before repeat: every epoch is a full pass, reshuffled
-            ds = ds.shuffle(p.shuffle_buffer, seed=p.seed, reshuffle_each_iteration=True)
-        if p.repeat:
-            ds = ds.repeat()
-        ds = ds.map(PREPROCESSORS[p.preprocess](p), num_parallel_calls=tf.data.AUTOTUNE,
-                    deterministic=True)
+        # and a tf.data cache is written into tf.data iterator checkpoints.
+        read_config = tfds.ReadConfig(shuffle_seed=p.seed, try_autocache=False,
+                                      shuffle_reshuffle_each_iteration=False)
+        stored = self._builder.as_dataset(split=p.split, shuffle_files=shuffle,
+                                          read_config=read_config)
+
+        def epoch_examples(epoch: tf.Tensor) -> tf.data.Dataset:
+            ds = stored
+            if shuffle:
+                ds = ds.shuffle(p.shuffle_buffer, seed=_epoch_seed(p.seed, epoch),
+                                reshuffle_each_iteration=False)
+            return ds.enumerate().map(lambda index, ex: (ex, epoch, index))
+
+        end = _NO_END if p.repeat else 1
+        ds = tf.data.Dataset.range(start_epoch, end).flat_map(epoch_examples)
+        # A shuffle built inside flat_map owns a seed-generator resource that tf.data
+        # calls external state and refuses to save. Its seeds are fixed per epoch
+        # (no reshuffling), so it has no state to lose: tf.data iterator
+        # checkpoints of Dataset() may ignore it and still restore exactly.
+        options = tf.data.Options()
+        options.experimental_external_state_policy = \
+            tf.data.experimental.ExternalStatePolicy.IGNORE
+        return ds.with_options(options)
+
+    def _Batches(self, start_epoch: int, start_index: int) -> tf.data.Dataset:
+        """(batch, epochs [B], indices [B]) of the examples from a position on."""
+        p = self.params
+        ds = self._Epochs(start_epoch).skip(start_index)
+        ds = ds.map(lambda ex, epoch, index: (self._Preprocess(ex), epoch, index),
+                    num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         ds = ds.batch(p.batch_size, drop_remainder=True)
-        for key, spec in ds.element_spec.items():
-            if not spec.shape.is_fully_defined():
+        self._CheckStatic(ds.element_spec[0])
+        return ds
+
+    def _CheckStatic(self, spec: Dict[str, tf.TensorSpec]) -> None:
+        p = self.params
+        for key, feature in spec.items():
+            if not feature.shape.is_fully_defined():
                 raise ValueError(f'{p.name}: feature {key!r} of {p.dataset} has shape '
-                                 f'{spec.shape} after preprocess {p.preprocess!r}; the '
+                                 f'{feature.shape} after preprocess {p.preprocess!r}; the '
                                  'pipeline needs static shapes')
-        return ds.prefetch(2)
+
+
+_NO_END = 2 ** 62  # the last epoch of a repeating input: never reached
+
+
+def _epoch_seed(seed: int, epoch: tf.Tensor) -> tf.Tensor:
+    """The shuffle seed of one epoch: a stateless hash of (seed, epoch)."""
+    return tf.random.stateless_uniform([], seed=tf.stack([tf.constant(seed, tf.int64), epoch]),
+                                       minval=0, maxval=2 ** 31 - 1, dtype=tf.int64)
+
+
+def _pad_batch(batch: Example, size: int) -> Example:
+    """Pads a (last, partial) batch with zero examples to the static `size`."""
+    n = tf.shape(batch['weight'])[0]
+    out = {}
+    for key, value in batch.items():
+        padding = [[0, size - n]] + [[0, 0]] * (value.shape.rank - 1)
+        out[key] = tf.ensure_shape(tf.pad(value, padding), [size] + value.shape[1:].as_list())
+    return out
+
+
+class InputIterator(tf.Module):
+    """Batches of a TfdsInput, checkpointed as a position instead of tf.data's buffers.
+
+    A tf.data iterator checkpoint holds its shuffle buffer: 10000 CIFAR-10 images
+    or 100000 WMT sentence pairs, tens of MB in every checkpoint. This one holds
+    two int64 variables, the epoch and the index in it of the next example; after
+    a restore, the next batch rebuilds the seeded order from that position
+    (reading through the epoch up to it once), so a resumed run sees exactly the
+    batches an uninterrupted run would have seen.
+    """
+
+    def __init__(self, tfds_input: TfdsInput):
+        super().__init__(name='input_iterator')
+        self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name='epoch')
+        self.index = tf.Variable(0, dtype=tf.int64, trainable=False, name='index')
+        self._make = tfds_input._Batches  # pylint: disable=protected-access
+        self._live = None  # generator of (batch, position after it); a generator is never tracked
+        self._live_from = None
+
+    def __iter__(self) -> InputIterator:
+        return self
+
+    def __next__(self) -> Example:
+        position = (int(self.epoch.numpy()), int(self.index.numpy()))
+        if self._live is None or position != self._live_from:  # first batch, or restored
+            self._live = self._Generate(*position)
+        batch, (epoch, index) = next(self._live)
+        self.epoch.assign(epoch)
+        self.index.assign(index)
+        self._live_from = (epoch, index)
+        return batch
+
+    def _Generate(self, epoch: int, index: int):
+        for batch, epochs, indices in self._make(epoch, index).prefetch(2):
+            yield batch, (int(epochs[-1]), int(indices[-1]) + 1)

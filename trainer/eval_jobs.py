@@ -9,7 +9,6 @@ processes the newest checkpoint and skips older ones.
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from typing import Callable, Optional
@@ -22,6 +21,7 @@ from tfpipe import checkpoints, fprop_context
 from tfpipe.hyperparams import Params
 
 PROCESSED_FILE = 'processed.txt'
+NUM_EXAMPLES = 'num_examples'  # the line of score-<step>.txt saying how many examples were seen
 
 
 class _PollingJob:
@@ -94,16 +94,19 @@ class _PollingJob:
             wait = min(2 * wait, self.poll_max_seconds)
 
     def _batches(self, num_examples: int):
-        dataset = self.input_params.Instantiate().Dataset()
-        batches = math.ceil(num_examples / self.input_params.batch_size)
-        return dataset.take(batches)
+        """Each of the first num_examples examples once; padding has weight 0."""
+        return self.input_params.Instantiate().EvalDataset(num_examples)
 
     def process(self, step: int, writer) -> None:
         raise NotImplementedError
 
 
 class Evaler(_PollingJob):
-    """Weighted-mean metrics over eval.samples_per_summary examples -> score-<step>.txt."""
+    """Weighted-mean metrics over eval.samples_per_summary examples -> score-<step>.txt.
+
+    Exactly that many examples (or the whole split if smaller): the last batch is
+    padded to the static batch size and its padding has weight 0 in every metric.
+    """
 
     kind = 'eval'
     job_prefix = 'evaler'
@@ -120,14 +123,16 @@ class Evaler(_PollingJob):
         self._metrics = metrics
 
     def process(self, step, writer):
-        sums, weights = {}, {}
+        sums, weights, num_examples = {}, {}, 0
         for batch in self._batches(self.task.params.eval.samples_per_summary):
             for name, (value, weight) in self._metrics(batch).items():
                 sums[name] = sums.get(name, 0.0) + float(value) * float(weight)
                 weights[name] = weights.get(name, 0.0) + float(weight)
+            num_examples += int(np.count_nonzero(batch['weight'].numpy()))
         scores = {n: sums[n] / max(weights[n], 1e-12) for n in sums}
-        _write_scores(self.job_dir, step, scores, writer)
-        logging.info('eval_%s step %d: %s', self.split, step, _format(scores))
+        _write_scores(self.job_dir, step, scores, num_examples, writer)
+        logging.info('eval_%s step %d: %s (%d examples)', self.split, step, _format(scores),
+                     num_examples)
 
 
 class Decoder(_PollingJob):
@@ -149,7 +154,8 @@ class Decoder(_PollingJob):
     def process(self, step, writer):
         records = []
         for batch in self._batches(self.task.params.eval.decoder_samples_per_summary):
-            out = {k: v.numpy() for k, v in self._decode(batch).items()}
+            real = batch['weight'].numpy() > 0  # Decode's outputs have one row per example
+            out = {k: v.numpy()[real] for k, v in self._decode(batch).items()}
             records += self.task.PostProcessDecodeOut(out)
         out_path = os.path.join(self.job_dir, f'decoder_out-{step}.jsonl')
         with open(out_path + '.tmp', 'w') as f:
@@ -157,21 +163,25 @@ class Decoder(_PollingJob):
                 f.write(json.dumps(record) + '\n')
         os.replace(out_path + '.tmp', out_path)
         scores = self.task.DecodeMetrics(records)
-        _write_scores(self.job_dir, step, scores, writer)
-        logging.info('decoder_%s step %d: %s', self.split, step, _format(scores))
+        _write_scores(self.job_dir, step, scores, len(records), writer)
+        logging.info('decoder_%s step %d: %s (%d examples)', self.split, step, _format(scores),
+                     len(records))
 
 
 def _format(scores: dict) -> str:
     return '  '.join(f'{k} {v:.4f}' for k, v in sorted(scores.items()))
 
 
-def _write_scores(job_dir: str, step: int, scores: dict, writer) -> None:
+def _write_scores(job_dir: str, step: int, scores: dict, num_examples: int, writer) -> None:
+    """score-<step>.txt: one 'name: value' line per metric, then 'num_examples: N'."""
     path = os.path.join(job_dir, f'score-{step}.txt')
     with open(path + '.tmp', 'w') as f:
         for name, value in sorted(scores.items()):
             f.write(f'{name}: {float(np.asarray(value)):.6f}\n')
+        f.write(f'{NUM_EXAMPLES}: {num_examples}\n')
     os.replace(path + '.tmp', path)
     with writer.as_default(step=step):
         for name, value in scores.items():
             tf.summary.scalar(name, float(value))
+        tf.summary.scalar(NUM_EXAMPLES, num_examples)
     writer.flush()

@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 import gin
 
 import model_registry
+from tfpipe import params_text
 from tfpipe.hyperparams import Params
 
 MODEL_FILE = 'model.txt'
@@ -65,8 +66,15 @@ def apply_overrides(params: Params, pairs: Sequence[tuple[str, str]], source: st
 
 def load_params(model: str, params_override: str = '', params_file_override: str = '',
                 gin_files: Sequence[str] = (), gin_bindings: Sequence[str] = ()) -> Params:
-    """The model's params with file, flag and gin overrides applied, in that order."""
+    """The model's params with file, flag and gin overrides applied, in that order.
+
+    Params text may then name classes of tfpipe, of the registered models' package
+    and of the package the model itself comes from (e.g. `mypkg` for a model
+    defined in `mypkg.lm`); reading it imports no other module.
+    """
     params = model_registry.get_params(model)
+    params_text.trust_package(model_registry.PARAMS_PACKAGE)
+    params_text.trust_package(model_registry.get_class(model).__module__.split('.')[0])
     if params_file_override:
         if not os.path.exists(params_file_override):
             raise ValueError(f'--params_file_override {params_file_override} does not exist: '

@@ -2,13 +2,16 @@
 
 One step = `task.ForwardBackward` (GPipe over all micro-batches, gradients
 summed per cell) -> global-norm clipping -> optimizer update, in one
-tf.function. With data-parallel replicas (`task.pipeline.num_replicas` R > 1)
-each replica has its own copy of the variables and an optimizer with slots on
-its own devices, gets the all-reduced gradients and applies the same update,
-so the copies stay identical; only replica 0's copy and optimizer are
-checkpointed, and a restore copies them into the others. The checkpoint holds the model (by layer path), the optimizer
-slots, the global step and the input iterator's position, so a resumed run
-sees exactly the data an uninterrupted run would have seen.
+tf.function. The checkpoint holds the model (by layer path), the optimizer
+slots, the global step and the input's position (epoch and index, not the
+shuffle buffer), so a resumed run sees exactly the data an uninterrupted run
+would have seen.
+
+With data-parallel replicas (`task.pipeline.num_replicas` R > 1) each replica
+has its own copy of the variables and an optimizer with slots on its own
+devices, gets the all-reduced gradients and applies the same update, so the
+copies stay identical; only replica 0's copy and optimizer are checkpointed,
+and a restore copies them into the others.
 """
 from __future__ import annotations
 
@@ -91,7 +94,7 @@ class Trainer:
         self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name='global_step')
         self.input = params.input.train.Instantiate()
         self.batch_size = params.input.train.batch_size
-        self.iterator = iter(self.input.Dataset())
+        self.iterator = self.input.Iterator()  # checkpointed as its position, not its buffer
         self.checkpoint = checkpoints.make(self.task.VariablesByPath(), step=self.global_step,
                                            optimizer=self.optimizer, iterator=self.iterator)
         self.manager = tf.train.CheckpointManager(

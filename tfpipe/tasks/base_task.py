@@ -37,8 +37,10 @@ def train_params() -> Params:
 
 def eval_params() -> Params:
     p = Params()
-    p.Define('samples_per_summary', 1000, 'Examples per evaluation of a checkpoint.')
-    p.Define('decoder_samples_per_summary', 100, 'Examples decoded per checkpoint.')
+    p.Define('samples_per_summary', 1000, 'Examples per evaluation of a checkpoint: exactly '
+             'the first this many of the split (all of it if smaller), not whole batches.')
+    p.Define('decoder_samples_per_summary', 100, 'Examples decoded per checkpoint, likewise '
+             'exact.')
     return p
 
 
@@ -74,10 +76,19 @@ class BaseTask(BaseLayer):
         raise NotImplementedError
 
     def ComputeLoss(self, theta: dict, predictions: Any, batch: dict) -> Metrics:
-        """Eval metrics of a batch: name -> (value, weight); must include 'loss'."""
+        """Eval metrics of a batch: name -> (value, weight); must include 'loss'.
+
+        Each value is a mean over the batch weighted by ExampleWeights(batch), and
+        its weight counts what it averaged (0 for padding), so the evaler's
+        weighted mean over batches is the metric of exactly the real examples.
+        """
         raise NotImplementedError
 
     def Decode(self, theta: dict, batch: dict) -> dict:
+        """Decoder outputs: tensors with one row per example of the batch (leading dim).
+
+        The decoder drops the rows of padding (weight 0) before PostProcessDecodeOut.
+        """
         raise NotImplementedError
 
     def PostProcessDecodeOut(self, decode_out: dict) -> list[dict]:
@@ -89,6 +100,13 @@ class BaseTask(BaseLayer):
         raise NotImplementedError
 
     # -- Shared --------------------------------------------------------------------------
+
+    def ExampleWeights(self, batch: dict) -> tf.Tensor:
+        """float32 [B]: the input's 'weight' (0 marks an eval batch's padding), else ones."""
+        if 'weight' in batch:
+            return tf.cast(batch['weight'], tf.float32)
+        targets = tf.nest.flatten(self.PipelineTargets(batch))[0]
+        return tf.ones([tf.shape(targets)[0]], tf.float32)
 
     def ComputePredictions(self, theta: dict, batch: dict) -> Any:
         return self.pipe.FProp(theta['pipe'], self.PipelineInputs(batch))

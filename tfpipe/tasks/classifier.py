@@ -32,11 +32,14 @@ class ImageClassifier(BaseTask):
 
     def ComputeLoss(self, theta, logits, batch):
         labels = batch['label']
-        weight = tf.cast(tf.size(labels), tf.float32)
-        loss = tf.reduce_mean(self.PerExampleLoss(logits, labels))
-        correct = tf.equal(tf.argmax(logits, -1, output_type=labels.dtype), labels)
-        return {'loss': (loss, weight),
-                'accuracy': (tf.reduce_mean(tf.cast(correct, tf.float32)), weight)}
+        loss = self.PerExampleLoss(logits, labels)
+        weights = tf.cast(self.ExampleWeights(batch), loss.dtype)
+        total = tf.reduce_sum(weights)
+        correct = tf.cast(tf.equal(tf.argmax(logits, -1, output_type=labels.dtype), labels),
+                          loss.dtype)
+        return {'loss': (tf.math.divide_no_nan(tf.reduce_sum(loss * weights), total), total),
+                'accuracy': (tf.math.divide_no_nan(tf.reduce_sum(correct * weights), total),
+                             total)}
 
     def Decode(self, theta, batch):
         probs = tf.nn.softmax(self.ComputePredictions(theta, batch))

@@ -60,6 +60,8 @@ class Seq2SeqTask(BaseTask):
     def ComputeLoss(self, theta, logits, batch):
         tgt = batch['tgt']
         xent, mask = self._TokenLoss(logits, tgt)
+        weights = tf.cast(self.ExampleWeights(batch), mask.dtype)[:, None]
+        xent, mask = xent * weights, mask * weights  # padding examples count no tokens
         tokens = tf.reduce_sum(mask)
         hyp = tf.argmax(self._TargetLogits(logits, tgt), -1, output_type=tgt.dtype)
         correct = tf.cast(tf.equal(hyp, tgt), mask.dtype) * mask
