@@ -220,32 +220,20 @@ def zb_h1(num_cells: int, num_micro_batches: int) -> Schedule:
     _check_sizes(num_cells, num_micro_batches)
     orders = []
     for k in range(num_cells):
-        f = b = w = 0
-        order: list[Task] = []
-
-        def add(phase: str, m: int) -> None:
-            order.append(Task(k, m, phase))
-
-        for _ in range(min(num_cells - k - 1, num_micro_batches)):
-            add(FORWARD, f)
-            f += 1
-        for _ in range(k):
-            if f < num_micro_batches:
-                add(FORWARD, f)
-                add(BACKWARD_INPUT, b)
-                f, b = f + 1, b + 1
-        while f < num_micro_batches:
-            add(FORWARD, f)
-            add(BACKWARD_INPUT, b)
-            add(BACKWARD_WEIGHT, w)
-            f, b, w = f + 1, b + 1, w + 1
-        while b < num_micro_batches:
-            add(BACKWARD_INPUT, b)
-            add(BACKWARD_WEIGHT, w)
-            b, w = b + 1, w + 1
-        while w < num_micro_batches:
-            add(BACKWARD_WEIGHT, w)
-            w += 1
+        m_ = num_micro_batches
+        warmup = min(num_cells - k - 1, m_)
+        postponed = min(k, m_ - warmup)  # (F, B) pairs whose W waits
+        f = warmup + postponed
+        order = [Task(k, m, FORWARD) for m in range(warmup)]
+        for i in range(postponed):
+            order += [Task(k, warmup + i, FORWARD), Task(k, i, BACKWARD_INPUT)]
+        for i in range(m_ - f):  # (F, B, W) triples
+            order += [Task(k, f + i, FORWARD), Task(k, postponed + i, BACKWARD_INPUT),
+                      Task(k, i, BACKWARD_WEIGHT)]
+        b, w = postponed + m_ - f, m_ - f
+        for i in range(m_ - b):
+            order += [Task(k, b + i, BACKWARD_INPUT), Task(k, w + i, BACKWARD_WEIGHT)]
+        order += [Task(k, m, BACKWARD_WEIGHT) for m in range(w + m_ - b, m_)]
         orders.append(order)
     return simulate(orders, num_cells)
 
