@@ -31,7 +31,7 @@ def test_a_second_lock_on_a_job_dir_names_the_holder(tmp_path):
 def test_the_lock_of_a_killed_job_is_released(tmp_path):
     job_dir = str(tmp_path / 'eval_dev')
     code = ('import sys, time; from trainer import logdir_access; '
-            X
+            f'lock = logdir_access.JobDirLock({job_dir!r}, "evaler_dev").acquire(); '
             'print("locked", flush=True); time.sleep(600)')
     proc = subprocess.Popen([sys.executable, '-c', code], env=th.env(), cwd=th.REPO,
                             stdout=subprocess.PIPE, text=True)
