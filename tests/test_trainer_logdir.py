@@ -47,6 +47,21 @@ def test_the_lock_of_a_killed_job_is_released(tmp_path):
         proc.wait()
 
 
+def test_a_logdir_under_a_file_or_on_proc_is_refused_before_writing(tmp_path):
+    (tmp_path / 'a_file').write_text('not a directory\n')
+    with pytest.raises(ValueError, match=f'--logdir {tmp_path}/a_file/run lies under the file '
+                       f'{tmp_path}/a_file: give a directory path'):
+        logdir_access.check_directory(str(tmp_path / 'a_file' / 'run'), '--logdir')
+    # Root writes through permission bits, and os.access says yes on /proc, which refuses
+    # every new directory: the lock, the first write, turns that into a one-line error.
+    logdir_access.check_directory('/proc/tfpipe_test_logdir', '--logdir')
+    with pytest.raises(ValueError, match=r'cannot write /proc/tfpipe_test_logdir/train/job.lock'
+                       r' \(No such file or directory\): give a --logdir on a writable file '
+                       r'system'):
+        logdir_access.JobDirLock('/proc/tfpipe_test_logdir/train', 'trainer').acquire()
+    assert not os.path.exists('/proc/tfpipe_test_logdir')
+
+
 def _read_until(proc, needle: str, timeout: float = 240) -> str:
     out, deadline = '', time.time() + timeout
     while time.time() < deadline:

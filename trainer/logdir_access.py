@@ -48,7 +48,11 @@ def check_directory(path: str, flag: str, writable: bool = True) -> None:
 
 
 class JobDirLock:
-    """An exclusive lock on one job dir, held until `release()` or the process ends."""
+    """An exclusive lock on one job dir, held until `release()` or the process ends.
+
+    Keep a reference for as long as the job runs: the lock lives in the open
+    file, which garbage collection would close.
+    """
 
     def __init__(self, job_dir: str, job: str):
         self.job_dir = job_dir

@@ -222,7 +222,7 @@ class Trainer:
             path = self.manager.save(checkpoint_number=step)
         except (OSError, tf.errors.OpError) as e:  # a full disk, a quota, a lost mount
             self._remove_partial_save(step)
-            last = self.manager.latest_checkpoint
+            last = checkpoints.latest(self.train_dir)  # from disk: the state file may be older
             raise checkpoints.CheckpointError(
                 f'saving checkpoint ckpt-{step} in {self.train_dir} failed '
                 f'({_reason(e)}); its partial files were removed: free '
