@@ -166,6 +166,13 @@ def _case_garbled_state_file(trained, tmp_path):
                         r'\'model_checkpoint_path: "ckpt-2"\' into \S+/train/checkpoint')
 
 
+# Each costs a process; variants of the same check are unit tests in test_trainer_logdir.py.
+MORE_CASES = [_case_logdir_is_a_file, _case_truncated_data_file, _case_gin_syntax_error,
+              _case_tfds_data_dir_is_a_file, _case_no_logical_cpus, _case_gpu_without_a_gpu,
+              _case_refused_params_file, _case_garbled_state_file]
+
+
+@pytest.mark.parametrize('case', MORE_CASES, ids=[c.__name__[6:] for c in MORE_CASES])
 def test_bad_environment_is_one_line_and_exit_2(trained, data_dir, tmp_path, case):
     """Each ended in a traceback (or, for the state file, in training from step 0)."""
     import re
