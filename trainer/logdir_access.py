@@ -80,11 +80,16 @@ class JobDirLock:
             raise JobDirBusyError(
                 f'{self.job_dir} is in use by a running {self.job}: {holder} holds {path}; '
                 f'stop that job first, or give this one another --logdir') from None
-        f.seek(0)
-        f.truncate()
-        f.write(f'pid {os.getpid()} on host {socket.gethostname()} since '
-                f'{time.strftime("%Y-%m-%d %H:%M:%S")}\n')
-        f.flush()
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write(f'pid {os.getpid()} on host {socket.gethostname()} since '
+                    f'{time.strftime("%Y-%m-%d %H:%M:%S")}\n')
+            f.flush()
+        except OSError as e:  # a full disk
+            f.close()
+            raise ValueError(f'cannot write {path} ({e.strerror}): free space on the '
+                             '--logdir file system') from None
         self._file = f
         return self
 

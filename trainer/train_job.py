@@ -173,7 +173,7 @@ class Trainer:
             if step % self.summary_interval == 0 or step == self.max_steps:
                 self._report(writer, progress, step, loss, norm, float(lr))
             if step % self.save_interval == 0 or step == self.max_steps:
-                self._save(step)
+                self.save(step)
         if out_of_data:
             logging.warning('input.train ran out of data after step %d of %d (it does not '
                             'repeat): saving a checkpoint and stopping; set '
@@ -185,7 +185,7 @@ class Trainer:
         if (out_of_data or self._stop_signal is not None) and (
                 self.manager.latest_checkpoint is None or
                 checkpoints.step_of(self.manager.latest_checkpoint) != step):
-            self._save(step)
+            self.save(step)
         writer.flush()
         elapsed = time.time() - start_time
         logging.info('trained steps %d..%d in %.1fs', start_step, step, elapsed)
@@ -215,7 +215,8 @@ class Trainer:
             f'{what}: training stopped; the last good checkpoint in {self.train_dir} is kept. '
             'Lower task.train.learning_rate or set task.train.clip_gradient_norm_to_value')
 
-    def _save(self, step: int) -> None:
+    def save(self, step: int) -> None:
+        """Saves a checkpoint numbered `step`; a failed save leaves no partial files."""
         if not bool(self._weights_are_finite()):
             self._non_finite(f'the weights after step {step} are not finite')
         try:
