@@ -98,3 +98,118 @@ def test_bad_resume_and_runtime_knobs(trained, data_dir, flags, message):
     assert result.returncode == 2, result.stderr[-3000:]
     assert re.search(message, th.error_line(result)), th.error_line(result)
     assert th.snapshot(trained) == before
+
+
+def _copy_of(trained, tmp_path):
+    import shutil
+    logdir = str(tmp_path / 'copy')
+    shutil.copytree(trained, logdir)
+    return logdir
+
+
+def _truncate(path, size):
+    with open(path, 'r+b') as f:
+        f.truncate(size)
+
+
+def _case_logdir_is_a_file(trained, tmp_path):
+    path = tmp_path / 'a_file'
+    path.write_text('not a directory\n')
+    return str(path), [], r'--logdir \S+/a_file is a file: give a directory path'
+
+
+def _case_truncated_data_file(trained, tmp_path):
+    logdir = _copy_of(trained, tmp_path)
+    _truncate(os.path.join(logdir, 'train', 'ckpt-2.data-00000-of-00001'), 1000)
+    return logdir, [], r'checkpoint \S+/ckpt-2 cannot be restored .*move it out of the train dir'
+
+
+def _case_gin_syntax_error(trained, tmp_path):
+    path = tmp_path / 'bad.gin'
+    path.write_text('trainer.save_interval_steps = \n')
+    return trained, [f'--gin_file={path}'], r'gin: \S+/bad.gin line 1: .*fix the binding'
+
+
+def _case_tfds_data_dir_is_a_file(trained, tmp_path):
+    path = tmp_path / 'a_file'
+    path.write_text('not a directory\n')
+    return str(tmp_path / 'fresh'), [f'--tfds_data_dir={path}'], \
+        r'--tfds_data_dir \S+/a_file is a file: give a directory path'
+
+
+def _case_no_logical_cpus(trained, tmp_path):
+    return (str(tmp_path / 'fresh'), ['--num_logical_cpus=0'],
+            r'--num_logical_cpus=0 must be >= 1')
+
+
+def _case_gpu_without_a_gpu(trained, tmp_path):
+    import tensorflow as tf
+    assert not tf.config.list_physical_devices('GPU'), 'this case needs a machine without GPU'
+    return (str(tmp_path / 'fresh'), ['--run_locally=gpu'],
+            r'^error: (?!.*num_logical_cpus)--run_locally=gpu but TensorFlow sees no GPU on '
+            r'this machine: use --run_locally=cpu')  # not --num_logical_cpus: gpu ignores it
+
+
+def _case_refused_params_file(trained, tmp_path):
+    logdir = _copy_of(trained, tmp_path)
+    with open(os.path.join(logdir, 'train', 'params.txt'), 'a') as f:
+        f.write('task.train.max_stepz : 3\n')
+    return logdir, [], r'\S+/copy/train/params.txt: .*max_stepz.*use a new --logdir'
+
+
+def _case_garbled_state_file(trained, tmp_path):
+    logdir = _copy_of(trained, tmp_path)
+    with open(os.path.join(logdir, 'train', 'checkpoint'), 'w') as f:
+        f.write('model_checkpoint_path: "ckpt-2\n')  # cut off mid-string
+    return logdir, [], (r'\S+/copy/train/checkpoint is unreadable; the newest readable '
+                        r'checkpoint there is ckpt-2: to resume from it, write the line '
+                        r'\'model_checkpoint_path: "ckpt-2"\' into \S+/train/checkpoint')
+
+
+# Each costs a process; variants of the same check are unit tests in test_trainer_logdir.py.
+MORE_CASES = [_case_logdir_is_a_file, _case_truncated_data_file, _case_gin_syntax_error,
+              _case_tfds_data_dir_is_a_file, _case_no_logical_cpus, _case_gpu_without_a_gpu,
+              _case_refused_params_file, _case_garbled_state_file]
+
+
+@pytest.mark.parametrize('case', MORE_CASES, ids=[c.__name__[6:] for c in MORE_CASES])
+def test_bad_environment_is_one_line_and_exit_2(trained, data_dir, tmp_path, case):
+    """Each ended in a traceback (or, for the state file, in training from step 0)."""
+    import re
+    logdir, flags, message = case(trained, tmp_path)
+    existed = os.path.exists(logdir)
+    before, before_tmp = th.snapshot(trained), th.snapshot(str(tmp_path))
+    result = th.run(th.FAST, logdir, data_dir, *th.fast_flags(4, 2), *flags)  # flags win
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert re.search(message, th.error_line(result)), th.error_line(result)
+    assert 'Traceback' not in result.stderr
+    assert th.snapshot(trained) == before
+    assert th.snapshot(str(tmp_path)) == before_tmp  # the copies and files are unchanged too
+    assert os.path.exists(logdir) == existed
+
+
+@pytest.fixture
+def read_only_copy(trained, tmp_path):
+    """A copy of `trained` on a tmpfs mounted read-only (root writes through chmod)."""
+    import shutil
+    import subprocess
+    mount = tmp_path / 'ro'
+    mount.mkdir()
+    if subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=16m', 'tmpfs', str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip('needs permission to mount a tmpfs (root)')
+    try:
+        shutil.copytree(trained, str(mount / 'run'))
+        subprocess.run(['mount', '-o', 'remount,ro', str(mount)], check=True)
+        yield str(mount / 'run')
+    finally:
+        subprocess.run(['umount', str(mount)], check=True)
+
+
+def test_read_only_logdir(read_only_copy, data_dir):
+    before = th.snapshot(read_only_copy)
+    result = th.run(th.FAST, read_only_copy, data_dir, *th.fast_flags(4, 2))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert th.error_line(result) == (f'error: --logdir {read_only_copy} is not writable: give '
+                                     'a directory this user can write, e.g. under /tmp')
+    assert th.snapshot(read_only_copy) == before

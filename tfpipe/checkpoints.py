@@ -30,24 +30,67 @@ def latest(directory: str) -> Optional[str]:
     """The newest complete checkpoint in `directory` (None when there is none).
 
     Only checkpoints listed in the state file count: CheckpointManager writes
-    that file after the data, so a half-written checkpoint is never returned.
-    A listed checkpoint whose files are gone (moved away by a user, or rotated
-    out by a trainer while an evaler looks) is skipped for the next older one;
-    if the state file lists checkpoints but none has its files, that is an
-    error, not a fresh start.
+    that file (atomically) after the data, so a half-written checkpoint is never
+    returned. A listed checkpoint whose files are gone (moved away by a user, or
+    rotated out by a trainer while an evaler looks) is skipped for the next
+    older one. A state file that cannot be parsed, or that lists no checkpoint
+    with files, is an error naming the newest readable `ckpt-N` when the
+    directory holds any: starting from step 0 there would overwrite them, and
+    guessing which one the user meant would hide whatever garbled the file.
     """
-    state = tf.train.get_checkpoint_state(directory)
-    if state is None:
+    state_path = os.path.join(directory, STATE_FILE)
+    if not tf.io.gfile.exists(state_path):
         return None
-    listed = list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
+    try:
+        state = tf.train.get_checkpoint_state(directory)  # None when it does not parse
+    except ValueError:  # parses, but names no checkpoint
+        state = None
+    listed = [] if state is None else (list(state.all_model_checkpoint_paths) or
+                                       [state.model_checkpoint_path])
     for path in reversed(listed):
         if not os.path.isabs(path):
             path = os.path.join(directory, path)
         if tf.io.gfile.exists(path + '.index'):
             return path
+    on_disk = _checkpoints_on_disk(directory)
+    if state is None and not on_disk:
+        return None  # nothing to lose: the trainer rewrites the state file
+    problem = (f'{state_path} is unreadable' if state is None else
+               f'{state_path} lists checkpoints {[os.path.basename(p) for p in listed]} but '
+               'none of their files exist')
+    if not on_disk:
+        raise CheckpointError(f'{problem}: restore them, or delete the state file to start '
+                              'over')
+    newest = _newest_readable(on_disk)
+    if newest is None:
+        raise CheckpointError(
+            f'{problem} and none of {[os.path.basename(p) for p in on_disk]} is readable: '
+            'restore the checkpoints from a copy, or use a new --logdir to start over')
+    name = os.path.basename(newest)
     raise CheckpointError(
-        f'{directory}/{STATE_FILE} lists checkpoints {[os.path.basename(p) for p in listed]} '
-        'but none of their files exist: restore them, or delete the state file to start over')
+        f'{problem}; the newest readable checkpoint there is {name}: to resume from it, '
+        f"write the line 'model_checkpoint_path: \"{name}\"' into {state_path}; to start "
+        'over, use a new --logdir')
+
+
+def _checkpoints_on_disk(directory: str) -> list[str]:
+    """Prefixes of the ckpt-N checkpoints with an index file, newest first."""
+    found = []
+    for index in tf.io.gfile.glob(os.path.join(directory, 'ckpt-*.index')):
+        prefix = index[:-len('.index')]
+        if prefix.rsplit('-', 1)[1].isdigit():
+            found.append(prefix)
+    return sorted(found, key=step_of, reverse=True)
+
+
+def _newest_readable(prefixes: list[str]) -> Optional[str]:
+    for prefix in prefixes:
+        try:
+            check_readable(prefix)
+            return prefix
+        except CheckpointError:
+            continue
+    return None
 
 
 def step_of(path: str) -> int:
@@ -68,7 +111,8 @@ def restore(checkpoint: tf.train.Checkpoint, path: str, partial: bool = False) -
             status.expect_partial()
     except tf.errors.NotFoundError:
         raise  # the files went away (rotated out): the caller may look again
-    except (tf.errors.OpError, ValueError, AssertionError) as e:
+    except (tf.errors.OpError, ValueError, AssertionError, IndexError) as e:
+        # IndexError: a truncated data file ('Read less bytes than requested').
         raise CheckpointError(
             f'checkpoint {path} cannot be restored into this model '
             f'({one_line(str(e))[:300] or type(e).__name__}): if it is corrupt or partial, move '

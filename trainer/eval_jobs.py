@@ -68,6 +68,7 @@ class _PollingJob:
         os.makedirs(self.job_dir, exist_ok=True)
         writer = tf.summary.create_file_writer(self.job_dir)
         wait, idle_since = 1.0, time.time()
+        waiting_logged = False
         while True:
             path = checkpoints.latest(self.train_dir) if os.path.isdir(self.train_dir) else None
             step = checkpoints.step_of(path) if path is not None else -1
@@ -78,7 +79,7 @@ class _PollingJob:
                     continue  # rotated out by the trainer meanwhile: look again
                 self.process(step, writer)
                 self._mark_processed(step)
-                wait, idle_since = 1.0, time.time()
+                wait, idle_since, waiting_logged = 1.0, time.time(), False
                 if step >= self.max_steps:
                     return
                 continue
@@ -88,6 +89,13 @@ class _PollingJob:
                 logging.info('%s_%s: no new checkpoint for %.0fs, stopping', self.kind,
                              self.split, self.idle_timeout_seconds)
                 return
+            if not waiting_logged:  # a job that sits silent looks hung
+                logging.info('%s_%s: waiting for %s in %s (looking every %.0fs at most; it '
+                             'stops after the checkpoint of step %d)', self.kind, self.split,
+                             'a checkpoint' if path is None else f'a checkpoint newer than '
+                             f'step {step}', self.train_dir, self.poll_max_seconds,
+                             self.max_steps)
+                waiting_logged = True
             deadline = time.time() + wait
             while time.time() < deadline and not self.should_stop():
                 time.sleep(0.1)

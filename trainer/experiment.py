@@ -16,7 +16,11 @@ from tfpipe import params_text
 from tfpipe.hyperparams import Params
 
 MODEL_FILE = 'model.txt'
+# In train/: params.txt holds the params of the checkpoints (the trainer rewrites it once
+# the first checkpoint of a run is saved), params-attempt.txt those of the latest start,
+# which may have died before saving anything (a NaN, a bad override).
 PARAMS_FILE = 'params.txt'
+ATTEMPT_PARAMS_FILE = 'params-attempt.txt'
 
 
 @gin.configurable('model')
@@ -86,7 +90,13 @@ def load_params(model: str, params_override: str = '', params_file_override: str
                 raise ValueError(f"{params_file_override}: {e}") from None
     apply_overrides(params, split_overrides(params_override), '--params_override')
     if gin_files or gin_bindings:
-        gin.parse_config_files_and_bindings(list(gin_files), list(gin_bindings))
+        try:
+            gin.parse_config_files_and_bindings(list(gin_files), list(gin_bindings))
+        except (SyntaxError, ValueError, OSError) as e:  # gin reports syntax as SyntaxError
+            where = (f'{e.filename} line {e.lineno}' if isinstance(e, SyntaxError) and
+                     e.filename else 'the --gin_file/--gin_bindings')
+            raise ValueError(f'gin: {where}: {e.msg if isinstance(e, SyntaxError) else e}: '
+                             'fix the binding (gin syntax: scope.name = value)') from None
     apply_overrides(params, [(k, repr(v)) for k, v in gin_model_overrides().items()], 'gin')
     return params
 
@@ -102,22 +112,38 @@ def check_logdir(logdir: str, model: str) -> None:
                              f'{model}: use a new --logdir for {model}')
 
 
-def write_job_files(logdir: str, job_dir: str, model: str, params: Params) -> None:
+def write_job_files(logdir: str, job_dir: str, model: str, params: Params,
+                    params_file: str = PARAMS_FILE) -> None:
     os.makedirs(job_dir, exist_ok=True)
     with open(os.path.join(logdir, MODEL_FILE), 'w') as f:
         f.write(model + '\n')
-    with open(os.path.join(job_dir, PARAMS_FILE), 'w') as f:
+    write_params(os.path.join(job_dir, params_file), params)
+
+
+def write_params(path: str, params: Params) -> None:
+    """Atomically: a reader never sees half a params file."""
+    with open(path + '.tmp', 'w') as f:
         f.write(params.ToText())
+    os.replace(path + '.tmp', path)
 
 
-def saved_train_params(train_dir: str, params: Params) -> Optional[Params]:
-    """The params the trainer of this logdir ran with (None before its first run)."""
-    path = os.path.join(train_dir, PARAMS_FILE)
+def saved_train_params(train_dir: str, params: Params,
+                       params_file: str = PARAMS_FILE) -> Optional[Params]:
+    """The params of this logdir's checkpoints (or of its trainer's latest start).
+
+    None when the file does not exist (before the first checkpoint).
+    """
+    path = os.path.join(train_dir, params_file)
     if not os.path.exists(path):
         return None
     saved = params.Copy()
     with open(path) as f:
-        saved.FromText(f.read())
+        try:
+            saved.FromText(f.read())
+        except Exception as e:  # noqa: BLE001 - re-raised with the file named
+            raise ValueError(f'{path}: {e}: this logdir was written by another version of '
+                             'the model or of tfpipe, or the file was edited; fix the line '
+                             'or use a new --logdir') from None
     return saved
 
 

@@ -18,6 +18,8 @@ import threading
 
 from absl import app, flags, logging
 
+from trainer import logdir_access
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string('model', None, 'Registered model: <task>.<dataset>.<ClassName>.')
 flags.DEFINE_string('logdir', None, 'Directory of checkpoints, summaries and job outputs.')
@@ -51,7 +53,14 @@ def _configure_devices() -> None:
     import tensorflow as tf
     import tfpipe
     kind = FLAGS.run_locally or ('gpu' if tf.config.list_physical_devices('GPU') else 'cpu')
+    if kind == 'gpu' and not tf.config.list_physical_devices('GPU'):
+        raise UsageError('--run_locally=gpu but TensorFlow sees no GPU on this machine: use '
+                         '--run_locally=cpu, or install tfpipe with the gpu extra on a machine '
+                         'whose GPUs nvidia-smi lists')
     if kind == 'cpu':
+        if FLAGS.num_logical_cpus < 1:
+            raise UsageError(f'--num_logical_cpus={FLAGS.num_logical_cpus} must be >= 1: '
+                             'give at least one logical CPU per pipeline cell')
         tf.config.set_visible_devices([], 'GPU')  # cells go to logical CPUs even beside a GPU
         tfpipe.configure_logical_cpus(FLAGS.num_logical_cpus)
 
@@ -72,6 +81,7 @@ def _parse_jobs(job_flag: str | None) -> list[str]:
 def _set_data_dir(params) -> None:
     """Points every input without a data_dir at --tfds_data_dir (or the tfds default)."""
     data_dir = FLAGS.tfds_data_dir or os.path.expanduser('~/tensorflow_datasets')
+    logdir_access.check_directory(data_dir, '--tfds_data_dir', writable=False)
     for _, input_params in params.input.IterParams():
         if input_params is not None and input_params.data_dir is None:
             input_params.data_dir = data_dir
@@ -103,6 +113,8 @@ def main(argv) -> int:
     if FLAGS.mode == 'sync' and not FLAGS.logdir:
         raise UsageError('--logdir is required: the directory for checkpoints and summaries')
     jobs = _parse_jobs(FLAGS.job)
+    if FLAGS.mode == 'sync':
+        logdir_access.check_directory(FLAGS.logdir, '--logdir')
     _configure_devices()
     import tensorflow_datasets as tfds
     tfds.disable_progress_bar()
@@ -129,8 +141,10 @@ def main(argv) -> int:
     if 'trainer' in jobs:
         experiment.check_resumable(saved, params, train_dir)
     max_steps = options.max_steps or params.task.train.max_steps
-    if 'trainer' not in jobs and options.max_steps is None and saved is not None:
-        max_steps = saved.task.train.max_steps  # stop where this logdir's trainer stops
+    latest_start = experiment.saved_train_params(train_dir, params,
+                                                 experiment.ATTEMPT_PARAMS_FILE) or saved
+    if 'trainer' not in jobs and options.max_steps is None and latest_start is not None:
+        max_steps = latest_start.task.train.max_steps  # stop where this logdir's trainer stops
 
     # Build (and so validate) every job before writing anything to the logdir.
     built = []
@@ -150,9 +164,17 @@ def main(argv) -> int:
             built.append((job, cls(params, split, logdir, max_steps,
                                    options.eval_poll_max_seconds,
                                    options.eval_idle_timeout_seconds, should_stop=stop)))
+    locks = []  # held until the process ends: one live job per job dir
     for job, runner in built:
         job_dir = (runner.train_dir if job == 'trainer' else runner.job_dir)
-        experiment.write_job_files(logdir, job_dir, FLAGS.model, params)
+        locks.append(logdir_access.JobDirLock(job_dir, job).acquire())  # the first write
+    for job, runner in built:
+        if job == 'trainer':
+            runner.restore_latest()  # again: a trainer that held the lock may have saved since
+            experiment.write_job_files(logdir, runner.train_dir, FLAGS.model, params,
+                                       experiment.ATTEMPT_PARAMS_FILE)
+        else:
+            experiment.write_job_files(logdir, runner.job_dir, FLAGS.model, params)
 
     errors = []
 

@@ -16,8 +16,11 @@ and a restore copies them into the others.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import math
 import os
+import re
+import shutil
 import signal
 import time
 from typing import Optional
@@ -30,6 +33,7 @@ from tfpipe import checkpoints, fprop_context
 from tfpipe.base_layer import flatten_by_path
 from tfpipe.hyperparams import Params
 from tfpipe.optimizers import clip_by_global_norm
+from trainer import experiment
 
 
 @gin.configurable('trainer')
@@ -80,6 +84,7 @@ class Trainer:
         self.save_interval = options.save_interval_steps or tp.save_interval_steps
         self.summary_interval = options.summary_interval_steps or tp.summary_interval_steps
         self.train_dir = train_dir
+        self.params = params
         self.task = params.task.Instantiate()
         self.replica_variables = [{p: v for p, v in copy.items() if v.trainable}
                                   for copy in self.task.pipe.ReplicaVariablesByPath()]
@@ -101,14 +106,22 @@ class Trainer:
             self.checkpoint, train_dir, checkpoint_name='ckpt',
             max_to_keep=options.save_max_to_keep or tp.save_max_to_keep)
         self._stop_signal: Optional[int] = None
+        self._restored: Optional[str] = None
+        self._saved_this_run = False
 
     def restore_latest(self) -> int:
-        """Restores the newest complete checkpoint, if any; returns the global step."""
+        """Restores the newest complete checkpoint, if any; returns the global step.
+
+        Called twice: to validate before anything is written, and again once the
+        train dir is locked, in case a trainer that held it saved meanwhile
+        (a no-op when the newest checkpoint is still the one restored).
+        """
         path = checkpoints.latest(self.train_dir)
-        if path is not None:
+        if path is not None and path != self._restored:
             checkpoints.check_readable(path)
             checkpoints.restore(self.checkpoint, path)
             self._sync_replicas()
+            self._restored = path
             logging.info('restored %s at step %d', path, int(self.global_step.numpy()))
         return int(self.global_step.numpy())
 
@@ -167,53 +180,137 @@ class Trainer:
         step = int(self.global_step.numpy())
         writer = tf.summary.create_file_writer(self.train_dir)
         start_step, start_time = step, time.time()
-        last_log_step, last_log_time = step, start_time
+        progress = Progress(self.max_steps, start_time)
+        out_of_data = False
         while step < self.max_steps and self._stop_signal is None:
-            loss, norm, lr = self._step(next(self.iterator))
+            try:
+                batch = next(self.iterator)
+            except StopIteration:
+                out_of_data = True
+                break
+            loss, norm, lr = self._step(batch)
             loss, norm = float(loss), float(norm)
             if not (math.isfinite(loss) and math.isfinite(norm)):
                 self._non_finite(f'loss is {loss} and gradient norm {norm} at step {step}')
             step += 1
+            progress.step_done(step, time.time())
             if step % self.summary_interval == 0 or step == self.max_steps:
-                now = time.time()
-                steps_per_sec = (step - last_log_step) / max(now - last_log_time, 1e-9)
-                with writer.as_default(step=step):
-                    tf.summary.scalar('loss', loss)
-                    tf.summary.scalar('learning_rate', float(lr))
-                    tf.summary.scalar('grad_norm', norm)
-                    tf.summary.scalar('steps_per_sec', steps_per_sec)
-                    tf.summary.scalar('examples_per_sec', steps_per_sec * self.batch_size)
-                eta = (self.max_steps - step) / max(steps_per_sec, 1e-9)
-                logging.info('step %d/%d  loss %.4f  lr %.3g  grad_norm %.3g  %.2f steps/s  '
-                             '%.1f examples/s  ETA %dm%02ds', step, self.max_steps, loss,
-                             float(lr), norm, steps_per_sec, steps_per_sec * self.batch_size,
-                             eta // 60, eta % 60)
-                last_log_step, last_log_time = step, now
+                self._report(writer, progress, step, loss, norm, float(lr))
             if step % self.save_interval == 0 or step == self.max_steps:
-                self._save(step)
+                self.save(step)
+        if out_of_data:
+            logging.warning('input.train ran out of data after step %d of %d (it does not '
+                            'repeat): saving a checkpoint and stopping; set '
+                            'input.train.repeat=True to train to max_steps', step,
+                            self.max_steps)
         if self._stop_signal is not None:
             logging.info('signal %d: saving a checkpoint at step %d and stopping',
                          self._stop_signal, step)
-            if self.manager.latest_checkpoint is None or \
-                    checkpoints.step_of(self.manager.latest_checkpoint) != step:
-                self._save(step)
+        if (out_of_data or self._stop_signal is not None) and (
+                self.manager.latest_checkpoint is None or
+                checkpoints.step_of(self.manager.latest_checkpoint) != step):
+            self.save(step)
         writer.flush()
         elapsed = time.time() - start_time
         logging.info('trained steps %d..%d in %.1fs', start_step, step, elapsed)
         return step
+
+    def _report(self, writer, progress: 'Progress', step: int, loss: float, norm: float,
+                lr: float) -> None:
+        steps_per_sec, eta = progress.rate_and_eta(step, time.time())
+        with writer.as_default(step=step):
+            tf.summary.scalar('loss', loss)
+            tf.summary.scalar('learning_rate', lr)
+            tf.summary.scalar('grad_norm', norm)
+            if steps_per_sec is not None:
+                tf.summary.scalar('steps_per_sec', steps_per_sec)
+                tf.summary.scalar('examples_per_sec', steps_per_sec * self.batch_size)
+        head = (f'step {step}/{self.max_steps}  loss {loss:.4f}  lr {lr:.3g}  '
+                f'grad_norm {norm:.3g}')
+        if steps_per_sec is None:
+            logging.info('%s  first step %.1fs (includes tracing; rate and ETA from the next '
+                         'steps)', head, progress.first_step_seconds)
+        else:
+            logging.info('%s  %.2f steps/s  %.1f examples/s  ETA %dm%02ds', head,
+                         steps_per_sec, steps_per_sec * self.batch_size, eta // 60, eta % 60)
 
     def _non_finite(self, what: str) -> None:
         raise NonFiniteLossError(
             f'{what}: training stopped; the last good checkpoint in {self.train_dir} is kept. '
             'Lower task.train.learning_rate or set task.train.clip_gradient_norm_to_value')
 
-    def _save(self, step: int) -> None:
+    def save(self, step: int) -> None:
+        """Saves a checkpoint numbered `step`; a failed save leaves no partial files."""
         if not bool(self._weights_are_finite()):
             self._non_finite(f'the weights after step {step} are not finite')
-        path = self.manager.save(checkpoint_number=step)
+        try:
+            path = self.manager.save(checkpoint_number=step)
+        except (OSError, tf.errors.OpError) as e:  # a full disk, a quota, a lost mount
+            self._remove_partial_save(step)
+            last = checkpoints.latest(self.train_dir)  # from disk: the state file may be older
+            raise checkpoints.CheckpointError(
+                f'saving checkpoint ckpt-{step} in {self.train_dir} failed '
+                f'({_reason(e)}); its partial files were removed: free '
+                f'space there and restart, which resumes from '
+                f'{os.path.basename(last) if last else "step 0"}') from None
         logging.info('saved %s', path)
+        if not self._saved_this_run:
+            # From now on the checkpoints are this run's: params.txt must describe them.
+            experiment.write_params(os.path.join(self.train_dir, experiment.PARAMS_FILE),
+                                    self.params)
+            self._saved_this_run = True
+
+    def _remove_partial_save(self, step: int) -> None:
+        """Deletes what a failed save of `step` left: its temp dir and unlisted data files."""
+        prefix = os.path.join(self.train_dir, f'ckpt-{step}')
+        if prefix in self.manager.checkpoints:
+            return  # listed as complete: never delete a checkpoint the state file names
+        for path in glob.glob(glob.escape(prefix) + '_temp*'):
+            shutil.rmtree(path, ignore_errors=True)
+        for path in glob.glob(glob.escape(prefix) + '.*'):
+            os.remove(path)
+
+
+def _reason(error: Exception) -> str:
+    """'No space left on device' out of an OSError or a TF op error naming a temp file."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    text = checkpoints.one_line(str(error)).rsplit('; ', 1)[-1]
+    return re.sub(r'\s*\[Op:\w+\]$', '', text)[:200]
 
 
 def train_dir_of(logdir: str) -> str:
     """Where the trainer writes checkpoints; the evaler and decoder read them there."""
     return os.path.join(logdir, 'train')
+
+
+class Progress:
+    """Steps/s and ETA of one run, measured without the run's first step.
+
+    The first step traces and compiles the step function: seconds here, minutes
+    on big models. Counting it would make the first reports' rate too low and
+    their ETA too long by that much, so rates start at the end of the first step.
+    """
+
+    def __init__(self, max_steps: int, start_time: float):
+        self.max_steps = max_steps
+        self.first_step_seconds: Optional[float] = None
+        self._start = start_time
+        self._mark: Optional[tuple[int, float]] = None  # rates are measured from here
+
+    def step_done(self, step: int, now: float) -> None:
+        if self._mark is None:
+            self._mark = (step, now)
+            self.first_step_seconds = now - self._start
+
+    def rate_and_eta(self, step: int, now: float) -> tuple[Optional[float], Optional[float]]:
+        """Steps/s since the last report (or the first step) and the seconds left at that rate.
+
+        (None, None) when only the first step has run.
+        """
+        mark_step, mark_time = self._mark
+        if step == mark_step:
+            return None, None
+        rate = (step - mark_step) / max(now - mark_time, 1e-9)
+        self._mark = (step, now)
+        return rate, (self.max_steps - step) / rate
