@@ -186,7 +186,7 @@ class Trainer:
     def _save(self, step: int) -> None:
         if not bool(self._weights_are_finite()):
             self._non_finite(f'the weights after step {step} are not finite')
-        path = self.manager.save(checkpoint_number=step)
+        path = self.manager.save(checkpoint_number=step, options=checkpoints.io_options())
         logging.info('saved %s', path)
 
 
