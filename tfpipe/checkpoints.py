@@ -48,6 +48,7 @@ def latest(directory: str) -> Optional[str]:
     if the state file lists checkpoints but none has its files, that is an
     error, not a fresh start.
     """
+    directory = os.path.abspath(directory)  # TF prefixes a relative dir; joining twice fails
     state = tf.train.get_checkpoint_state(directory)
     if state is None:
         return None

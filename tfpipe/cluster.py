@@ -33,6 +33,8 @@ import time
 import os
 from typing import Mapping, Optional, Sequence
 
+from absl import logging
+
 WORKER = 'worker'
 CHIEF = 'chief'
 JOBS = (WORKER, CHIEF)
@@ -272,6 +274,8 @@ def lost_worker_error(cluster: Cluster, error: BaseException
         return None
     down = unreachable_workers(cluster)
     if not down:
+        logging.warning('%s during training, but every worker accepts connections: not a '
+                        'lost worker', type(error).__name__)
         return None
     return _lost(cluster, down)
 
