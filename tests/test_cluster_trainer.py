@@ -3,7 +3,6 @@
 Two worker servers (2 logical CPUs each) are shared by the module; every process
 a test starts is stopped by its PID in teardown, also when the test fails.
 """
-import contextlib
 import json
 import os
 import signal
@@ -105,7 +104,9 @@ def test_cluster_run_equals_single_process_run(tmp_path, data_dir, workers, bala
     assert local.returncode == 0, local.stderr[-3000:]
     # A relative logdir, and workers in another cwd: the checkpoint files are written
     # by the trainer process (a worker writing its shard would miss this directory).
-    remote = trainer(str(tmp_path), 'remote', data_dir, *flags, spec=workers.spec)
+    # K=4 also names the trainer's own address (job chief), as runs across hosts must.
+    spec = workers.spec + (f'@chief=127.0.0.1:{free_port()}' if len(balance) == 4 else '')
+    remote = trainer(str(tmp_path), 'remote', data_dir, *flags, spec=spec)
     assert remote.returncode == 0, remote.stderr[-3000:]
     expected = losses(str(tmp_path / 'local' / 'train'))
     actual = losses(str(tmp_path / 'remote' / 'train'))

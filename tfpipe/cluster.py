@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import socket
 import sys
 import threading
 import time
-import os
 from typing import Mapping, Optional, Sequence
 
 from absl import logging
@@ -290,13 +290,16 @@ def _lost(cluster: Cluster, down: Sequence[int]) -> WorkerUnavailableError:
 class Watchdog:
     """Ends the process when a worker stays unreachable and the trainer does not fail by itself.
 
-    A worker that dies on the trainer's host resets its connections and the step
-    fails at once with UnavailableError (measured: 0.03 s on loopback). A host that
-    vanishes without closing its sockets can leave a step waiting on gRPC for
-    minutes; the watchdog probes every worker's port and, `grace_seconds` after one
-    stops answering, prints the one-line error and exits 1. It never runs while a
-    checkpoint is listed half-written: CheckpointManager lists a checkpoint only
-    after its files are complete, so exiting at any point keeps the previous one.
+    A killed worker resets its connections and the step usually fails at once
+    with UnavailableError (measured on loopback: 0.03 s), but a kill while the
+    trainer is registering functions or saving has left it blocked (measured: the
+    watchdog ended it 22 s after the kill), and a host that vanishes without
+    closing its sockets can leave a step waiting on gRPC for minutes. The watchdog
+    probes every worker's port and, `grace_seconds` after one stops accepting
+    connections, prints the one-line error and exits 1. Exiting at any point keeps
+    the previous checkpoint: CheckpointManager lists a checkpoint only after its
+    files are complete. Not covered: a worker that is frozen but still accepts
+    connections (SIGSTOP; its kernel completes TCP handshakes).
     """
 
     def __init__(self, cluster: Cluster, interval_seconds: float = 2.0,

@@ -14,15 +14,16 @@ import os
 import signal
 import sys
 import threading
-from typing import Optional
+from typing import NoReturn, Optional
 
 from absl import logging
 
 from tfpipe import cluster as cluster_lib
 
 
-def serve(cluster: cluster_lib.Cluster, run_locally: Optional[str], num_logical_cpus: int) -> int:
-    """Starts this task's server and blocks until SIGTERM/SIGINT; returns the exit status."""
+def serve(cluster: cluster_lib.Cluster, run_locally: Optional[str],
+          num_logical_cpus: int) -> NoReturn:
+    """Starts this task's server and blocks until SIGTERM/SIGINT, then exits 0."""
     import tensorflow as tf
     use_cpus = run_locally == 'cpu' or (
         run_locally is None and not tf.config.list_physical_devices('GPU'))
