@@ -146,3 +146,32 @@ def test_remote_device_without_a_cluster_is_refused():
                                          r'to a cluster: pass the trainer --cluster_spec'):
         devices.resolve(['/job:worker/replica:0/task:0/device:CPU:0'], 1)
     assert devices.local_cpu() == '/job:localhost/replica:0/task:0/device:CPU:0'
+
+
+def test_lost_worker_error_names_the_task():
+    import tensorflow as tf
+    with socket.socket() as up0, socket.socket() as up1, socket.socket() as down:
+        for s in (up0, up1):
+            s.bind(('127.0.0.1', 0))
+            s.listen()
+        down.bind(('127.0.0.1', 0))
+        address = [f'127.0.0.1:{s.getsockname()[1]}' for s in (up0, up1, down)]
+        unavailable = tf.errors.UnavailableError(
+            None, None, 'Graph execution error:\nfrom remote target '
+            '/job:worker/replica:0/task:1/device:CPU:0 while calling RunComponentFunction')
+        fix = ('training stopped without saving; restart the worker and rerun the trainer, '
+               'which resumes from the last checkpoint')
+        # A worker that no longer accepts connections is named, whatever the message says.
+        c = cluster.Cluster({'worker': (address[0], address[2])})
+        assert str(cluster.lost_worker_error(c, unavailable)) == \
+            f'lost worker task 1 ({address[2]}): {fix}'
+        # All accept connections again: TensorFlow's message names the task, or nothing does.
+        c = cluster.Cluster({'worker': tuple(address[:2])})
+        assert str(cluster.lost_worker_error(c, unavailable)) == \
+            f'lost worker task 1 ({address[1]}): {fix}'
+        reset = tf.errors.UnavailableError(None, None, 'recvmsg:Connection reset by peer')
+        assert str(cluster.lost_worker_error(c, reset)) == \
+            f'lost a worker (UnavailableError: recvmsg:Connection reset by peer): {fix}'
+        # Other failures are not a lost worker.
+        assert cluster.lost_worker_error(c, tf.errors.InternalError(None, None, 'x')) is None
+        assert cluster.lost_worker_error(c, ValueError('x')) is None

@@ -27,13 +27,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import socket
 import sys
 import threading
 import time
 from typing import Mapping, Optional, Sequence
-
-from absl import logging
 
 WORKER = 'worker'
 CHIEF = 'chief'
@@ -266,22 +265,34 @@ def connect(cluster: Cluster, timeout_seconds: float) -> None:
 
 def lost_worker_error(cluster: Cluster, error: BaseException
                       ) -> Optional[WorkerUnavailableError]:
-    """A one-line error naming the lost worker(s) when `error` came from losing one."""
+    """A one-line error naming the lost worker(s) when `error` came from losing one.
+
+    The workers that no longer accept connections are named; if all of them do
+    (a worker restarted, or its port was taken meanwhile), an UnavailableError still
+    means a lost peer: the tasks named in TensorFlow's message, else "a worker".
+    """
     import tensorflow as tf
     if not isinstance(error, (tf.errors.UnavailableError, tf.errors.AbortedError,
                               tf.errors.CancelledError, tf.errors.InternalError,
                               tf.errors.UnknownError)):
         return None
     down = unreachable_workers(cluster)
-    if not down:
-        logging.warning('%s during training, but every worker accepts connections: not a '
-                        'lost worker', type(error).__name__)
+    if down:
+        return _lost(cluster, down)
+    if not isinstance(error, tf.errors.UnavailableError):
         return None
-    return _lost(cluster, down)
+    named = sorted({int(t) for t in re.findall(rf'/job:{WORKER}/replica:0/task:(\d+)',
+                                               str(error)) if int(t) < len(cluster.workers)})
+    return _lost(cluster, named, f'a worker ({_one_line(error)})')
 
 
-def _lost(cluster: Cluster, down: Sequence[int]) -> WorkerUnavailableError:
-    names = ', '.join(cluster.describe(t) for t in down)
+def _one_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f'{type(error).__name__}: {lines[-1] if lines else ""}'[:200]
+
+
+def _lost(cluster: Cluster, tasks: Sequence[int], unnamed: str = '') -> WorkerUnavailableError:
+    names = ', '.join(cluster.describe(t) for t in tasks) or unnamed
     return WorkerUnavailableError(
         f'lost {names}: training stopped without saving; restart the worker and rerun the '
         'trainer, which resumes from the last checkpoint')
