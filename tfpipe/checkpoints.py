@@ -13,6 +13,8 @@ from typing import Optional
 
 import tensorflow as tf
 
+from tfpipe import devices
+
 STATE_FILE = 'checkpoint'  # written by tf.train.CheckpointManager after the data files
 
 
@@ -24,6 +26,16 @@ def make(variables: dict[str, tf.Variable], **extras: Optional[tf.Module]) -> tf
     """A checkpoint of the model's variables by path plus extras (step, optimizer, iterator)."""
     return tf.train.Checkpoint(model=dict(variables),
                                **{k: v for k, v in extras.items() if v is not None})
+
+
+def io_options() -> tf.train.CheckpointOptions:
+    """Reads and writes checkpoint files in this process, whatever device holds a variable.
+
+    By default TensorFlow saves each device's variables with an op on that device,
+    so a cell on a remote worker would write its shard to the worker host's disk;
+    the logdir is the trainer's, so all file I/O goes through the trainer's CPU.
+    """
+    return tf.train.CheckpointOptions(experimental_io_device=devices.local_cpu())
 
 
 def latest(directory: str) -> Optional[str]:
@@ -38,6 +50,7 @@ def latest(directory: str) -> Optional[str]:
     directory holds any: starting from step 0 there would overwrite them, and
     guessing which one the user meant would hide whatever garbled the file.
     """
+    directory = os.path.abspath(directory)  # TF prefixes a relative dir; joining twice fails
     state_path = os.path.join(directory, STATE_FILE)
     if not tf.io.gfile.exists(state_path):
         return None
@@ -105,7 +118,7 @@ def restore(checkpoint: tf.train.Checkpoint, path: str, partial: bool = False) -
     (an evaler has no optimizer); the model's own variables are still required.
     """
     try:
-        status = checkpoint.restore(path)
+        status = checkpoint.restore(path, options=io_options())
         status.assert_existing_objects_matched()
         if partial:
             status.expect_partial()

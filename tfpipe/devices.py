@@ -2,15 +2,23 @@
 
 TensorFlow silently places ops for an unknown device such as `/CPU:9` on CPU:0 in
 eager mode, so a typo would quietly put the whole pipeline on one device. Every
-device name is therefore validated against the logical devices of this process
-(remote `/job:...` devices of a cluster are taken as given: they are checked by
-the distributed runtime when the graph runs).
+device name is therefore validated against the logical devices TensorFlow lists,
+which include the workers' devices once the process is connected to a cluster
+(`tfpipe.cluster.connect`).
+
+Connected to a cluster, the default devices are the workers' (GPUs, else CPUs):
+slots are spread over tasks first, slot j on task floor(j*T/N), then over that
+task's devices in order, so K=2 cells on 2 workers use both workers, and R
+replicas of K cells asking for R*K slots get one replica per worker when R = T.
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Optional, Sequence
 
 import tensorflow as tf
+
+LOCAL_JOBS = ('localhost', 'chief')  # the trainer's own job: TF's default, or the listed chief
 
 
 def configure_logical_cpus(count: int) -> None:
@@ -39,23 +47,90 @@ def _canonical(name: str) -> tf.DeviceSpec:
         raise ValueError(f"device {name!r} names no device type: write e.g. '/CPU:1' or '/GPU:0'")
     spec = spec.replace(device_type=spec.device_type.upper(),
                         device_index=spec.device_index or 0)
-    if spec.job in (None, 'localhost'):
-        spec = spec.replace(job='localhost', replica=spec.replica or 0, task=spec.task or 0)
-    return spec
+    if spec.job is None:
+        spec = spec.replace(job=_local_job())
+    return spec.replace(replica=spec.replica or 0, task=spec.task or 0)
+
+
+def _local_job() -> str:
+    """'chief' when the trainer connected as the cluster's chief, else 'localhost'."""
+    names = [d.name for d in tf.config.list_logical_devices()]
+    return 'chief' if any(n.startswith('/job:chief/') for n in names) else 'localhost'
+
+
+def local_cpu() -> str:
+    """This process's first CPU: where its own file I/O and input pipeline run."""
+    return f'/job:{_local_job()}/replica:0/task:0/device:CPU:0'
 
 
 def _is_remote(spec: tf.DeviceSpec) -> bool:
-    return spec.job not in (None, 'localhost')
+    return spec.job not in (None,) + LOCAL_JOBS
+
+
+def remote_devices_by_task() -> dict[tuple[str, int], list[str]]:
+    """The connected cluster's devices per (job, task): GPUs if the task has any, else CPUs.
+
+    Empty when this process is not connected to a cluster.
+    """
+    by_task: dict[tuple[str, int], dict[str, list[tf.DeviceSpec]]] = defaultdict(
+        lambda: defaultdict(list))
+    for device in tf.config.list_logical_devices():
+        spec = tf.DeviceSpec.from_string(device.name)
+        if _is_remote(spec):
+            by_task[(spec.job, spec.task)][spec.device_type].append(spec)
+    out = {}
+    for key in sorted(by_task):
+        kinds = by_task[key]
+        pool = kinds.get('GPU') or kinds.get('CPU') or []
+        out[key] = [s.to_string() for s in sorted(pool, key=lambda s: s.device_index)]
+    return out
+
+
+def spread(task_devices: Sequence[Sequence[str]], num_slots: int,
+           task_names: Optional[Sequence[str]] = None) -> list[str]:
+    """Slot j on task floor(j*T/N), then on that task's devices in order.
+
+    Tasks first so that consecutive cells (and whole replicas) land on different
+    workers only where they must: with N = T*D every task gets D consecutive slots.
+    """
+    num_tasks = len(task_devices)
+    names = list(task_names or [f'task {t}' for t in range(num_tasks)])
+    total = sum(len(d) for d in task_devices)
+    if num_slots > total:
+        raise ValueError(
+            f'the pipeline needs {num_slots} devices but the cluster has {total} '
+            f'({", ".join(f"{n}: {len(d)}" for n, d in zip(names, task_devices))}): use at '
+            'most that many cells (times replicas), start more workers, or give each worker '
+            'more devices (--num_logical_cpus with --run_locally=cpu)')
+    out = []
+    for j in range(num_slots):
+        task = j * num_tasks // num_slots
+        first = -(-task * num_slots // num_tasks)  # the first slot of this task: ceil(t*N/T)
+        index = j - first
+        if index >= len(task_devices[task]):
+            wanted = -(-(task + 1) * num_slots // num_tasks) - first
+            raise ValueError(
+                f'the pipeline puts {wanted} devices on {names[task]} but it has '
+                f'{len(task_devices[task])}: give that worker at least {wanted} devices '
+                '(--num_logical_cpus with --run_locally=cpu, or GPUs), or list the devices '
+                'explicitly (task.pipeline.devices)')
+        out.append(task_devices[task][index])
+    return out
 
 
 def resolve(devices: Optional[Sequence[str]], num_cells: int) -> list[str]:
     """Returns one canonical device name per cell.
 
-    `devices=None` picks the first `num_cells` GPUs if the process has any GPU,
-    else logical CPUs. Errors name the fix: too few devices, unknown device, a
-    device listed twice.
+    `devices=None` picks the workers' devices spread over tasks (see `spread`)
+    when the process is connected to a cluster, else the first `num_cells` GPUs
+    if the process has any GPU, else logical CPUs. Errors name the fix: too few
+    devices, unknown device, a device listed twice.
     """
     if devices is None:
+        remote = remote_devices_by_task()
+        if remote:
+            return spread(list(remote.values()), num_cells,
+                          [f'{job} task {task}' for job, task in remote])
         gpus = tf.config.list_logical_devices('GPU')
         if gpus and len(gpus) < num_cells:
             raise ValueError(
@@ -79,13 +154,17 @@ def resolve(devices: Optional[Sequence[str]], num_cells: int) -> list[str]:
     resolved = []
     for name in devices[:num_cells]:
         spec = _canonical(name)
-        if not _is_remote(spec):
-            if spec.to_string() not in known:
+        if spec.to_string() not in known:
+            if _is_remote(spec) and not any(_is_remote(_canonical(n)) for n in known):
                 raise ValueError(
-                    f'unknown device {name!r}: this process has '
-                    f'{sorted(known.values())}; pick one of those (for more CPUs '
-                    'call tfpipe.configure_logical_cpus(n) at start-up; the trainer: '
-                    '--num_logical_cpus=n)')
+                    f'device {name!r} is on job {spec.job!r} but this process is not '
+                    'connected to a cluster: pass the trainer --cluster_spec=worker=HOST:PORT,'
+                    '... (or TF_CONFIG), or call tfpipe.cluster.connect first')
+            raise ValueError(
+                f'unknown device {name!r}: TensorFlow lists '
+                f'{sorted(known.values())}; pick one of those (for more CPUs '
+                'call tfpipe.configure_logical_cpus(n) at start-up; the trainer: '
+                '--num_logical_cpus=n; a worker: --num_logical_cpus=n with --run_locally=cpu)')
         resolved.append(spec.to_string())
     if len(set(resolved)) != len(resolved):
         raise ValueError(

@@ -3,6 +3,8 @@
     python -m trainer --model=image.shapes.AmoebaNetPipe --logdir=/tmp/shapes --run_locally=cpu
     python -m trainer --model=image.shapes.AmoebaNetPipe --logdir=/tmp/shapes --job=evaler_dev
     python -m trainer --list_models
+    python -m trainer --job=worker --task=0 --cluster_spec=worker=HOST:PORT,HOST:PORT
+    python -m trainer --model=... --logdir=... --job=trainer --cluster_spec=worker=HOST:PORT,...
 
 With no --job, one process runs the trainer and, in threads, an evaler on dev
 and a decoder on test (when the model defines those splits), as Lingvo does
@@ -12,6 +14,7 @@ with status 2 and a one-line error, before anything is written to --logdir.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -40,6 +43,11 @@ flags.DEFINE_integer('max_steps', None, 'Overrides task.train.max_steps.')
 flags.DEFINE_string('tfds_data_dir', None, 'tensorflow-datasets data dir (default: '
                     '~/tensorflow_datasets); tfpipe generates its own datasets there.')
 flags.DEFINE_bool('list_models', False, 'Print the registered models and exit.')
+flags.DEFINE_string('cluster_spec', None, 'worker=HOST:PORT,HOST:PORT[@chief=HOST:PORT]: the '
+                    'worker servers (and the trainer\'s own address); default: TF_CONFIG.')
+flags.DEFINE_integer('task', None, 'With --job=worker: this worker\'s index in --cluster_spec.')
+flags.DEFINE_float('cluster_wait_seconds', 60.0, 'How long the trainer waits for every worker '
+                   'to accept connections before it gives up.')
 
 EXIT_BAD_INPUT = 2
 
@@ -68,13 +76,15 @@ def _configure_devices() -> None:
 def _parse_jobs(job_flag: str | None) -> list[str]:
     if job_flag is None:
         return ['trainer', 'evaler_dev', 'decoder_test']
+    if job_flag == 'worker':
+        return ['worker']
     jobs = [j.strip() for j in job_flag.split(',') if j.strip()]
     if len(set(jobs)) != len(jobs):
         raise UsageError(f'--job={job_flag} names a job twice: list each job once')
     for job in jobs:
         if job != 'trainer' and not job.startswith(('evaler_', 'decoder_')):
-            raise UsageError(f'unknown --job {job!r}: use trainer, evaler_<split> or '
-                             'decoder_<split> (splits: train, dev, test)')
+            raise UsageError(f'unknown --job {job!r}: use trainer, evaler_<split>, '
+                             'decoder_<split> (splits: train, dev, test) or worker alone')
     return jobs
 
 
@@ -108,6 +118,11 @@ def main(argv) -> int:
         import model_registry
         print('\n'.join(model_registry.list_models()))
         return 0
+    from tfpipe import cluster as cluster_lib
+    cluster = cluster_lib.from_flags(FLAGS.cluster_spec, FLAGS.job, FLAGS.task, os.environ)
+    if cluster is not None and cluster.task_type == cluster_lib.WORKER:
+        from trainer import worker_job
+        return worker_job.serve(cluster, FLAGS.run_locally, FLAGS.num_logical_cpus)
     if not FLAGS.model:
         raise UsageError('--model is required: pick one of --list_models')
     if FLAGS.mode == 'sync' and not FLAGS.logdir:
@@ -128,6 +143,8 @@ def main(argv) -> int:
         params.task.train.max_steps = FLAGS.max_steps
         options.max_steps = FLAGS.max_steps
     _set_data_dir(params)
+    if cluster is not None and FLAGS.mode != 'inspect_params':
+        cluster_lib.connect(cluster, FLAGS.cluster_wait_seconds)
     if FLAGS.mode == 'inspect_params':
         print(params.ToText())
         return 0
@@ -189,10 +206,12 @@ def main(argv) -> int:
                for item in built if item[0] != 'trainer']
     for thread in threads:
         thread.start()
+    watchdog = cluster_lib.Watchdog(cluster) if cluster else contextlib.nullcontext()
     try:
-        for job, runner in built:
-            if job == 'trainer':
-                runner.run()
+        with watchdog:
+            for job, runner in built:
+                if job == 'trainer':
+                    runner.run()
     finally:
         trainer_done.set()
     for thread in threads:
@@ -205,6 +224,7 @@ def main(argv) -> int:
 
 def _main_with_errors(argv) -> None:
     from tfpipe import checkpoints
+    from tfpipe.cluster import WorkerUnavailableError
     from tfpipe.hyperparams import ParamsError
     from trainer import train_job
     try:
@@ -214,7 +234,7 @@ def _main_with_errors(argv) -> None:
         # a bug and keeps its traceback.
         print(f'error: {checkpoints.one_line(str(e)) or type(e).__name__}', file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
-    except train_job.NonFiniteLossError as e:
+    except (train_job.NonFiniteLossError, WorkerUnavailableError) as e:
         print(f'error: {e}', file=sys.stderr)
         sys.exit(1)
     sys.exit(code)

@@ -244,7 +244,7 @@ class Trainer:
         if not bool(self._weights_are_finite()):
             self._non_finite(f'the weights after step {step} are not finite')
         try:
-            path = self.manager.save(checkpoint_number=step)
+            path = self.manager.save(checkpoint_number=step, options=checkpoints.io_options())
         except (OSError, tf.errors.OpError) as e:  # a full disk, a quota, a lost mount
             self._remove_partial_save(step)
             last = checkpoints.latest(self.train_dir)  # from disk: the state file may be older
