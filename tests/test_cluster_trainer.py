@@ -134,6 +134,33 @@ def test_cluster_run_equals_single_process_run(tmp_path, data_dir, workers, bala
     assert os.path.exists(tmp_path / 'remote' / 'eval_dev' / f'score-{STEPS}.txt')
 
 
+def test_replicas_across_processes_equal_replicas_in_one_process(tmp_path, data_dir, workers):
+    """R=2 x K=2: one replica per worker, each cell's gradients all-reduced across the
+    two processes by TF's collective ops, equals the same layout on 4 local CPUs."""
+    flags = [*th.fast_flags(STEPS, 2), th.overrides(**{'task.pipeline.num_replicas': 2})]
+    local = trainer(str(tmp_path), 'local', data_dir, *flags)
+    assert local.returncode == 0, local.stderr[-3000:]
+    remote = trainer(str(tmp_path), 'remote', data_dir, *flags, spec=workers.spec)
+    assert remote.returncode == 0, remote.stderr[-3000:]
+    expected = losses(str(tmp_path / 'local' / 'train'))
+    actual = losses(str(tmp_path / 'remote' / 'train'))
+    assert sorted(expected) == sorted(actual) == list(range(1, STEPS + 1))
+    for step in expected:
+        assert actual[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-7), step
+    want = th.model_values(checkpoints.latest(str(tmp_path / 'local' / 'train')))
+    got = th.model_values(checkpoints.latest(str(tmp_path / 'remote' / 'train')))
+    assert want.keys() == got.keys()
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-7, err_msg=name)
+    inspect = trainer(str(tmp_path), 'remote', data_dir, '--mode=inspect_model',
+                      th.overrides(**{'task.pipeline.num_replicas': 2}), spec=workers.spec)
+    assert inspect.returncode == 0, inspect.stderr[-3000:]
+    for r in range(2):  # one replica per worker task
+        for k in range(2):
+            assert (f'replica {r} cell {k} on /job:worker/replica:0/task:{r}/device:CPU:{k}:'
+                    in inspect.stdout), inspect.stdout
+
+
 def test_lost_worker_fails_fast_and_rerun_resumes(tmp_path, data_dir, workers):
     logdir = str(tmp_path / 'run')
     train_dir = os.path.join(logdir, 'train')
