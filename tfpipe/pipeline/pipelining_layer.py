@@ -55,6 +55,9 @@ class PipeliningLayer(BaseLayer):
         p.Define('num_micro_batches', 1, 'M: micro-batches per mini-batch (uneven sizes are '
                  'allowed; a batch smaller than M gives one example per micro-batch).')
         p.Define('recompute', 'always', 'Re-materialisation: ' + ' | '.join(RECOMPUTE_POLICIES))
+        p.Define('fprop_dtype', None, 'Compute dtype of the cells and of the activations '
+                 'sent between them, e.g. tf.bfloat16 (Lingvo\'s name); variables, gradient '
+                 'sums and the outputs stay float32. None: compute in the variables\' dtype.')
         p.Define('schedule', 'fill_drain', f'Schedule of ForwardBackward: {sorted(SCHEDULES)}. '
                  'FProp under a tape always uses fill_drain.')
         return p
@@ -81,7 +84,10 @@ class PipeliningLayer(BaseLayer):
         for k, (start, stop) in enumerate(partition.cell_ranges(self.balance)):
             with tf.device(self.devices[k]):
                 layers.append(self.CreateChildren(p.body[start:stop]))
-        self.cells = [Cell(k, self.devices[k], layers[k], flags[k])
+        last = len(self.balance) - 1
+        out_dtype = tf.float32 if p.fprop_dtype is not None else None
+        self.cells = [Cell(k, self.devices[k], layers[k], flags[k], p.fprop_dtype,
+                           out_dtype if k == last else None)
                       for k in range(len(self.balance))]
 
     def _Balance(self) -> list[int]:
