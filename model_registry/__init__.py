@@ -80,7 +80,11 @@ def list_models() -> list[str]:
 
 
 def _unknown(key: str, why: str) -> ValueError:
-    close = difflib.get_close_matches(key, list_models(), n=3, cutoff=0.5)
+    try:
+        known = list_models()
+    except Exception:  # noqa: BLE001 - a broken installed package must not hide `why`
+        known = sorted(_registry)
+    close = difflib.get_close_matches(key, known, n=3, cutoff=0.5)
     hint = f'did you mean {", ".join(close)}?' if close else 'see --list_models'
     return ValueError(f'unknown model {key!r} ({why}): {hint}')
 
