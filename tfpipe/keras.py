@@ -95,7 +95,9 @@ def _refusal(layer: keras.layers.Layer) -> Optional[str]:
     """Why `layer` cannot be pipelined exactly, or None."""
     if isinstance(layer, keras.layers.Dropout):
         return None
-    inner = [layer] + list(layer._flatten_layers(include_self=False))  # pylint: disable=protected-access
+    # Keras 3 has no public API for all of a layer's sub-layers (nor, below, for a
+    # functional model's graph): these private attributes are read, never written.
+    inner = [layer] + list(layer._flatten_layers(include_self=False))
     for sub in inner:
         where = f'layer {sub.name!r}' + ('' if sub is layer else f' (inside {layer.name!r})')
         if isinstance(sub, keras.layers.BatchNormalization):
@@ -128,7 +130,7 @@ def _layers_of(model: Union[keras.Model, Sequence[keras.layers.Layer]]) -> list:
     elif isinstance(model, keras.Model):
         layers = [l for l in model.layers if not isinstance(l, keras.layers.InputLayer)]
         for layer in layers:
-            inbound = layer._inbound_nodes  # pylint: disable=protected-access
+            inbound = layer._inbound_nodes
             if len(inbound) != 1 or len(inbound[0].input_tensors) != 1:
                 raise ValueError(
                     f'layer {layer.name!r} of functional model {model.name!r} takes '
@@ -136,7 +138,7 @@ def _layers_of(model: Union[keras.Model, Sequence[keras.layers.Layer]]) -> list:
                     'shared layer): only a chain of layers can be pipelined; give a '
                     'keras.Sequential or a list of layers')
         for earlier, later in zip(layers, layers[1:]):
-            if later._inbound_nodes[0].input_tensors[0] is not earlier.output:  # pylint: disable=protected-access
+            if later._inbound_nodes[0].input_tensors[0] is not earlier.output:
                 raise ValueError(f'layer {later.name!r} of functional model {model.name!r} '
                                  f'does not take the output of {earlier.name!r}: only a chain '
                                  'of layers can be pipelined')
