@@ -16,10 +16,11 @@ Run (from the repository root):
     PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2 python benchmarks/cluster_benchmark.py            # ~2 min
     PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2 python benchmarks/cluster_benchmark.py --quick    # ~1 min
 
-To add a row (e.g. data parallel R=2 x K=2 once `task.pipeline.num_replicas` exists),
-append to ROWS: Row('R=2 x K=2', {'task.pipeline.num_replicas': 2,
-'task.pipeline.num_cells': 2}); a row's slot count is num_replicas x K, and local
-variants get that many local CPUs, cluster variants that many worker devices.
+A row's slot count is num_replicas x K: local variants get that many local CPUs,
+cluster variants that many worker devices (one replica per worker for R=2 on 2
+workers). The data-parallel rows compare R=2 x K=2 with R=1 x K=2 at the same
+per-replica batch (examples/s), and time the R=2 step's all-reduce alone (one
+packed collective per cell, on the same devices) to give its share of the step.
 """
 from __future__ import annotations
 
@@ -47,7 +48,11 @@ class Row:
     overrides: dict  # params overrides applied to MODEL's params (dotted keys)
 
 
-ROWS = [Row('AmoebaNetPipe K=4 M=4', {})]
+ROWS = [Row('AmoebaNetPipe K=4 M=4', {}),
+        Row('R=1 x K=2, batch 32', {'task.pipeline.num_cells': 2}),
+        Row('R=2 x K=2, batch 2x32', {'task.pipeline.num_replicas': 2,
+                                      'task.pipeline.num_cells': 2,
+                                      'input.train.batch_size': 64})]
 
 
 def parse_args() -> argparse.Namespace:
@@ -99,6 +104,7 @@ import model_registry  # noqa: E402
 import tfpipe  # noqa: E402
 from tfpipe import cluster, datasets, fprop_context  # noqa: E402
 from tfpipe.base_layer import flatten_by_path  # noqa: E402
+from tfpipe.pipeline import replicas  # noqa: E402
 from trainer import experiment  # noqa: E402
 
 tf.get_logger().setLevel('ERROR')
@@ -119,9 +125,11 @@ def build_step(overrides: dict, local: bool, data_dir: str) -> tuple[Callable, l
                             for i in range(slots)]
     params.input.train.data_dir = data_dir
     task = params.task.Instantiate()
-    variables = {p: v for p, v in task.VariablesByPath().items() if v.trainable}
-    optimizer = params.task.train.optimizer.Instantiate()
-    optimizer.CreateSlots(variables)
+    replica_variables = [{p: v for p, v in copy.items() if v.trainable}
+                         for copy in task.pipe.ReplicaVariablesByPath()]
+    optimizers = [params.task.train.optimizer.Instantiate() for _ in replica_variables]
+    for optimizer, variables in zip(optimizers, replica_variables):
+        optimizer.CreateSlots(variables)
     global_step = tf.Variable(0, dtype=tf.int64, trainable=False)
     batch = next(iter(params.input.train.Instantiate().Dataset()))
     lr = params.task.train.learning_rate
@@ -130,11 +138,33 @@ def build_step(overrides: dict, local: bool, data_dir: str) -> tuple[Callable, l
     def step():
         with fprop_context.training(step=global_step):
             loss, grads = task.ForwardBackward(task.theta, batch)
-        optimizer.Apply(lr, flatten_by_path(grads, task.path), variables)
+        for g, optimizer, variables in zip(grads if isinstance(grads, list) else [grads],
+                                           optimizers, replica_variables):
+            optimizer.Apply(lr, flatten_by_path(g, task.path), variables)
         global_step.assign_add(1)
         return loss
 
-    return step, [cell.device for cell in task.pipe.cells]
+    return step, task.pipe, params.input.train.batch_size
+
+
+def all_reduce_step(pipe) -> Callable:
+    """The replicated step's collectives alone: one packed all-reduce per cell."""
+    shapes = [[v.shape for v in tf.nest.flatten(cell.read_theta(pipe.theta))]
+              for cell in pipe.cells]
+
+    @tf.function
+    def step():
+        outs = []
+        for k, cell_shapes in enumerate(shapes):
+            devices = [cells[k].device for cells in pipe.replica_cells]
+            per_replica = []
+            for device in devices:
+                with tf.device(device):
+                    per_replica.append([tf.ones(s) for s in cell_shapes])
+            outs += [t[0][0] for t in replicas.all_reduce_sum(per_replica, devices)]
+        return tf.add_n(outs)
+
+    return step
 
 
 def time_steps(step: Callable, count: int) -> float:
@@ -150,14 +180,18 @@ def main() -> None:
     tfds.disable_progress_bar()
     data_dir = tempfile.mkdtemp(prefix='tfpipe_bench_tfds_')
     datasets.prepare('tfpipe_shapes', data_dir)
-    variants = {}
+    variants, batches = {}, {}
     for row in ROWS:
         for where in ('local', 'cluster'):
-            step, devs = build_step(row.overrides, where == 'local', data_dir)
-            for _ in range(2):
-                step()  # trace and warm up
+            step, pipe, batches[row.name] = build_step(row.overrides, where == 'local', data_dir)
             variants[(row.name, where)] = step
-            print(f'{row.name} {where}: cells on {devs}', flush=True)
+            if pipe.num_replicas > 1:
+                variants[(row.name + ' all-reduce', where)] = all_reduce_step(pipe)
+            print(f'{row.name} {where}: cells on '
+                  f'{[c.device for cells in pipe.replica_cells for c in cells]}', flush=True)
+    for step in variants.values():
+        for _ in range(2):
+            step()  # trace and warm up
     times = {key: [] for key in variants}
     keys = list(variants)
     for r in range(ARGS.rounds):
@@ -168,14 +202,24 @@ def main() -> None:
           f'{ARGS.local_cpus} logical CPUs in one process; {platform.node()}, '
           f'{os.cpu_count()} cores, {ARGS.rounds} rounds x {ARGS.steps} steps, threads '
           f'{"pinned intra=1 inter=2" if ARGS.pin_threads else "TF defaults"}')
-    print(f'{"row":28s} {"local ms":>9s} {"cluster ms":>11s} {"ratio":>7s} {"(min-max)":>13s}')
+    print(f'{"row":28s} {"local ms":>9s} {"cluster ms":>11s} {"ratio":>7s} {"(min-max)":>13s}'
+          f' {"examples/s local, cluster":>26s}')
     for row in ROWS:
         local, remote = times[(row.name, 'local')], times[(row.name, 'cluster')]
         ratios = [c / l for c, l in zip(remote, local)]
+        n = batches[row.name]
         print(f'{row.name:28s} {1e3 * statistics.median(local):9.1f} '
               f'{1e3 * statistics.median(remote):11.1f} {statistics.median(ratios):6.2f}x '
-              f'({min(ratios):.2f}-{max(ratios):.2f})  goal <= {GOAL}x')
-
+              f'({min(ratios):.2f}-{max(ratios):.2f}) {n / statistics.median(local):12.0f} '
+              f'{n / statistics.median(remote):12.0f}' +
+              (f'  goal <= {GOAL}x' if row is ROWS[0] else ''))
+    for row in ROWS:
+        key = row.name + ' all-reduce'
+        if (key, 'local') in times:
+            shares = {where: statistics.median(times[(key, where)]) /
+                      statistics.median(times[(row.name, where)]) for where in ('local', 'cluster')}
+            print(f'{row.name}: its all-reduce alone takes {shares["local"]:.0%} of the step '
+                  f'in one process, {shares["cluster"]:.0%} across processes')
 
 if __name__ == '__main__':
     main()

@@ -17,6 +17,10 @@ Nothing here downloads. tfpipe's own datasets (`tfpipe_shapes`,
 dataset must already be prepared in `data_dir`, or `MissingDataError` says how
 to prepare it.
 
+Your own data: `DatasetInput.Params().Set(examples_fn='mypkg.data.make', ...)`
+calls `mypkg.data.make(split)` for a `tf.data.Dataset` of single examples and
+then shuffles, repeats, batches and checkpoints it exactly as a tfds split.
+
 Token ids (shared with `tfpipe.datasets.reverse`): PAD_ID = 0 pads, EOS_ID = 1
 ends every target, sources carry no EOS. The byte tokeniser of
 'seq2seq_text' maps UTF-8 byte b to b + BYTE_OFFSET (vocabulary 258), so real
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import importlib
 from typing import Callable, Dict, Sequence, Union
 
 import tensorflow as tf
@@ -36,7 +41,8 @@ from tfpipe.datasets.reverse import EOS_ID, PAD_ID
 from tfpipe.hyperparams import InstantiableParams, Params
 
 __all__ = ['BYTE_OFFSET', 'BYTE_VOCAB_SIZE', 'EOS_ID', 'PAD_ID', 'PREPROCESSORS',
-           'InputIterator', 'MissingDataError', 'TfdsInput', 'byte_detokenize', 'byte_tokenize',
+           'DatasetInput', 'InputIterator', 'MissingDataError', 'TfdsInput', 'byte_detokenize',
+           'byte_tokenize',
            'register_preprocessor']
 
 BYTE_OFFSET = 2  # byte b becomes id b + 2, so PAD (0) and EOS (1) stay free
@@ -358,3 +364,125 @@ class InputIterator(tf.Module):
     def _Generate(self, epoch: int, index: int):
         for batch, epochs, indices in self._make(epoch, index).prefetch(2):
             yield batch, (int(epochs[-1]), int(indices[-1]) + 1)
+
+
+# What each preprocessor reads from a stored example: feature -> (dtype kind, rank).
+_Expected = Dict[str, tuple]
+_EXPECTED_FEATURES: Dict[str, Callable[[Params], _Expected]] = {
+    'image_classification': lambda p: {'image': ('float', 3), 'label': ('int', 0)},
+    'seq2seq': lambda p: {'src': ('int', 1), 'tgt': ('int', 1)},
+    'seq2seq_text': lambda p: {p.source_key: ('string', 0), p.target_key: ('string', 0)},
+}
+_KIND_DTYPES = {'float': lambda d: d.is_floating or d == tf.uint8,
+                'int': lambda d: d.is_integer, 'string': lambda d: d == tf.string}
+_KIND_TEXT = {'float': 'float (or uint8)', 'int': 'int', 'string': 'string'}
+
+
+def _describe(expected: _Expected) -> str:
+    dims = {0: '[]', 1: '[length]', 3: '[H, W, C]'}
+    return '{' + ', '.join(f'{k!r}: {_KIND_TEXT[kind]} {dims.get(rank, rank)}'
+                           for k, (kind, rank) in expected.items()) + '}'
+
+
+def _import_function(name: str) -> Callable:
+    """The module-level function `module.function` named by `name`, imported."""
+    module, _, attr = name.rpartition('.')
+    if not module or not attr:
+        raise ValueError(f"examples_fn={name!r} is not a dotted name: set it to "
+                         "'module.function', e.g. 'mypkg.data.make'")
+    try:
+        loaded = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name is None or not (module + '.').startswith(e.name + '.'):
+            raise  # the module exists but one of its own imports fails: its error
+        raise ValueError(f'examples_fn {name!r}: there is no module {module!r}; is its package '
+                         'installed or on PYTHONPATH?') from None
+    fn = getattr(loaded, attr, None)
+    if not callable(fn):
+        raise ValueError(f'examples_fn {name!r}: module {module} has no function {attr!r}; '
+                         'define `def ' + attr + '(split) -> tf.data.Dataset` there')
+    return fn
+
+
+class _ExamplesSource:
+    """Stands in for a tfds builder: TfdsInput reads a split only through `as_dataset`.
+
+    Handing TfdsInput this object instead of a builder sends the user's
+    examples down the very same shuffle / repeat / preprocess / batch /
+    checkpoint path as a tfds split, with no second copy of that code.
+    """
+
+    def __init__(self, examples: tf.data.Dataset):
+        self._examples = examples
+
+    def as_dataset(self, split: str, shuffle_files: bool = False,
+                   read_config: object = None) -> tf.data.Dataset:
+        del split, shuffle_files, read_config  # one split, in the function's own order
+        return self._examples
+
+
+class DatasetInput(TfdsInput):
+    """Batches of your own `tf.data.Dataset`: `examples_fn(split)` gives single examples.
+
+    `examples_fn` is the dotted name of a module-level function (so params.txt
+    names it and every job imports the same one). It returns a
+    `tf.data.Dataset` of dicts in the layout `preprocess` reads, e.g. for
+    'image_classification' `{'image': float [H, W, C], 'label': int []}`; the
+    dataset must be checkpointable (`from_tensor_slices`, `range`, files, not
+    `from_generator`) for the trainer to save the input position. Everything
+    after that (shuffle, repeat, batch, static-shape check, iterator
+    checkpoints) is TfdsInput's.
+    """
+
+    @classmethod
+    def Params(cls) -> InstantiableParams:
+        p = super().Params()
+        p.Delete('dataset', 'split', 'data_dir', 'generate_if_missing')
+        p.Define('examples_fn', '', "Dotted name of `def make(split) -> tf.data.Dataset` of "
+                 "single examples, e.g. 'mypkg.data.make'.")
+        p.Define('split', 'train', 'Passed to examples_fn: any name your function knows.')
+        return p
+
+    def __init__(self, params: Params):  # pylint: disable=super-init-not-called
+        self.params = params
+        p = params
+        if p.preprocess not in PREPROCESSORS:
+            raise ValueError(f'unknown preprocess {p.preprocess!r}: use one of '
+                             f'{sorted(PREPROCESSORS)}')
+        if p.batch_size < 1 or p.shuffle_buffer < 0:
+            raise ValueError(f'{p.name}: batch_size={p.batch_size} must be >= 1 and '
+                             f'shuffle_buffer={p.shuffle_buffer} >= 0')
+        if p.preprocess.startswith('seq2seq') and p.max_length < 1:
+            raise ValueError(f'{p.preprocess} needs max_length >= 1 for static shapes')
+        # Checked now, before a trainer writes anything: the function, what it
+        # returns, its features and their shapes after preprocessing.
+        self._builder = _ExamplesSource(self._Examples(_import_function(p.examples_fn)))
+
+    def _Examples(self, fn: Callable) -> tf.data.Dataset:
+        p = self.params
+        expected = _EXPECTED_FEATURES[p.preprocess](p)
+        want = (f'expected a tf.data.Dataset of single examples {_describe(expected)} '
+                f'(preprocess {p.preprocess!r})')
+        examples = fn(p.split)
+        if not isinstance(examples, tf.data.Dataset):
+            raise ValueError(f'examples_fn {p.examples_fn}({p.split!r}) returned a '
+                             f'{type(examples).__name__}: {want}')
+        spec = examples.element_spec
+        if not isinstance(spec, dict) or not all(
+                isinstance(s, tf.TensorSpec) for s in spec.values()):
+            raise ValueError(f'examples_fn {p.examples_fn}({p.split!r}) yields {spec}: {want}')
+        for key, (kind, rank) in expected.items():
+            if key not in spec:
+                raise ValueError(f'examples_fn {p.examples_fn}({p.split!r}) yields features '
+                                 f'{sorted(spec)}, without {key!r}: {want}')
+            s = spec[key]
+            if not _KIND_DTYPES[kind](s.dtype) or s.shape.rank != rank:
+                raise ValueError(f'examples_fn {p.examples_fn}({p.split!r}): feature {key!r} is '
+                                 f'{s.dtype.name} {s.shape}: {want}')
+        processed = examples.map(PREPROCESSORS[p.preprocess](p)).element_spec
+        for key, s in processed.items():
+            if not s.shape.is_fully_defined():
+                raise ValueError(f'examples_fn {p.examples_fn}({p.split!r}): feature {key!r} '
+                                 f'has shape {s.shape}, not static: the pipeline needs the same '
+                                 'shape in every example (fix H, W, C; pad images)')
+        return examples

@@ -152,7 +152,9 @@ def check_resumable(saved: Optional[Params], params: Params, train_dir: str) -> 
     if saved is None or not os.path.exists(os.path.join(train_dir, 'checkpoint')):
         return
     old, new = saved.input.train.Copy(), params.input.train.Copy()
-    old.data_dir = new.data_dir = None  # where the data lives may change; what it is may not
+    for input_params in (old, new):  # where the data lives may change; what it is may not
+        if 'data_dir' in input_params:
+            input_params.data_dir = None
     diff = old.TextDiff(new)
     if diff:
         change = '; '.join(line.strip() for line in diff.splitlines())

@@ -24,7 +24,9 @@ from absl import app, flags, logging
 from trainer import logdir_access
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string('model', None, 'Registered model: <task>.<dataset>.<ClassName>.')
+flags.DEFINE_string('model', None, 'Registered model: <task>.<dataset>.<ClassName> for '
+                    'params/<task>/<dataset>.py, or <module>.<ClassName> for a model of your '
+                    'own package, e.g. mypkg.lm.MyLM.')
 flags.DEFINE_string('logdir', None, 'Directory of checkpoints, summaries and job outputs.')
 flags.DEFINE_string('job', None, 'trainer | evaler_<split> | decoder_<split>, or a comma list; '
                     'default: trainer plus evaler_dev and decoder_test in threads.')
@@ -42,7 +44,8 @@ flags.DEFINE_multi_string('gin_bindings', [], 'Gin bindings, e.g. trainer.save_i
 flags.DEFINE_integer('max_steps', None, 'Overrides task.train.max_steps.')
 flags.DEFINE_string('tfds_data_dir', None, 'tensorflow-datasets data dir (default: '
                     '~/tensorflow_datasets); tfpipe generates its own datasets there.')
-flags.DEFINE_bool('list_models', False, 'Print the registered models and exit.')
+flags.DEFINE_bool('list_models', False, 'Print the registered models (of params/ and of '
+                  'installed packages\' tfpipe.models entry points) and exit.')
 flags.DEFINE_string('cluster_spec', None, 'worker=HOST:PORT,HOST:PORT[@chief=HOST:PORT]: the '
                     'worker servers (and the trainer\'s own address); default: TF_CONFIG.')
 flags.DEFINE_integer('task', None, 'With --job=worker: this worker\'s index in --cluster_spec.')
@@ -89,11 +92,15 @@ def _parse_jobs(job_flag: str | None) -> list[str]:
 
 
 def _set_data_dir(params) -> None:
-    """Points every input without a data_dir at --tfds_data_dir (or the tfds default)."""
+    """Points every tfds input without a data_dir at --tfds_data_dir (or the tfds default).
+
+    Inputs that read no tfds data (DatasetInput) have no data_dir.
+    """
     data_dir = FLAGS.tfds_data_dir or os.path.expanduser('~/tensorflow_datasets')
     logdir_access.check_directory(data_dir, '--tfds_data_dir', writable=False)
     for _, input_params in params.input.IterParams():
-        if input_params is not None and input_params.data_dir is None:
+        if input_params is not None and 'data_dir' in input_params \
+                and input_params.data_dir is None:
             input_params.data_dir = data_dir
 
 

@@ -61,7 +61,7 @@ class BatchNorm(BaseLayer):
         check_last_dim(self, x, p.dim, 'dim')
         ctx = fprop_context.current()
         if not ctx.training:
-            mean, var = self.moving_mean, self.moving_variance
+            mean, var = (tf.cast(v, x.dtype) for v in (self.moving_mean, self.moving_variance))
         else:
             axes = list(range(x.shape.rank - 1))
             mean, var = tf.nn.moments(x, axes)

@@ -6,7 +6,7 @@ schedule: that is the executor's job.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import tensorflow as tf
 
@@ -31,6 +31,12 @@ def recompute_flags(policy: str, num_cells: int) -> list[bool]:
     return [True] * (num_cells - 1) + [False]
 
 
+def cast_floats(struct: Any, dtype: tf.DType) -> Any:
+    """Float leaves of a nested structure cast to `dtype`; ints ride along."""
+    return tf.nest.map_structure(
+        lambda t: tf.cast(t, dtype) if t.dtype.is_floating and t.dtype != dtype else t, struct)
+
+
 def _read(value: Any) -> tf.Tensor:
     # read_value() takes the enclosing device scope; tf.identity(variable) leaves
     # the ReadVariableOp unplaced in the traced graph.
@@ -40,11 +46,17 @@ def _read(value: Any) -> tf.Tensor:
 class Cell:
     """Layers [start, stop) of the body, run on `device`."""
 
-    def __init__(self, index: int, device: str, layers: Sequence[BaseLayer], recompute: bool):
+    def __init__(self, index: int, device: str, layers: Sequence[BaseLayer], recompute: bool,
+                 fprop_dtype: Optional[tf.DType] = None, output_dtype: Optional[tf.DType] = None):
+        """fprop_dtype: compute dtype (e.g. bfloat16), None: the variables' dtype;
+        output_dtype: what the cell's float outputs are cast to (the last cell's go
+        back to float32 for the loss), None: left in fprop_dtype."""
         self.index = index
         self.device = device
         self.layers = list(layers)
         self.recompute = recompute
+        self.fprop_dtype = fprop_dtype
+        self.output_dtype = output_dtype
 
     @property
     def names(self) -> list[str]:
@@ -66,9 +78,18 @@ class Cell:
 
     def forward_layers(self, theta: dict, x: Any) -> list:
         """The output of each layer in turn; a split backward differentiates each layer's
-        weights from its own output, so it needs them all."""
+        weights from its own output, so it needs them all.
+
+        With a fprop_dtype the casts happen here, under the caller's tape: weight
+        gradients come back in the variables' dtype (float32) and are summed in
+        it, while compute and the activations sent to the next cell use fprop_dtype.
+        """
+        if self.fprop_dtype is not None:
+            theta, x = cast_floats(theta, self.fprop_dtype), cast_floats(x, self.fprop_dtype)
         outs = []
         for layer in self.layers:
             x = apply_layer(layer, theta[layer.params.name], x)
             outs.append(x)
+        if self.output_dtype is not None:
+            outs[-1] = cast_floats(outs[-1], self.output_dtype)
         return outs

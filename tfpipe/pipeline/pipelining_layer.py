@@ -76,6 +76,9 @@ class PipeliningLayer(BaseLayer):
         p.Define('num_micro_batches', 1, 'M: micro-batches per mini-batch (uneven sizes are '
                  'allowed; a batch smaller than M gives one example per micro-batch).')
         p.Define('recompute', 'always', 'Re-materialisation: ' + ' | '.join(RECOMPUTE_POLICIES))
+        p.Define('fprop_dtype', None, 'Compute dtype of the cells and of the activations '
+                 'sent between them, e.g. tf.bfloat16 (Lingvo\'s name); variables, gradient '
+                 'sums and the outputs stay float32. None: compute in the variables\' dtype.')
         p.Define('schedule', 'fill_drain', f'Schedule of ForwardBackward: {sorted(SCHEDULES)} '
                  '(zb_*: backward split into input and weight parts). FProp under a tape '
                  'always uses fill_drain.')
@@ -121,10 +124,11 @@ class PipeliningLayer(BaseLayer):
         for k, (start, stop) in enumerate(partition.cell_ranges(self.balance)):
             with tf.device(self.devices[k % num_devices]):
                 layers.append(self.CreateChildren(p.body[start:stop]))
-        self.cells = [Cell(k, self.devices[k % num_devices], layers[k], flags[k])
+        self.cells = [Cell(k, self.devices[k % num_devices], layers[k], flags[k],
+                           *replicas.cell_dtypes(k, len(self.balance), p.fprop_dtype))
                       for k in range(len(self.balance))]
         self.replica_cells = [self.cells] + [
-            replicas.mirror_cells(self, p.body, self.balance, devices, flags)
+            replicas.mirror_cells(self, p.body, self.balance, devices, flags, p.fprop_dtype)
             for devices in self.replica_devices[1:]]
 
     def _Balance(self) -> list[int]:

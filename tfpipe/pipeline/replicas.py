@@ -41,8 +41,16 @@ _group_keys: dict[tuple[str, ...], int] = {}
 _instance_keys = itertools.count(1)
 
 
+def cell_dtypes(k: int, num_cells: int, fprop_dtype: Any) -> tuple[Any, Any]:
+    """(compute dtype, output dtype) of cell k: with a fprop_dtype, the last cell casts
+    the pipeline's output back to float32."""
+    last = fprop_dtype is not None and k == num_cells - 1
+    return fprop_dtype, (tf.float32 if last else None)
+
+
 def mirror_cells(pipe: BaseLayer, body: Sequence[Any], balance: Sequence[int],
-                 devices: Sequence[str], recompute: Sequence[bool]) -> list[Cell]:
+                 devices: Sequence[str], recompute: Sequence[bool],
+                 fprop_dtype: Any = None) -> list[Cell]:
     """One replica's cells: the body's layers built again on `devices`, not adopted
     (cell k on device k mod K, as the pipeline's own cells)."""
     cells = []
@@ -50,7 +58,8 @@ def mirror_cells(pipe: BaseLayer, body: Sequence[Any], balance: Sequence[int],
         device = devices[k % len(devices)]
         with tf.device(device):
             layers = [pipe.BuildDetachedChild(p.name, p) for p in body[start:stop]]
-        cells.append(Cell(k, device, layers, recompute[k]))
+        cells.append(Cell(k, device, layers, recompute[k],
+                          *cell_dtypes(k, len(balance), fprop_dtype)))
     return cells
 
 
