@@ -19,6 +19,7 @@ without tapes or recompute, and BatchNorm uses its moving statistics.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import tensorflow as tf
@@ -30,7 +31,26 @@ from tfpipe.pipeline import costs, microbatch, partition, schedule
 from tfpipe.pipeline.cell import RECOMPUTE_POLICIES, Cell, recompute_flags
 from tfpipe.pipeline.executor import PipelineRun, float_leaves, is_differentiable
 
-SCHEDULES = {'fill_drain': schedule.fill_drain, '1f1b': schedule.one_f_one_b}
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleEntry:
+    """A schedule the layer can run, and whether FProp under an outer tape can run it.
+
+    Under an outer `tf.GradientTape` the backward tasks are only issued when the
+    tape calls the pipeline's custom gradient, i.e. after every forward task has
+    been built: a schedule that interleaves a cell's backwards with its forwards
+    (1F1B) cannot be followed there, so FProp refuses it rather than silently
+    running another order. `tests/test_schedule.py` checks each flag against the
+    schedule's data, so a new schedule cannot claim it wrongly.
+    """
+
+    build: Callable[[int, int], schedule.Schedule]
+    forwards_first: bool  # every cell runs all its forwards before any backward
+
+
+SCHEDULES = {'fill_drain': ScheduleEntry(schedule.fill_drain, forwards_first=True),
+             '1f1b': ScheduleEntry(schedule.one_f_one_b, forwards_first=False)}
 LossFn = Callable[[Any, Any], tf.Tensor]
 
 
@@ -55,8 +75,9 @@ class PipeliningLayer(BaseLayer):
         p.Define('num_micro_batches', 1, 'M: micro-batches per mini-batch (uneven sizes are '
                  'allowed; a batch smaller than M gives one example per micro-batch).')
         p.Define('recompute', 'always', 'Re-materialisation: ' + ' | '.join(RECOMPUTE_POLICIES))
-        p.Define('schedule', 'fill_drain', f'Schedule of ForwardBackward: {sorted(SCHEDULES)}. '
-                 'FProp under a tape always uses fill_drain.')
+        p.Define('schedule', 'fill_drain', f'Schedule: {sorted(SCHEDULES)}. FProp in training '
+                 "mode (under an outer tape) runs only schedules whose forwards come first "
+                 "(fill_drain); '1f1b' needs ForwardBackward.")
         return p
 
     def __init__(self, params, parent=None):
@@ -105,7 +126,8 @@ class PipeliningLayer(BaseLayer):
         elif p.partition_by == 'flops':
             layer_costs = costs.by_flops(p.body, tf.TensorShape(p.input_shape))
         else:
-            first = devices_lib.resolve(p.devices, 1)[0]
+            first = devices_lib.resolve(None if p.devices is None else list(p.devices)[:1],
+                                        1)[0]
             layer_costs = costs.by_time(p.body, costs.sample_input(p.input_shape, p.input_dtype),
                                         first)
         return partition.solve_balance(layer_costs, p.num_cells)
@@ -139,7 +161,7 @@ class PipeliningLayer(BaseLayer):
         return self._TrainingFProp(thetas, inputs, ctx, scope)
 
     def _Ticks(self, name: str, num_micro_batches: int) -> schedule.Schedule:
-        return SCHEDULES[name](len(self.cells), num_micro_batches)
+        return SCHEDULES[name].build(len(self.cells), num_micro_batches)
 
     def _Merge(self, micro_outputs: list) -> Any:
         with tf.device(self.devices[-1]), tf.name_scope('merge'):
@@ -152,7 +174,14 @@ class PipeliningLayer(BaseLayer):
         sizes = [len(f) for f in flat_thetas]
         num_micro = len(microbatch.micro_batch_sizes(microbatch.batch_size(inputs),
                                                      self.params.num_micro_batches))
-        ticks = self._Ticks('fill_drain', num_micro)
+        name = self.params.schedule
+        if not SCHEDULES[name].forwards_first:
+            raise ValueError(
+                f"{self.path}: schedule={name!r} interleaves backward and forward tasks, which "
+                'FProp under an outer GradientTape cannot do (the tape issues every backward '
+                'after all forwards); train with ForwardBackward(theta, inputs, loss_fn, '
+                "targets), or set schedule='fill_drain'")
+        ticks = self._Ticks(name, num_micro)
         out_structure = []
 
         @tf.custom_gradient
@@ -222,7 +251,10 @@ class PipeliningLayer(BaseLayer):
                          targets: Any) -> tuple[tf.Tensor, dict]:
         ctx = fprop_context.current()
         if not ctx.training:
-            ctx = fprop_context.FPropContext(training=True, step=ctx.step)
+            raise ValueError(
+                f'{self.path}: ForwardBackward computes training gradients but runs under '
+                'fprop_context.evaluation(); call it under fprop_context.training(step=...), '
+                'or use FProp (pipe(x)) to evaluate')
         n = microbatch.batch_size(inputs)
         n_targets = microbatch.batch_size(targets)
         if n_targets != n:
