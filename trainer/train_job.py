@@ -22,7 +22,7 @@ from absl import logging
 from tfpipe import checkpoints, fprop_context
 from tfpipe.base_layer import flatten_by_path
 from tfpipe.hyperparams import Params
-from tfpipe.optimizers import clip_by_global_norm
+from tfpipe.optimizers import BaseOptimizer, clip_by_global_norm
 
 
 @gin.configurable('trainer')
@@ -55,6 +55,28 @@ def _check_positive_int(name: str, value, allow_none: bool = False) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f'{name}={value!r} must be an int >= 1')
+
+
+def guarded_update(loss: tf.Tensor, grads: dict, clip_norm: Optional[float],
+                   optimizer: BaseOptimizer, variables: dict, lr: tf.Tensor,
+                   global_step: tf.Variable) -> tf.Tensor:
+    """The update half of the trainer's step; returns the global gradient norm.
+
+    Global-norm clipping, then the optimizer's update and `global_step += 1` only
+    when loss and norm are finite. The norm needs every gradient at once, which
+    sets the step's peak memory, so benchmarks/pipeline_benchmark.py calls this
+    same function rather than a lighter copy.
+    """
+    grads, norm = clip_by_global_norm(grads, clip_norm)
+    finite = tf.math.is_finite(loss) & tf.math.is_finite(norm)
+
+    def update():
+        optimizer.Apply(lr, grads, variables)
+        global_step.assign_add(1)
+        return tf.constant(True)
+
+    tf.cond(finite, update, lambda: tf.constant(False))
+    return norm
 
 
 class NonFiniteLossError(RuntimeError):
@@ -106,17 +128,9 @@ class Trainer:
         step = self.global_step
         with fprop_context.training(step=step):
             loss, grads = self.task.ForwardBackward(self.task.theta, batch)
-        grads = flatten_by_path(grads, self.task.path)
-        grads, norm = clip_by_global_norm(grads, self.clip_norm)
         lr = self.learning_rate * self.schedule.Value(step + 1)  # step + 1: the update number
-        finite = tf.math.is_finite(loss) & tf.math.is_finite(norm)
-
-        def update():
-            self.optimizer.Apply(lr, grads, self.variables)
-            step.assign_add(1)
-            return tf.constant(True)
-
-        tf.cond(finite, update, lambda: tf.constant(False))
+        norm = guarded_update(loss, flatten_by_path(grads, self.task.path), self.clip_norm,
+                              self.optimizer, self.variables, lr, step)
         return loss, norm, lr
 
     @tf.function
