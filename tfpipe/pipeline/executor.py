@@ -14,6 +14,10 @@ Backward task B(k, m): recompute (if the cell does) under the cell's device,
 differentiate with the incoming gradient, add the weight gradients into the
 cell's running sum (one set of accumulators per cell, never M sets alive), pass
 the input gradient to cell k-1.
+
+Skip connections that span cells (layers.Stash ... layers.Pop) travel through
+portals (see portals.py): from the stashing cell's forward straight to the
+popping cell's, and their gradients straight back.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import tensorflow as tf
 
 from tfpipe import fprop_context
+from tfpipe.pipeline import portals
 from tfpipe.pipeline.cell import Cell
 from tfpipe.pipeline.schedule import FORWARD, Task
 
@@ -58,6 +63,10 @@ class PipelineRun:
         self.theta_grads: list[Optional[list]] = [None] * num_cells
         self.sinks = [fprop_context.BatchStatsSink() for _ in range(num_cells)]
         self._last: list[list[tf.Tensor]] = [[] for _ in range(num_cells)]
+        self.routes = portals.routes(self.cells)
+        self.inbound = portals.inbound(self.routes)
+        self.portal_inputs: dict[tuple[int, int], dict] = {}  # (dest, m) -> {key: tensor}
+        self.portal_grads: dict[tuple[int, int], dict] = {}  # (source, m) -> {key: grads}
 
     # -- Public --------------------------------------------------------------------------
 
@@ -101,7 +110,8 @@ class PipelineRun:
     def _forward(self, k: int, m: int) -> None:
         cell, theta = self.cells[k], self.thetas[k]
         with self._scope(k, m, 'forward'):
-            x = tf.nest.map_structure(tf.identity, self.inputs[(k, m)])
+            x = portals.give(self.inputs[(k, m)], self.portal_inputs.pop((k, m), {}))
+            x = tf.nest.map_structure(tf.identity, x)  # on this device: the copy
             self.inputs[(k, m)] = x
             with self._context(m, self.sinks[k]):
                 if cell.recompute or not self.context.training:
@@ -116,6 +126,9 @@ class PipelineRun:
                 del self.inputs[(k, m)]  # only a recomputing cell needs its input again
         self._last[k] = tf.nest.flatten(y)
         if k + 1 < len(self.cells):
+            y, sent = portals.take(y, self.routes.get(k, {}))
+            for key, value in sent.items():
+                self.portal_inputs.setdefault((self.routes[k][key], m), {})[key] = value
             self.inputs[(k + 1, m)] = y
             return
         self.outputs[m] = y
@@ -128,6 +141,8 @@ class PipelineRun:
     def _backward(self, k: int, m: int) -> None:
         cell, theta = self.cells[k], self.thetas[k]
         dy = self.output_grads.pop((k, m))
+        portal_dy = self.portal_grads.pop((k, m), {})
+        dy = dy + [g for key in sorted(portal_dy) for g in portal_dy[key]]
         with self._scope(k, m, 'backward', extra_deps=dy):
             if cell.recompute:
                 x = tf.nest.map_structure(tf.identity, self.inputs.pop((k, m)))
@@ -138,9 +153,15 @@ class PipelineRun:
                         y = cell.forward(theta, x)
             else:
                 tape, x, y = self.tapes.pop((k, m))
-            x_leaves = float_leaves(x) if k > 0 or self.need_input_grads else []
+            y_main, y_sent = portals.take(y, self.routes.get(k, {}))
+            x_main, x_received = portals.take(x, self.inbound.get(k, {}))
+            x_parts = [float_leaves(x_main)] + [float_leaves(v) for v in x_received.values()]
+            if k == 0 and not self.need_input_grads:
+                x_parts = [[]]
+            x_leaves = [t for part in x_parts for t in part]
+            y_leaves = float_leaves(y_main) + [t for v in y_sent.values() for t in float_leaves(v)]
             flat_theta = tf.nest.flatten(theta)
-            grads = tape.gradient(float_leaves(y), x_leaves + flat_theta, output_gradients=dy,
+            grads = tape.gradient(y_leaves, x_leaves + flat_theta, output_gradients=dy,
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
             dx, dtheta = grads[:len(x_leaves)], grads[len(x_leaves):]
             # Embedding lookups give IndexedSlices; the accumulator is dense.
@@ -149,6 +170,11 @@ class PipelineRun:
             acc = self.theta_grads[k]
             self.theta_grads[k] = dtheta if acc is None else [a + g for a, g in zip(acc, dtheta)]
         self._last[k] = list(self.theta_grads[k]) + list(dx)
+        dx, pos = dx[:len(x_parts[0])], len(x_parts[0])
+        for key, part in zip(x_received, x_parts[1:]):  # gradients back through the portals
+            source = self.inbound[k][key]
+            self.portal_grads.setdefault((source, m), {})[key] = grads[pos:pos + len(part)]
+            pos += len(part)
         if k > 0:
             self.output_grads[(k - 1, m)] = dx
         else:
