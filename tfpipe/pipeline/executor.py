@@ -12,7 +12,8 @@ Forward task F(k, m): cell k on micro-batch m. A recomputing cell keeps only
 its input; a non-recomputing cell records a tape to differentiate later.
 Backward task B(k, m): recompute (if the cell does) under the cell's device,
 differentiate with the incoming gradient, add the weight gradients into the
-cell's running sum (one set of accumulators per cell, never M sets alive), pass
+cell's running sum (one set of accumulators per cell, never M sets alive;
+embedding gradients stay sparse while that is smaller, see accumulate.py), pass
 the input gradient to cell k-1.
 
 Skip connections that span cells (layers.Stash ... layers.Pop) travel through
@@ -26,7 +27,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import tensorflow as tf
 
 from tfpipe import fprop_context
-from tfpipe.pipeline import portals
+from tfpipe.pipeline import accumulate, portals
 from tfpipe.pipeline.cell import Cell
 from tfpipe.pipeline.schedule import FORWARD, Task
 
@@ -63,6 +64,7 @@ class PipelineRun:
         self.theta_grads: list[Optional[list]] = [None] * num_cells
         self.sinks = [fprop_context.BatchStatsSink() for _ in range(num_cells)]
         self._last: list[list[tf.Tensor]] = [[] for _ in range(num_cells)]
+        self._backwards_done = [0] * num_cells
         self.routes = portals.routes(self.cells)
         self.inbound = portals.inbound(self.routes)
         self.portal_inputs: dict[tuple[int, int], dict] = {}  # (dest, m) -> {key: tensor}
@@ -164,12 +166,14 @@ class PipelineRun:
             grads = tape.gradient(y_leaves, x_leaves + flat_theta, output_gradients=dy,
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
             dx, dtheta = grads[:len(x_leaves)], grads[len(x_leaves):]
-            # Embedding lookups give IndexedSlices; the accumulator is dense.
-            dtheta = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-                      for g in dtheta]
-            acc = self.theta_grads[k]
-            self.theta_grads[k] = dtheta if acc is None else [a + g for a, g in zip(acc, dtheta)]
-        self._last[k] = list(self.theta_grads[k]) + list(dx)
+            acc = self.theta_grads[k] or [None] * len(dtheta)
+            acc = [accumulate.add(a, g) for a, g in zip(acc, dtheta)]
+            self._backwards_done[k] += 1
+            if self._backwards_done[k] == len(self.outputs):  # the cell's last micro-batch
+                acc = [tf.convert_to_tensor(a) for a in acc]
+            self.theta_grads[k] = acc
+        self._last[k] = tf.nest.flatten(list(self.theta_grads[k]) + list(dx),
+                                        expand_composites=True)
         dx, pos = dx[:len(x_parts[0])], len(x_parts[0])
         for key, part in zip(x_received, x_parts[1:]):  # gradients back through the portals
             source = self.inbound[k][key]
