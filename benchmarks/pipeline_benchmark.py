@@ -44,14 +44,20 @@ PRESETS = {
         act_batch=4096, act_width=1024, act_layers=16, act_cells=4, act_micro=4,
         # row 4: weight-dominated (notes: B=256, W=2048, 16 layers)
         acc_batch=256, acc_width=2048, acc_layers=16, acc_cells=2, acc_micro=4,
-        mem_repeats=3),
+        # row 5: a skip from cell 0 to cell K-1; row 6: wmt14's batch, length and width
+        skip_batch=1024, skip_width=512, skip_layers=8, emb_batch=64, emb_length=256,
+        emb_dim=512, mem_repeats=3),
     'quick': dict(
         time_batch=128, time_width=512, time_layers=8, rounds=5, calls=3, warmup=1,
         act_batch=1024, act_width=512, act_layers=16, act_cells=4, act_micro=4,
         acc_batch=64, acc_width=1024, acc_layers=16, acc_cells=2, acc_micro=4,
-        mem_repeats=1),
+        skip_batch=256, skip_width=256, skip_layers=8, emb_batch=16, emb_length=64,
+        emb_dim=128, mem_repeats=1),
 }
 SCALING_MICRO = (1, 2, 4, 8)
+SKIP_CELLS = 4
+EMB_VOCABS = (258, 32768)  # params/mt/wmt14_ende.py's byte vocabulary; a subword-sized one
+EMB_MICRO = 8  # wmt14's M
 SCALING_CELLS = 2
 OVERHEAD_TARGET = 1.05
 ACCUM_FLAT = 1.05
@@ -73,7 +79,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                          '--devices=cpu, off for gpu')
     ap.add_argument('--intra_op_threads', type=int, default=1, help='used when pinned')
     ap.add_argument('--inter_op_threads', type=int, default=2, help='used when pinned')
-    ap.add_argument('--rows', default='1,2,3,4', help='comma-separated rows to run')
+    ap.add_argument('--rows', default='1,2,3,4,5,6', help='comma-separated rows to run')
     for name in PRESETS['full']:
         ap.add_argument(f'--{name}', type=int, default=None,
                         help=f"default {PRESETS['full'][name]} (quick: {PRESETS['quick'][name]})")
@@ -99,7 +105,7 @@ from tfpipe import devices as devices_lib  # noqa: E402
 from tfpipe import fprop_context, layers, optimizers  # noqa: E402
 from tfpipe.base_layer import flatten_by_path  # noqa: E402
 from trainer.train_job import guarded_update  # noqa: E402
-from tfpipe.pipeline import partition, schedule  # noqa: E402
+from tfpipe.pipeline import partition, schedule, trace  # noqa: E402
 
 # --- Runtime configuration: must happen before TensorFlow initialises. -------------------
 if ARGS.pin_threads == 'on':
@@ -203,22 +209,44 @@ def build_plain(num_layers: int, width: int, batch: int):
 
 
 def build_pipe(num_layers: int, width: int, batch: int, num_cells: int, num_micro: int,
-               recompute: str):
-    """The trainer's step on a bare pipeline: ForwardBackward + the trainer's update."""
+               recompute: str, body: Optional[list] = None, data: Optional[tuple] = None,
+               loss: Callable = loss_fn):
+    """The trainer's step on a bare pipeline: ForwardBackward + the trainer's update.
+    body / data / loss replace the Dense stack, its random data and MSE (rows 5-6)."""
+    body = body or make_body(num_layers, width)
     pipe = tfpipe.PipeliningLayer.Params().Set(
-        name='pipe', body=make_body(num_layers, width),
-        balance=partition.even_balance(num_layers, num_cells), num_micro_batches=num_micro,
-        recompute=recompute, devices=cell_devices(num_cells)).Instantiate()
-    x, t = make_data(batch, width, pipe.devices[0])
+        name='pipe', body=body, balance=partition.even_balance(len(body), num_cells),
+        num_micro_batches=num_micro, recompute=recompute,
+        devices=cell_devices(num_cells)).Instantiate()
+    x, t = data or make_data(batch, width, pipe.devices[0])
     update = TrainerUpdate(pipe)
 
     @tf.function
     def step():
         with fprop_context.training(step=0):
-            loss, grads = pipe.ForwardBackward(pipe.theta, x, loss_fn, t)
-        return update(loss, grads)
+            loss_value, grads = pipe.ForwardBackward(pipe.theta, x, loss, t)
+        return update(loss_value, grads)
 
     return pipe, step, list(pipe.devices)
+
+
+def skip_body(num_layers: int, width: int) -> list:
+    """The Dense stack with a skip from after its first layer to its end: with K cells
+    it is stashed in cell 0 and popped in cell K-1."""
+    body = make_body(num_layers, width)
+    return (body[:1] + [layers.Stash.Params().Set(name='stash', key='skip')] + body[1:]
+            + [layers.Pop.Params().Set(name='pop', key='skip')])
+
+
+def build_embedding(vocab: int, batch: int, length: int, dim: int):
+    """Embedding(vocab, dim) + Dense(dim, dim), K=2, M=8: cell 0's gradient is sparse."""
+    body = [layers.Embedding.Params().Set(name='emb', vocab_size=vocab, embedding_dim=dim),
+            layers.Dense.Params().Set(name='fc', input_dim=dim, output_dim=dim)]
+    with tf.device(resolved_devices(1)[0]):
+        ids = tf.random.stateless_uniform([batch, length], [5, 6], maxval=vocab, dtype=tf.int32)
+        t = tf.random.stateless_normal([batch, length, dim], seed=[7, 8])
+    return build_pipe(0, dim, batch, 2, EMB_MICRO, 'always', body=body, data=(ids, t),
+                      loss=lambda out, y: tf.reduce_mean(tf.square(out - y), axis=[1, 2]))
 
 
 # --- Measurement ----------------------------------------------------------------------------
@@ -376,7 +404,8 @@ def header(args) -> list[str]:
 def main(args) -> int:
     need_cells = max([1] + ([SCALING_CELLS] if 2 in args.rows else [])
                      + ([args.act_cells] if 3 in args.rows else [])
-                     + ([args.acc_cells] if 4 in args.rows else []))
+                     + ([args.acc_cells] if 4 in args.rows else [])
+                     + ([SKIP_CELLS] if 5 in args.rows else []))
     if args.devices == 'cpu' and args.num_logical_cpus < need_cells:
         print(f'--num_logical_cpus={args.num_logical_cpus} is too few: the selected rows need '
               f'{need_cells} devices', file=sys.stderr)
@@ -442,6 +471,43 @@ def main(args) -> int:
                          f'{r["peak"] / res[1]["peak"]:.2f}', detail, verdict])
         notes.append(f'row 4 memory read from {res[1]["mem_devs"]}; every variant runs the '
                      "trainer's step (global norm, finiteness gate, SGD update)")
+
+    if 5 in args.rows:
+        print('measuring row 5 (bytes between cells)...', flush=True)
+        b, w = args.skip_batch, args.skip_width
+        pipe, step, devs = build_pipe(0, w, b, SKIP_CELLS, 1, 'always',
+                                      body=skip_body(args.skip_layers, w))
+        moved = trace.bytes_between_devices(step.get_concrete_function())
+        skip = b * w * 4  # the stashed activation, float32
+        hops = SKIP_CELLS - 1
+        carried = sum(moved.values()) + 2 * skip * (hops - 1)
+        first, last = short(devs[:1]), short(devs[-1:])
+        portal = moved.get((first, last), 0) + moved.get((last, first), 0)
+        rows.append([5, 'skip traffic', f'K={SKIP_CELLS} skip cell 0 -> {hops}, batch {b}',
+                     short(devs), mib(sum(moved.values())), '', f'{sum(moved.values()) / carried:.2f}',
+                     f'bytes between devices per step, from the traced graph ({portal / MIB:.1f} '
+                     f'MiB on the portal cell 0 <-> {hops}, both ways); carried through every cell, as '
+                     f'before portals: {mib(carried)} (from shapes: + skip and its gradient '
+                     f'x {hops - 1} extra hops)', ''])
+        del pipe, step
+
+    if 6 in args.rows:
+        print('measuring row 6 (embedding gradient memory)...', flush=True)
+        for vocab in EMB_VOCABS:
+            r = measure_memory(lambda vocab=vocab: build_embedding(
+                vocab, args.emb_batch, args.emb_length, args.emb_dim), args.mem_repeats, 1)
+            table = vocab * args.emb_dim * 4
+            rows_per_micro = args.emb_batch * args.emb_length // EMB_MICRO
+            sparse_for = min(EMB_MICRO, vocab // rows_per_micro)
+            kind = ('as slices, made dense once' if sparse_for == EMB_MICRO else
+                    f'as slices for {sparse_for} of {EMB_MICRO} micro-batches, then dense'
+                    if sparse_for else 'densely (a micro-batch has more rows than V)')
+            rows.append([6, 'sparse grads', f'Embedding V={vocab} D={args.emb_dim}, K=2 '
+                         f'M={EMB_MICRO}', short(r['devs']), mib(r['peak']),
+                         f'{mib(min(r["peaks"]))}..{mib(max(r["peaks"]))}', '',
+                         f'step transient {mib(r["transient"])}; summed {kind}: dense table '
+                         f'gradient {table / MIB:.1f} MiB, one micro-batch of slices '
+                         f'{rows_per_micro * args.emb_dim * 4 / MIB:.1f} MiB', ''])
 
     if 1 in args.rows or 2 in args.rows:
         print('measuring rows 1-2 (timing, interleaved)...', flush=True)

@@ -6,7 +6,9 @@ import sys
 from tests import trainer_helpers as th
 
 TINY = ['--quick', '--act_batch=64', '--act_width=32', '--act_layers=4', '--acc_batch=16',
-        '--acc_width=64', '--acc_layers=4', '--mem_repeats=1', '--num_logical_cpus=4']
+        '--acc_width=64', '--acc_layers=4', '--skip_batch=32', '--skip_width=16',
+        '--emb_batch=4', '--emb_length=8', '--emb_dim=16', '--mem_repeats=1',
+        '--num_logical_cpus=4']
 
 
 def run_benchmark(*flags):
@@ -22,7 +24,7 @@ def table_rows(stdout, row):
 
 
 def test_memory_rows_run_the_trainers_step_and_check_the_accumulation_bound():
-    result = run_benchmark('--rows=3,4')
+    result = run_benchmark('--rows=3,4,5,6')
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert 'shared notes measured' not in out  # a figure this run did not measure
@@ -33,3 +35,8 @@ def test_memory_rows_run_the_trainers_step_and_check_the_accumulation_bound():
     assert 'flat from M=4' in accum[2]
     for line in accum[1:]:
         assert ' PASS ' in line or ' MISS ' in line
+    skip, = table_rows(out, 5)
+    assert 'from the traced graph' in skip
+    assert float(skip.split('MiB')[1].split()[0]) < 1.0  # fewer bytes than carrying the skip
+    sparse = table_rows(out, 6)
+    assert ['V=258', 'V=32768'] == [line.split()[4] for line in sparse], sparse
