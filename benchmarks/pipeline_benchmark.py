@@ -493,8 +493,8 @@ def main(args) -> int:
                      short(devs), mib(sum(moved.values())), '',
                      f'{sum(moved.values()) / carried:.2f}',
                      f'bytes between devices per step, from the traced graph ({portal / MIB:.1f} '
-                     f'MiB on the portal cell 0 <-> {hops}, both ways); carried through every cell, as '
-                     f'before portals: {mib(carried)} (from shapes: + the skip copied into the '
+                     f'MiB on the portal cell 0 <-> {hops}, both ways); carried through every '
+                     f'cell, as before portals: {mib(carried)} (from shapes: + the skip copied into the '
                      f'{hops - 1} cells in between)', ''])
         del pipe, step
 
