@@ -2,10 +2,10 @@
 
 Prints ONE table (see benchmarks/README.md for what each row means):
 
-  1. overhead        plain tf.function SGD step vs tfpipe K=1, M=1
+  1. overhead        plain tape step vs tfpipe K=1, M=1, both with the trainer's update
   2. scaling         K=2 with M=1,2,4,8 relative to K=1, M=1, next to the GPipe bubble
   3. recompute mem   peak memory of an activation-dominated stack, recompute always vs never
-  4. accum mem       peak memory of a weight-dominated stack, M=1 vs M=4
+  4. accum mem       peak memory of a weight-dominated stack, M=1 vs M=4 vs M=8
 
 The machine is shared and noisy, so timing variants are built once, warmed up, and then
 timed in interleaved rounds (the order rotates every round); the table shows medians and
@@ -29,6 +29,9 @@ import time
 from typing import Callable, Optional
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+# Only the BFC allocator keeps peak statistics on CPU ("Cannot reset memory stats"
+# otherwise); it must be chosen before TensorFlow loads.
+os.environ['TF_CPU_ALLOCATOR_USE_BFC'] = 'true'
 
 MIB = 1024.0 * 1024.0
 
@@ -41,17 +44,23 @@ PRESETS = {
         act_batch=4096, act_width=1024, act_layers=16, act_cells=4, act_micro=4,
         # row 4: weight-dominated (notes: B=256, W=2048, 16 layers)
         acc_batch=256, acc_width=2048, acc_layers=16, acc_cells=2, acc_micro=4,
-        mem_repeats=3),
+        # row 5: a skip from cell 0 to cell K-1; row 6: wmt14's batch, length and width
+        skip_batch=1024, skip_width=512, skip_layers=8, emb_batch=64, emb_length=256,
+        emb_dim=512, mem_repeats=3),
     'quick': dict(
         time_batch=128, time_width=512, time_layers=8, rounds=5, calls=3, warmup=1,
         act_batch=1024, act_width=512, act_layers=16, act_cells=4, act_micro=4,
         acc_batch=64, acc_width=1024, acc_layers=16, acc_cells=2, acc_micro=4,
-        mem_repeats=1),
+        skip_batch=256, skip_width=256, skip_layers=8, emb_batch=16, emb_length=64,
+        emb_dim=128, mem_repeats=1),
 }
 SCALING_MICRO = (1, 2, 4, 8)
+SKIP_CELLS = 4
+EMB_VOCABS = (258, 32768)  # params/mt/wmt14_ende.py's byte vocabulary; a subword-sized one
+EMB_MICRO = 8  # wmt14's M
 SCALING_CELLS = 2
 OVERHEAD_TARGET = 1.05
-ACCUM_TARGET = 1.2
+ACCUM_FLAT = 1.05
 LEARNING_RATE = 1e-4
 
 
@@ -70,7 +79,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                          '--devices=cpu, off for gpu')
     ap.add_argument('--intra_op_threads', type=int, default=1, help='used when pinned')
     ap.add_argument('--inter_op_threads', type=int, default=2, help='used when pinned')
-    ap.add_argument('--rows', default='1,2,3,4', help='comma-separated rows to run')
+    ap.add_argument('--rows', default='1,2,3,4,5,6', help='comma-separated rows to run')
     for name in PRESETS['full']:
         ap.add_argument(f'--{name}', type=int, default=None,
                         help=f"default {PRESETS['full'][name]} (quick: {PRESETS['quick'][name]})")
@@ -93,8 +102,10 @@ tf.get_logger().setLevel('ERROR')  # one tf.function per variant is intended: no
 
 import tfpipe  # noqa: E402
 from tfpipe import devices as devices_lib  # noqa: E402
-from tfpipe import fprop_context, layers  # noqa: E402
-from tfpipe.pipeline import partition, schedule  # noqa: E402
+from tfpipe import fprop_context, layers, optimizers  # noqa: E402
+from tfpipe.base_layer import flatten_by_path  # noqa: E402
+from trainer.train_job import guarded_update  # noqa: E402
+from tfpipe.pipeline import partition, schedule, trace  # noqa: E402
 
 # --- Runtime configuration: must happen before TensorFlow initialises. -------------------
 if ARGS.pin_threads == 'on':
@@ -157,14 +168,33 @@ def make_data(batch: int, width: int, device: str):
     return x, t
 
 
+class TrainerUpdate:
+    """The trainer's update, shared by every variant: trainer.train_job.guarded_update
+    (global gradient norm, finiteness gate, SGD through tfpipe's optimizer, step += 1).
+    The norm keeps every gradient alive until the update, so a step that skipped it
+    would understate the trainer's peak memory and time."""
+
+    def __init__(self, model):
+        self.variables = {p: v for p, v in model.VariablesByPath().items() if v.trainable}
+        self.optimizer = optimizers.SGD.Params().Instantiate()
+        self.optimizer.CreateSlots(self.variables)
+        self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False)
+        self.path = model.path
+
+    def __call__(self, loss: tf.Tensor, grads: dict) -> tf.Tensor:
+        guarded_update(loss, [flatten_by_path(grads, self.path)], None, [self.optimizer],
+                       [self.variables], tf.constant(LEARNING_RATE), self.global_step)
+        return loss
+
+
 def build_plain(num_layers: int, width: int, batch: int):
-    """The unpartitioned twin: Sequential + tf.GradientTape + assign_sub in a tf.function."""
+    """The unpartitioned twin: Sequential + tf.GradientTape + the trainer's update."""
     device = resolved_devices(1)[0]
     with tf.device(device):
         model = layers.Sequential.Params().Set(
             name='pipe', body=make_body(num_layers, width)).Instantiate()
     x, t = make_data(batch, width, device)
-    variables = tf.nest.flatten(model.theta)
+    update = TrainerUpdate(model)
 
     @tf.function
     def step():
@@ -172,40 +202,55 @@ def build_plain(num_layers: int, width: int, batch: int):
             with tf.GradientTape() as tape:
                 out = model.FProp(model.theta, x)
                 loss = tf.reduce_mean(loss_fn(out, t))
-            grads = tape.gradient(loss, variables)
-            for v, g in zip(variables, grads):
-                v.assign_sub(LEARNING_RATE * g)
-        return loss
+            grads = tape.gradient(loss, model.theta)
+            return update(loss, grads)
 
     return model, step, [device]
 
 
 def build_pipe(num_layers: int, width: int, batch: int, num_cells: int, num_micro: int,
-               recompute: str, clip: bool = False):
-    """tfpipe's trainer step: ForwardBackward + assign_sub in a tf.function.
-
-    clip=True clips by global norm first (with a norm that never bites), which needs every
-    gradient alive at once: a trainer step that holds one full gradient set, as M > 1 must.
-    """
+               recompute: str, body: Optional[list] = None, data: Optional[tuple] = None,
+               loss: Callable = loss_fn):
+    """The trainer's step on a bare pipeline: ForwardBackward + the trainer's update.
+    body / data / loss replace the Dense stack, its random data and MSE (rows 5-6)."""
+    body = body or make_body(num_layers, width)
     pipe = tfpipe.PipeliningLayer.Params().Set(
-        name='pipe', body=make_body(num_layers, width),
-        balance=partition.even_balance(num_layers, num_cells), num_micro_batches=num_micro,
-        recompute=recompute, devices=cell_devices(num_cells)).Instantiate()
-    x, t = make_data(batch, width, pipe.devices[0])
-    variables = tf.nest.flatten(pipe.theta)
+        name='pipe', body=body, balance=partition.even_balance(len(body), num_cells),
+        num_micro_batches=num_micro, recompute=recompute,
+        devices=cell_devices(num_cells)).Instantiate()
+    x, t = data or make_data(batch, width, pipe.devices[0])
+    update = TrainerUpdate(pipe)
 
     @tf.function
     def step():
         with fprop_context.training(step=0):
-            loss, grads = pipe.ForwardBackward(pipe.theta, x, loss_fn, t)
-        grads = tf.nest.flatten(grads)
-        if clip:
-            grads, _ = tf.clip_by_global_norm(grads, 1e30)
-        for v, g in zip(variables, grads):
-            v.assign_sub(LEARNING_RATE * g)
-        return loss
+            loss_value, grads = pipe.ForwardBackward(pipe.theta, x, loss, t)
+        return update(loss_value, grads)
 
     return pipe, step, list(pipe.devices)
+
+
+def skip_body(num_layers: int, width: int) -> list:
+    """The Dense stack with a skip from after its first layer to its end: with K cells
+    it is stashed in cell 0 and popped in cell K-1."""
+    body = make_body(num_layers, width)
+    return (body[:1] + [layers.Stash.Params().Set(name='stash', key='skip')] + body[1:]
+            + [layers.Pop.Params().Set(name='pop', key='skip')])
+
+
+def build_embedding(vocab: int, batch: int, length: int, dim: int):
+    """Embedding(vocab, dim) + Dense(dim, dim), K=2, M=8: cell 0's gradient is sparse.
+
+    The batch x length tokens are one flat batch of ids: the embedding gradient has one
+    row per token either way, and a rank-2 Dense avoids the [dim, dim, batch, length]
+    intermediate that TensorFlow's einsum gradient builds for rank-3 inputs."""
+    body = [layers.Embedding.Params().Set(name='emb', vocab_size=vocab, embedding_dim=dim),
+            layers.Dense.Params().Set(name='fc', input_dim=dim, output_dim=dim)]
+    with tf.device(resolved_devices(1)[0]):
+        ids = tf.random.stateless_uniform([batch * length], [5, 6], maxval=vocab,
+                                          dtype=tf.int32)
+        t = tf.random.stateless_normal([batch * length, dim], seed=[7, 8])
+    return build_pipe(0, dim, batch, 2, EMB_MICRO, 'always', body=body, data=(ids, t))
 
 
 # --- Measurement ----------------------------------------------------------------------------
@@ -363,7 +408,8 @@ def header(args) -> list[str]:
 def main(args) -> int:
     need_cells = max([1] + ([SCALING_CELLS] if 2 in args.rows else [])
                      + ([args.act_cells] if 3 in args.rows else [])
-                     + ([args.acc_cells] if 4 in args.rows else []))
+                     + ([args.acc_cells] if 4 in args.rows else [])
+                     + ([SKIP_CELLS] if 5 in args.rows else []))
     if args.devices == 'cpu' and args.num_logical_cpus < need_cells:
         print(f'--num_logical_cpus={args.num_logical_cpus} is too few: the selected rows need '
               f'{need_cells} devices', file=sys.stderr)
@@ -393,47 +439,82 @@ def main(args) -> int:
                          f'step transient {mib(r["transient"])} (resident {mib(r["resident"])})'
                          + ('' if rc == 'never' else f'; transient ratio {tratio:.2f}'),
                          ''])
-        rows[-1][7] += ('; shared notes measured 392 -> 212 MiB (0.54x) for B=4096, W=1024, '
-                        '16 layers, K=4' if not args.quick else '')
         notes.append(f'row 3 memory read from {res["never"]["mem_devs"]}; after deleting each '
                      f'model: {mib(res["never"]["after"])}, {mib(res["always"]["after"])} live')
 
     if 4 in args.rows:
         print('measuring row 4 (accumulation memory)...', flush=True)
-        k = args.acc_cells
+        k, mm = args.acc_cells, args.acc_micro
+        micro = (1, mm, 2 * mm)
         res = {}
-        for m in (1, args.acc_micro, 'clip'):
+        for m in micro:
             res[m] = measure_memory(
-                lambda m=m: build_pipe(args.acc_layers, args.acc_width, args.acc_batch, k,
-                                       1 if m == 'clip' else m, 'always', clip=m == 'clip'),
-                args.mem_repeats, 1)
-        mm = args.acc_micro
-        ratio = res[mm]['peak'] / res[1]['peak']
-        tratio = res[mm]['transient'] / max(res[1]['transient'], 1)
-        # One full set of weight gradients (the per-cell running sums of M > 1) is as big
-        # as the weights; M=1 can apply each gradient as soon as it exists.
+                lambda m=m: build_pipe(args.acc_layers, args.acc_width, args.acc_batch, k, m,
+                                       'always'), args.mem_repeats, 1)
+        # One full set of weight gradients is as big as the weights. The trainer's step holds
+        # every gradient until the norm is known, at M=1 too; M > 1 adds at most the running
+        # sums of one more set, and the peak must not grow with M beyond that.
         grad_set = args.acc_layers * (args.acc_width + 1) * args.acc_width * 4
-        floor = (res[1]['peak'] + grad_set) / res[1]['peak']
-        r = res[1]
-        rows.append([4, 'accum mem', f'K={k} M=1 recompute=always', short(r['devs']),
-                     mib(r['peak']), f'{mib(min(r["peaks"]))}..{mib(max(r["peaks"]))}', '1.00',
-                     f'step transient {mib(r["transient"])} (resident {mib(r["resident"])}; '
-                     f'weights = one gradient set = {mib(grad_set)})', ''])
-        r = res[mm]
-        rows.append([4, 'accum mem', f'K={k} M={mm} recompute=always', short(r['devs']),
-                     mib(r['peak']), f'{mib(min(r["peaks"]))}..{mib(max(r["peaks"]))}',
-                     f'{ratio:.2f}',
-                     f'target <= {ACCUM_TARGET}x of M=1; step transient {mib(r["transient"])} '
-                     f'(transient ratio {tratio:.2f}); M=1 peak + one gradient set = '
-                     f'{mib(res[1]["peak"] + grad_set)} ({floor:.2f}x)',
-                     'PASS' if ratio <= ACCUM_TARGET else 'MISS'])
-        r = res['clip']
-        rows.append([4, 'accum mem', f'diag: K={k} M=1 + clip_by_global_norm', short(r['devs']),
-                     mib(r['peak']), f'{mib(min(r["peaks"]))}..{mib(max(r["peaks"]))}',
-                     f'{r["peak"] / res[1]["peak"]:.2f}',
-                     f'M=1 step that holds every gradient at once; M={mm} / this = '
-                     f'{res[mm]["peak"] / r["peak"]:.2f}x', ''])
-        notes.append(f'row 4 memory read from {res[1]["mem_devs"]}')
+        bound = res[1]['peak'] + grad_set
+        flat = res[2 * mm]['peak'] / res[mm]['peak']
+        for m in micro:
+            r = res[m]
+            detail = f'step transient {mib(r["transient"])} (resident {mib(r["resident"])})'
+            verdict = ''
+            if m == 1:
+                detail += f'; one gradient set = {mib(grad_set)}'
+            elif m == mm:
+                detail += f'; bound: M=1 peak + one gradient set = {mib(bound)}'
+                verdict = 'PASS' if r['peak'] <= bound else 'MISS'
+            else:
+                detail += (f'; flat from M={mm}: M={m} / M={mm} = {flat:.2f} (target <= '
+                           f'{ACCUM_FLAT:.2f})')
+                verdict = 'PASS' if flat <= ACCUM_FLAT else 'MISS'
+            rows.append([4, 'accum mem', f'K={k} M={m} recompute=always', short(r['devs']),
+                         mib(r['peak']), f'{mib(min(r["peaks"]))}..{mib(max(r["peaks"]))}',
+                         f'{r["peak"] / res[1]["peak"]:.2f}', detail, verdict])
+        notes.append(f'row 4 memory read from {res[1]["mem_devs"]}; every variant runs the '
+                     "trainer's step (global norm, finiteness gate, SGD update)")
+
+    if 5 in args.rows:
+        print('measuring row 5 (bytes between cells)...', flush=True)
+        b, w = args.skip_batch, args.skip_width
+        pipe, step, devs = build_pipe(0, w, b, SKIP_CELLS, 1, 'always',
+                                      body=skip_body(args.skip_layers, w))
+        moved = trace.bytes_between_devices(step.get_concrete_function())
+        skip = b * w * 4  # the stashed activation, float32
+        hops = SKIP_CELLS - 1
+        # Carried in the activation, the skip is copied into each cell in between; its
+        # gradient passes through them unchanged (the same tensor), so adds no hops.
+        carried = sum(moved.values()) + skip * (hops - 1)
+        first, last = short(devs[:1]), short(devs[-1:])
+        portal = moved.get((first, last), 0) + moved.get((last, first), 0)
+        rows.append([5, 'skip traffic', f'K={SKIP_CELLS} skip cell 0 -> {hops}, batch {b}',
+                     short(devs), mib(sum(moved.values())), '',
+                     f'{sum(moved.values()) / carried:.2f}',
+                     f'bytes between devices per step, from the traced graph ({portal / MIB:.1f} '
+                     f'MiB on the portal cell 0 <-> {hops}, both ways); carried through every '
+                     f'cell, as before portals: {mib(carried)} (from shapes: + the skip copied into the '
+                     f'{hops - 1} cells in between)', ''])
+        del pipe, step
+
+    if 6 in args.rows:
+        print('measuring row 6 (embedding gradient memory)...', flush=True)
+        for vocab in EMB_VOCABS:
+            r = measure_memory(lambda vocab=vocab: build_embedding(
+                vocab, args.emb_batch, args.emb_length, args.emb_dim), args.mem_repeats, 1)
+            table = vocab * args.emb_dim * 4
+            rows_per_micro = args.emb_batch * args.emb_length // EMB_MICRO
+            sparse_for = min(EMB_MICRO, vocab // rows_per_micro)
+            kind = ('as slices, made dense once' if sparse_for == EMB_MICRO else
+                    f'as slices for {sparse_for} of {EMB_MICRO} micro-batches, then dense'
+                    if sparse_for else 'densely (a micro-batch has more rows than V)')
+            rows.append([6, 'sparse grads', f'Embedding V={vocab} D={args.emb_dim}, K=2 '
+                         f'M={EMB_MICRO}', short(r['devs']), mib(r['peak']),
+                         f'{mib(min(r["peaks"]))}..{mib(max(r["peaks"]))}', '',
+                         f'step transient {mib(r["transient"])}; summed {kind}: dense table '
+                         f'gradient {table / MIB:.1f} MiB, one micro-batch of slices '
+                         f'{rows_per_micro * args.emb_dim * 4 / MIB:.1f} MiB', ''])
 
     if 1 in args.rows or 2 in args.rows:
         print('measuring rows 1-2 (timing, interleaved)...', flush=True)
@@ -460,7 +541,7 @@ def main(args) -> int:
             return ratio
 
         if 1 in args.rows:
-            trow(1, 'overhead', 'plain', 'plain', 'plain tf.function SGD step',
+            trow(1, 'overhead', 'plain', 'plain', 'plain tape + trainer update',
                  'ratio = variant / plain, paired per round')
             ov = trow(1, 'overhead', 'k1m1_never', 'plain', 'tfpipe K=1 M=1 recompute=never',
                       f'target <= {OVERHEAD_TARGET:.2f}x plain')

@@ -140,3 +140,32 @@ def test_control_dependencies_keep_each_device_in_schedule_order(recompute):
         for m in range(3):  # the incoming gradient gates the whole task (recompute included)
             source = f'pipe/cell_{k + 1}/backward_{m}' if k + 1 < K else f'pipe/cell_{k}/loss_{m}'
             assert source in waits[f'pipe/cell_{k}/backward_{m}'], (k, m)
+
+
+def task_waits(concrete_fn):
+    """task scope -> the other task scopes it waits for through control edges."""
+    waits = collections.defaultdict(set)
+    for name, sources in control_inputs(concrete_fn).items():
+        for source in sources:
+            if scope_of(name) and scope_of(source) and scope_of(name) != scope_of(source):
+                waits[scope_of(name)].add(scope_of(source))
+    return waits
+
+
+@pytest.mark.parametrize('recompute', ['always', 'never'])
+def test_1f1b_forward_waits_for_the_backward_it_follows(recompute):
+    """1F1B's memory bound: after its warm-up, cell k runs the forward of micro-batch
+    warmup+i only after the backward of micro-batch i, so it holds at most warmup
+    micro-batches of activations (checked to fail when the executor drops the edge)."""
+    num_micro = 6
+    body = mz.mlp_body()
+    x, y = mz.inputs_for(body)
+    pipe = mz.pipeline(body, K, num_micro, recompute, schedule='1f1b')
+    waits = task_waits(forward_backward_step(pipe, x, y))
+    for k in range(K):
+        warmup = min(K - k, num_micro)
+        for i in range(num_micro - warmup):
+            forward = f'pipe/cell_{k}/forward_{warmup + i}'
+            assert f'pipe/cell_{k}/backward_{i}' in waits[forward], (k, i, sorted(waits[forward]))
+            # and the next backward follows that forward: B, F alternate on the device
+            assert forward in waits[f'pipe/cell_{k}/backward_{i + 1}'], (k, i)

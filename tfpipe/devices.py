@@ -124,7 +124,8 @@ def resolve(devices: Optional[Sequence[str]], num_cells: int) -> list[str]:
     `devices=None` picks the workers' devices spread over tasks (see `spread`)
     when the process is connected to a cluster, else the first `num_cells` GPUs
     if the process has any GPU, else logical CPUs. Errors name the fix: too few
-    devices, unknown device, a device listed twice.
+    devices, more devices than slots (never cut silently), unknown device, a
+    device listed twice.
     """
     if devices is None:
         remote = remote_devices_by_task()
@@ -150,9 +151,15 @@ def resolve(devices: Optional[Sequence[str]], num_cells: int) -> list[str]:
         raise ValueError(
             f'the pipeline has {num_cells} cells but devices lists {len(devices)}: '
             f'give one device per cell, or devices=None to use the first {num_cells}')
+    if len(devices) > num_cells:
+        # Cutting the list would silently leave devices the user meant to use idle.
+        raise ValueError(
+            f'devices lists {len(devices)} devices but the pipeline needs {num_cells} device '
+            f'slot(s): list exactly {num_cells} devices, or give the pipeline more cells so '
+            'that every listed device gets one')
     known = {_canonical(d.name).to_string(): d.name for d in tf.config.list_logical_devices()}
     resolved = []
-    for name in devices[:num_cells]:
+    for name in devices:
         spec = _canonical(name)
         if spec.to_string() not in known:
             if _is_remote(spec) and not any(_is_remote(_canonical(n)) for n in known):
@@ -168,6 +175,6 @@ def resolve(devices: Optional[Sequence[str]], num_cells: int) -> list[str]:
         resolved.append(spec.to_string())
     if len(set(resolved)) != len(resolved):
         raise ValueError(
-            f'devices {devices[:num_cells]} lists a device twice: every cell needs '
+            f'devices {devices} lists a device twice: every cell needs '
             'its own device, otherwise use fewer cells')
     return resolved

@@ -23,7 +23,7 @@ import re
 import shutil
 import signal
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import gin
 import tensorflow as tf
@@ -32,7 +32,7 @@ from absl import logging
 from tfpipe import checkpoints, fprop_context
 from tfpipe.base_layer import flatten_by_path
 from tfpipe.hyperparams import Params
-from tfpipe.optimizers import clip_by_global_norm
+from tfpipe.optimizers import BaseOptimizer, clip_by_global_norm
 from trainer import experiment
 
 
@@ -66,6 +66,33 @@ def _check_positive_int(name: str, value, allow_none: bool = False) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f'{name}={value!r} must be an int >= 1')
+
+
+def guarded_update(loss: tf.Tensor, replica_grads: Sequence[dict], clip_norm: Optional[float],
+                   optimizers: Sequence[BaseOptimizer], replica_variables: Sequence[dict],
+                   lr: tf.Tensor, global_step: tf.Variable) -> tf.Tensor:
+    """The update half of the trainer's step; returns the global gradient norm.
+
+    Global-norm clipping, then the optimizer's update and `global_step += 1` only
+    when loss and norm are finite. The norm needs every gradient at once, which
+    sets the step's peak memory, so benchmarks/pipeline_benchmark.py calls this
+    same function rather than a lighter copy. With data-parallel replicas there
+    is one gradient dict, optimizer and variable dict per replica: the gradients
+    are all-reduced, so every replica clips by the same norm and applies the same
+    update to its own copy.
+    """
+    clipped = [clip_by_global_norm(grads, clip_norm) for grads in replica_grads]
+    norm = clipped[0][1]
+    finite = tf.math.is_finite(loss) & tf.math.is_finite(norm)
+
+    def update():
+        for (grads, _), optimizer, variables in zip(clipped, optimizers, replica_variables):
+            optimizer.Apply(lr, grads, variables)
+        global_step.assign_add(1)
+        return tf.constant(True)
+
+    tf.cond(finite, update, lambda: tf.constant(False))
+    return norm
 
 
 class NonFiniteLossError(RuntimeError):
@@ -139,21 +166,11 @@ class Trainer:
         step = self.global_step
         with fprop_context.training(step=step):
             loss, grads = self.task.ForwardBackward(self.task.theta, batch)
-        # One gradient dict per replica (all-reduced: the same values on each replica's devices).
-        clipped = [clip_by_global_norm(flatten_by_path(g, self.task.path), self.clip_norm)
-                   for g in (grads if isinstance(grads, list) else [grads])]
-        norm = clipped[0][1]
         lr = self.learning_rate * self.schedule.Value(step + 1)  # step + 1: the update number
-        finite = tf.math.is_finite(loss) & tf.math.is_finite(norm)
-
-        def update():
-            for (replica_grads, _), optimizer, variables in zip(
-                    clipped, self.optimizers, self.replica_variables):
-                optimizer.Apply(lr, replica_grads, variables)
-            step.assign_add(1)
-            return tf.constant(True)
-
-        tf.cond(finite, update, lambda: tf.constant(False))
+        norm = guarded_update(
+            loss, [flatten_by_path(g, self.task.path) for g in
+                   (grads if isinstance(grads, list) else [grads])],
+            self.clip_norm, self.optimizers, self.replica_variables, lr, step)
         return loss, norm, lr
 
     @tf.function

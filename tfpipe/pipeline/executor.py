@@ -12,7 +12,8 @@ Forward task F(k, m): cell k on micro-batch m. A recomputing cell keeps only
 its input; a non-recomputing cell records a tape to differentiate later.
 Backward task B(k, m): recompute (if the cell does) under the cell's device,
 differentiate with the incoming gradient, add the weight gradients into the
-cell's running sum (one set of accumulators per cell, never M sets alive), pass
+cell's running sum (one set of accumulators per cell, never M sets alive;
+embedding gradients stay sparse while that is smaller, see accumulate.py), pass
 the input gradient to cell k-1.
 
 Zero-bubble schedules split B in two. The input part computes the gradients of
@@ -25,6 +26,10 @@ costs.
 
 Ordering is per device, not per cell: with virtual stages several cells share
 a device and their tasks run in the schedule's order for that device.
+
+Skip connections that span cells (layers.Stash ... layers.Pop) travel through
+portals (see portals.py): from the stashing cell's forward straight to the
+popping cell's, and their gradients straight back.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import tensorflow as tf
 
 from tfpipe import fprop_context
+from tfpipe.pipeline import accumulate, portals
 from tfpipe.pipeline.cell import Cell
 from tfpipe.pipeline.schedule import BACKWARD, BACKWARD_INPUT, FORWARD, Task
 
@@ -73,6 +79,11 @@ class PipelineRun:
         # Per (cell, micro-batch) between a split backward's input and weight parts.
         self._awaiting_weights: dict[tuple[int, int], tuple] = {}
         self._last: dict[str, list[tf.Tensor]] = {}  # device -> outputs of its last task
+        self._backwards_done = [0] * num_cells
+        self.routes = portals.routes(self.cells)
+        self.inbound = portals.inbound(self.routes)
+        self.portal_inputs: dict[tuple[int, int], dict] = {}  # (dest, m) -> {key: tensor}
+        self.portal_grads: dict[tuple[int, int], dict] = {}  # (source, m) -> {key: grads}
 
     # -- Public --------------------------------------------------------------------------
 
@@ -120,7 +131,8 @@ class PipelineRun:
     def _forward(self, k: int, m: int) -> None:
         cell, theta = self.cells[k], self.thetas[k]
         with self._scope(k, m, 'forward'):
-            x = tf.nest.map_structure(tf.identity, self.inputs[(k, m)])
+            x = portals.give(self.inputs[(k, m)], self.portal_inputs.pop((k, m), {}))
+            x = tf.nest.map_structure(tf.identity, x)  # on this device: the copy
             self.inputs[(k, m)] = x
             with self._context(m, self.sinks[k]):
                 if cell.recompute or not self.context.training:
@@ -137,6 +149,9 @@ class PipelineRun:
                 del self.inputs[(k, m)]  # only a recomputing cell needs its input again
         self._last[cell.device] = tf.nest.flatten(y)
         if k + 1 < len(self.cells):
+            y, sent = portals.take(y, self.routes.get(k, {}))
+            for key, value in sent.items():
+                self.portal_inputs.setdefault((self.routes[k][key], m), {})[key] = value
             self.inputs[(k + 1, m)] = y
             return
         self.outputs[m] = y
@@ -148,18 +163,64 @@ class PipelineRun:
 
     def _backward(self, k: int, m: int) -> None:
         cell, theta = self.cells[k], self.thetas[k]
-        dy = self.output_grads.pop((k, m))
+        dy = self._incoming_grads(k, m)
         with self._scope(k, m, 'backward', extra_deps=dy):
             tape, x, outs = self._tape_of(k, m)
-            y = outs[-1]
-            x_leaves = float_leaves(x) if k > 0 or self.need_input_grads else []
-            flat_theta = tf.nest.flatten(theta)
-            grads = tape.gradient(float_leaves(y), x_leaves + flat_theta, output_gradients=dy,
+            x_leaves, y_leaves, x_parts, x_received = self._boundary(k, x, outs[-1])
+            grads = tape.gradient(y_leaves, x_leaves + tf.nest.flatten(theta),
+                                  output_gradients=dy,
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
             dx, dtheta = grads[:len(x_leaves)], grads[len(x_leaves):]
             self._accumulate(k, dtheta)
-        self._last[cell.device] = list(self.theta_grads[k]) + list(dx)
-        self._pass_input_grads(k, m, dx)
+        self._last[cell.device] = tf.nest.flatten(list(self.theta_grads[k]) + list(dx),
+                                                  expand_composites=True)
+        self._pass_input_grads(k, m, dx, x_parts, x_received)
+
+    def _backward_input(self, k: int, m: int) -> None:
+        """B of a split backward: gradients of the input and of every layer's output."""
+        cell = self.cells[k]
+        dy = self._incoming_grads(k, m)
+        with self._scope(k, m, 'backward_input', extra_deps=dy):
+            tape, x, outs = self._tape_of(k, m)
+            x_leaves, y_leaves, x_parts, x_received = self._boundary(k, x, outs[-1])
+            inner = [float_leaves(o) for o in outs[:-1]]
+            grads = tape.gradient(y_leaves, x_leaves + [t for o in inner for t in o],
+                                  output_gradients=dy,
+                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            dx, rest = grads[:len(x_leaves)], grads[len(x_leaves):]
+            douts, pos = [], 0
+            for leaves in inner:
+                douts.append(rest[pos:pos + len(leaves)])
+                pos += len(leaves)
+        # Layer i's weights are differentiated from its output alone, in the W task.
+        self._awaiting_weights[(k, m)] = (tape, inner + [y_leaves], douts + [list(dy)])
+        self._last[cell.device] = list(dx) + [g for d in douts for g in d]
+        self._pass_input_grads(k, m, dx, x_parts, x_received)
+
+    def _backward_weight(self, k: int, m: int) -> None:
+        """W of a split backward: each layer's weight gradients from its output gradient."""
+        cell, theta = self.cells[k], self.thetas[k]
+        tape, targets, douts = self._awaiting_weights.pop((k, m))
+        with self._scope(k, m, 'backward_weight'):
+            by_layer = {}
+            for layer, target, dout in zip(cell.layers, targets, douts):
+                name = layer.params.name
+                flat = tf.nest.flatten(theta[name])
+                grads = tape.gradient(target, flat, output_gradients=dout,
+                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                by_layer[name] = tf.nest.pack_sequence_as(theta[name], grads)
+            del tape  # frees the activations it held since the input part
+            self._accumulate(k, tf.nest.flatten({n: by_layer[n] for n in theta}))
+        self._last[cell.device] = tf.nest.flatten(list(self.theta_grads[k]),
+                                                  expand_composites=True)
+
+    # -- Backward helpers ----------------------------------------------------------------
+
+    def _incoming_grads(self, k: int, m: int) -> list:
+        """The gradient of the cell's output, then those of the skips it sent by portal."""
+        dy = self.output_grads.pop((k, m))
+        portal_dy = self.portal_grads.pop((k, m), {})
+        return dy + [g for key in sorted(portal_dy) for g in portal_dy[key]]
 
     def _tape_of(self, k: int, m: int) -> tuple[tf.GradientTape, Any, list]:
         """The tape of F(k, m) and the outputs of each of the cell's layers: recorded by
@@ -175,55 +236,39 @@ class PipelineRun:
                 outs = cell.forward_layers(theta, x)
         return tape, x, outs
 
-    def _accumulate(self, k: int, dtheta: list) -> None:
-        # Embedding lookups give IndexedSlices; the accumulator is dense.
-        dtheta = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-                  for g in dtheta]
-        acc = self.theta_grads[k]
-        self.theta_grads[k] = dtheta if acc is None else [a + g for a, g in zip(acc, dtheta)]
+    def _boundary(self, k: int, x: Any, y: Any) -> tuple[list, list, list, dict]:
+        """The leaves to differentiate: the cell's input (main part first, then the skips
+        it received by portal) and its output (main part, then the skips it sends)."""
+        y_main, y_sent = portals.take(y, self.routes.get(k, {}))
+        x_main, x_received = portals.take(x, self.inbound.get(k, {}))
+        x_parts = [float_leaves(x_main)] + [float_leaves(v) for v in x_received.values()]
+        if k == 0 and not self.need_input_grads:
+            x_parts = [[]]
+        x_leaves = [t for part in x_parts for t in part]
+        y_leaves = float_leaves(y_main) + [t for v in y_sent.values() for t in float_leaves(v)]
+        return x_leaves, y_leaves, x_parts, x_received
 
-    def _pass_input_grads(self, k: int, m: int, dx: list) -> None:
+    def _accumulate(self, k: int, dtheta: list) -> None:
+        """Adds one micro-batch's weight gradients into cell k's sums (dense at the end)."""
+        acc = self.theta_grads[k] or [None] * len(dtheta)
+        acc = [accumulate.add(a, g) for a, g in zip(acc, dtheta)]
+        self._backwards_done[k] += 1
+        if self._backwards_done[k] == len(self.outputs):  # the cell's last micro-batch
+            acc = [tf.convert_to_tensor(a) for a in acc]
+        self.theta_grads[k] = acc
+
+    def _pass_input_grads(self, k: int, m: int, grads: list, x_parts: list,
+                          x_received: dict) -> None:
+        """The main input gradient to cell k-1; skip gradients back to their sources."""
+        dx, pos = grads[:len(x_parts[0])], len(x_parts[0])
+        for key, part in zip(x_received, x_parts[1:]):
+            source = self.inbound[k][key]
+            self.portal_grads.setdefault((source, m), {})[key] = grads[pos:pos + len(part)]
+            pos += len(part)
         if k > 0:
             self.output_grads[(k - 1, m)] = dx
         else:
             self.input_grads[m] = dx
-
-    def _backward_input(self, k: int, m: int) -> None:
-        """B of a split backward: gradients of the input and of every layer's output."""
-        cell = self.cells[k]
-        dy = self.output_grads.pop((k, m))
-        with self._scope(k, m, 'backward_input', extra_deps=dy):
-            tape, x, outs = self._tape_of(k, m)
-            x_leaves = float_leaves(x) if k > 0 or self.need_input_grads else []
-            inner = [float_leaves(o) for o in outs[:-1]]
-            grads = tape.gradient(float_leaves(outs[-1]), x_leaves + [t for o in inner for t in o],
-                                  output_gradients=dy,
-                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            dx, rest = grads[:len(x_leaves)], grads[len(x_leaves):]
-            douts, pos = [], 0
-            for leaves in inner:
-                douts.append(rest[pos:pos + len(leaves)])
-                pos += len(leaves)
-            douts.append(list(dy))
-        self._awaiting_weights[(k, m)] = (tape, outs, douts)
-        self._last[cell.device] = list(dx) + [g for d in douts[:-1] for g in d]
-        self._pass_input_grads(k, m, dx)
-
-    def _backward_weight(self, k: int, m: int) -> None:
-        """W of a split backward: each layer's weight gradients from its output gradient."""
-        cell, theta = self.cells[k], self.thetas[k]
-        tape, outs, douts = self._awaiting_weights.pop((k, m))
-        with self._scope(k, m, 'backward_weight'):
-            by_layer = {}
-            for layer, out, dout in zip(cell.layers, outs, douts):
-                name = layer.params.name
-                flat = tf.nest.flatten(theta[name])
-                grads = tape.gradient(float_leaves(out), flat, output_gradients=dout,
-                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
-                by_layer[name] = tf.nest.pack_sequence_as(theta[name], grads)
-            del tape  # frees the activations it held since the input part
-            self._accumulate(k, tf.nest.flatten({n: by_layer[n] for n in theta}))
-        self._last[cell.device] = list(self.theta_grads[k])
 
 
 class _Scopes:

@@ -28,6 +28,7 @@ its own copy: the trainer's step.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import tensorflow as tf
@@ -39,13 +40,31 @@ from tfpipe.pipeline import costs, microbatch, partition, replicas, schedule
 from tfpipe.pipeline.cell import RECOMPUTE_POLICIES, Cell, recompute_flags
 from tfpipe.pipeline.executor import PipelineRun, float_leaves, is_differentiable
 
-# name -> builder(num_devices K, num_micro_batches M, virtual_stages v) of the schedule data.
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleEntry:
+    """A schedule the layer can run, and whether FProp under an outer tape can run it.
+
+    Under an outer `tf.GradientTape` the backward tasks are only issued when the
+    tape calls the pipeline's custom gradient, i.e. after every forward task has
+    been built: a schedule that interleaves a cell's backwards with its forwards
+    (1F1B) cannot be followed there, so FProp refuses it rather than silently
+    running another order. `tests/test_pipeline_knobs.py` checks each flag against
+    the schedule's data, so a new schedule cannot claim it wrongly.
+    """
+
+    # (num_devices K, num_micro_batches M, virtual_stages v) -> the schedule's data
+    build: Callable[[int, int, int], schedule.Schedule]
+    forwards_first: bool  # every cell runs all its forwards before any backward
+
+
 SCHEDULES = {
-    'fill_drain': lambda k, m, v: schedule.fill_drain(k, m),
-    '1f1b': lambda k, m, v: schedule.one_f_one_b(k, m),
-    'interleaved_1f1b': schedule.interleaved_one_f_one_b,
-    'zb_h1': lambda k, m, v: schedule.zb_h1(k, m),
-    'zb_h2': lambda k, m, v: schedule.zb_h2(k, m),
+    'fill_drain': ScheduleEntry(lambda k, m, v: schedule.fill_drain(k * v, m), True),
+    '1f1b': ScheduleEntry(lambda k, m, v: schedule.one_f_one_b(k, m), False),
+    'interleaved_1f1b': ScheduleEntry(schedule.interleaved_one_f_one_b, False),
+    'zb_h1': ScheduleEntry(lambda k, m, v: schedule.zb_h1(k, m), False),
+    'zb_h2': ScheduleEntry(lambda k, m, v: schedule.zb_h2(k, m), False),
 }
 LossFn = Callable[[Any, Any], tf.Tensor]
 
@@ -79,9 +98,10 @@ class PipeliningLayer(BaseLayer):
         p.Define('fprop_dtype', None, 'Compute dtype of the cells and of the activations '
                  'sent between them, e.g. tf.bfloat16 (Lingvo\'s name); variables, gradient '
                  'sums and the outputs stay float32. None: compute in the variables\' dtype.')
-        p.Define('schedule', 'fill_drain', f'Schedule of ForwardBackward: {sorted(SCHEDULES)} '
-                 '(zb_*: backward split into input and weight parts). FProp under a tape '
-                 'always uses fill_drain.')
+        p.Define('schedule', 'fill_drain', f'Schedule: {sorted(SCHEDULES)} (zb_*: backward '
+                 'split into input and weight parts). FProp in training mode (under an outer '
+                 'tape) runs only schedules whose forwards come first (fill_drain); the others '
+                 'need ForwardBackward.')
         return p
 
     def __init__(self, params, parent=None):
@@ -152,7 +172,8 @@ class PipeliningLayer(BaseLayer):
         elif p.partition_by == 'flops':
             layer_costs = costs.by_flops(p.body, tf.TensorShape(p.input_shape))
         else:
-            first = devices_lib.resolve(p.devices, 1)[0]
+            first = devices_lib.resolve(None if p.devices is None else list(p.devices)[:1],
+                                        1)[0]
             layer_costs = costs.by_time(p.body, costs.sample_input(p.input_shape, p.input_dtype),
                                         first)
         return partition.solve_balance(layer_costs, p.num_cells * p.virtual_stages)
@@ -230,8 +251,8 @@ class PipeliningLayer(BaseLayer):
         if name == 'fill_drain':  # also the forward order of FProp: one tick per cell
             return schedule.fill_drain(len(self.cells), num_micro_batches)
         try:
-            return SCHEDULES[name](len(self.devices), num_micro_batches,
-                                   self.params.virtual_stages)
+            return SCHEDULES[name].build(len(self.devices), num_micro_batches,
+                                         self.params.virtual_stages)
         except ValueError as e:
             raise ValueError(f'{self.path}: {e}') from None
 
@@ -250,6 +271,13 @@ class PipeliningLayer(BaseLayer):
         inputs = tf.nest.map_structure(tf.convert_to_tensor, inputs)
         flat_inputs = tf.nest.flatten(inputs)
         flat_thetas = [tf.nest.flatten(t) for t in thetas]
+        name = self.params.schedule
+        if not SCHEDULES[name].forwards_first:
+            raise ValueError(
+                f"{self.path}: schedule={name!r} interleaves backward and forward tasks, which "
+                'FProp under an outer GradientTape cannot do (the tape issues every backward '
+                'after all forwards); train with ForwardBackward(theta, inputs, loss_fn, '
+                "targets), or set schedule='fill_drain'")
         out_structure = []
 
         @tf.custom_gradient
@@ -272,7 +300,7 @@ class PipeliningLayer(BaseLayer):
             micro, offsets, groups = self._Split(x, self.devices[0])
             runs = self._Runs(local_thetas, micro, offsets, groups, ctx, need_input_grads=True)
             for run, group in zip(runs, groups):
-                run.run(t for tick in self._Ticks('fill_drain', len(group)) for t in tick
+                run.run(t for tick in self._Ticks(self.params.schedule, len(group)) for t in tick
                         if t.phase == schedule.FORWARD)
             self._ApplyBatchStats(runs)
             y = self._Merge([out for run in runs for out in run.outputs])
@@ -289,7 +317,7 @@ class PipeliningLayer(BaseLayer):
                         micro_dy = microbatch.split(dy, len(micro))
                     for run, group in zip(runs, groups):
                         run.set_output_grads([float_leaves(micro_dy[m]) for m in group])
-                        run.run(t for tick in self._Ticks('fill_drain', len(group))
+                        run.run(t for tick in self._Ticks(self.params.schedule, len(group))
                                 for t in tick if t.phase == schedule.BACKWARD)
                     return self._InputGrads(x, runs) + [
                         g for cell_grads in self._SumOverReplicas(runs) for g in cell_grads]
@@ -341,7 +369,10 @@ class PipeliningLayer(BaseLayer):
                          targets: Any) -> tuple[tf.Tensor, dict | list[dict]]:
         ctx = fprop_context.current()
         if not ctx.training:
-            ctx = fprop_context.FPropContext(training=True, step=ctx.step)
+            raise ValueError(
+                f'{self.path}: ForwardBackward computes training gradients but runs under '
+                'fprop_context.evaluation(); call it under fprop_context.training(step=...), '
+                'or use FProp (pipe(x)) to evaluate')
         n = microbatch.batch_size(inputs)
         n_targets = microbatch.batch_size(targets)
         if n_targets != n:

@@ -60,3 +60,26 @@ def cell_of_node(name: str) -> int | None:
         if part.startswith('cell_') and part[5:].isdigit():
             return int(part[5:])
     return None
+
+
+def bytes_between_devices(concrete_function) -> dict[tuple[str, str], int]:
+    """Bytes each step sends between devices: {(source, destination): bytes}.
+
+    Read from the top-level graph (a ForwardBackward step is one flat graph): a
+    tensor consumed on another device than the one producing it is sent there
+    once per step, whatever the number of consumers, as TensorFlow's graph
+    partitioner does. Tensors of unknown size and unplaced ops are not counted.
+    """
+    sent: dict[tuple[str, str], int] = collections.Counter()
+    seen: set[tuple[str, str]] = set()
+    for op in concrete_function.graph.get_operations():
+        dest = device_index(op.device)
+        for t in op.inputs:
+            source = device_index(t.op.device)
+            size = t.shape.num_elements() if t.shape.is_fully_defined() else None
+            if not source or not dest or source == dest or size is None \
+                    or (t.name, dest) in seen:
+                continue
+            seen.add((t.name, dest))
+            sent[(source, dest)] += size * t.dtype.size
+    return dict(sent)

@@ -31,7 +31,6 @@ def train_params() -> Params:
     p.Define('save_interval_steps', 100, 'Checkpoint every this many steps.')
     p.Define('save_max_to_keep', 5, 'Checkpoints kept in the train dir.')
     p.Define('summary_interval_steps', 10, 'TensorBoard summaries every this many steps.')
-    p.Define('num_micro_batches', None, 'M for the pipelined body (None: the body\'s own).')
     return p
 
 
@@ -58,10 +57,8 @@ class BaseTask(BaseLayer):
 
     def __init__(self, params, parent=None):
         super().__init__(params, parent)
-        pipeline = self.params.pipeline.Copy()
-        if self.params.train.num_micro_batches is not None:
-            pipeline.num_micro_batches = self.params.train.num_micro_batches
-        self.pipe = self.CreateChild('pipe', pipeline)
+        # M is set in one place only, task.pipeline.num_micro_batches.
+        self.pipe = self.CreateChild('pipe', self.params.pipeline)
 
     # -- What subclasses define ----------------------------------------------------------
 
