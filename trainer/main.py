@@ -37,6 +37,10 @@ flags.DEFINE_multi_string('gin_bindings', [], 'Gin bindings, e.g. trainer.save_i
 flags.DEFINE_integer('max_steps', None, 'Overrides task.train.max_steps.')
 flags.DEFINE_string('tfds_data_dir', None, 'tensorflow-datasets data dir (default: '
                     '~/tensorflow_datasets); tfpipe generates its own datasets there.')
+flags.DEFINE_integer('pipeline_trace_step', None, 'Record the measured timeline of this '
+                     'training step (1 = the first): train/pipeline_trace-<step>.json (Chrome '
+                     'trace format) and .png, and the bubble per device in the log and '
+                     'TensorBoard.')
 flags.DEFINE_bool('list_models', False, 'Print the registered models and exit.')
 
 EXIT_BAD_INPUT = 2
@@ -113,6 +117,11 @@ def main(argv) -> int:
     if FLAGS.max_steps is not None:
         params.task.train.max_steps = FLAGS.max_steps
         options.max_steps = FLAGS.max_steps
+    if FLAGS.pipeline_trace_step is not None:
+        if FLAGS.pipeline_trace_step < 1:
+            raise UsageError(f'--pipeline_trace_step={FLAGS.pipeline_trace_step} must be a '
+                             'step >= 1 (1 is the first training step)')
+        options.pipeline_trace_step = FLAGS.pipeline_trace_step
     _set_data_dir(params)
     if FLAGS.mode == 'inspect_params':
         print(params.ToText())

@@ -8,6 +8,7 @@ sees exactly the data an uninterrupted run would have seen.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -23,6 +24,7 @@ from tfpipe import checkpoints, fprop_context
 from tfpipe.base_layer import flatten_by_path
 from tfpipe.hyperparams import Params
 from tfpipe.optimizers import clip_by_global_norm
+from tfpipe.pipeline import timeline
 
 
 @gin.configurable('trainer')
@@ -38,10 +40,11 @@ class RuntimeOptions:
     save_max_to_keep: Optional[int] = None
     eval_poll_max_seconds: float = 30.0
     eval_idle_timeout_seconds: Optional[float] = None  # None: evalers wait for the last step
+    pipeline_trace_step: Optional[int] = None  # record the timeline of this step (1 = first)
 
     def __post_init__(self):
         for name in ('max_steps', 'save_interval_steps', 'summary_interval_steps',
-                     'save_max_to_keep'):
+                     'save_max_to_keep', 'pipeline_trace_step'):
             _check_positive_int(f'trainer.{name}', getattr(self, name), allow_none=True)
         for name in ('eval_poll_max_seconds', 'eval_idle_timeout_seconds'):
             value = getattr(self, name)
@@ -73,6 +76,10 @@ class Trainer:
         self.save_interval = options.save_interval_steps or tp.save_interval_steps
         self.summary_interval = options.summary_interval_steps or tp.summary_interval_steps
         self.train_dir = train_dir
+        self.trace_step = options.pipeline_trace_step
+        if self.trace_step is not None and self.trace_step > self.max_steps:
+            raise ValueError(f'--pipeline_trace_step={self.trace_step} is beyond max_steps='
+                             f'{self.max_steps}: pick a step in 1..{self.max_steps}')
         self.task = params.task.Instantiate()
         self.variables = {p: v for p, v in self.task.VariablesByPath().items() if v.trainable}
         self.optimizer = tp.optimizer.Instantiate()
@@ -90,6 +97,7 @@ class Trainer:
             self.checkpoint, train_dir, checkpoint_name='ckpt',
             max_to_keep=options.save_max_to_keep or tp.save_max_to_keep)
         self._stop_signal: Optional[int] = None
+        self._recorder: Optional[timeline.Recorder] = None
 
     def restore_latest(self) -> int:
         """Restores the newest complete checkpoint, if any; returns the global step."""
@@ -103,8 +111,17 @@ class Trainer:
     @tf.function
     def _step(self, batch):
         """One synchronous step; the update is skipped when loss or gradients are not finite."""
+        return self._build_step(batch, record=False)
+
+    @tf.function
+    def _recorded_step(self, batch):
+        """The same step with every pipeline task time-stamped (--pipeline_trace_step)."""
+        return self._build_step(batch, record=True)
+
+    def _build_step(self, batch, record: bool):
         step = self.global_step
-        with fprop_context.training(step=step):
+        recording = self.task.pipe.RecordTimeline() if record else contextlib.nullcontext()
+        with fprop_context.training(step=step), recording as recorder:
             loss, grads = self.task.ForwardBackward(self.task.theta, batch)
         grads = flatten_by_path(grads, self.task.path)
         grads, norm = clip_by_global_norm(grads, self.clip_norm)
@@ -117,7 +134,10 @@ class Trainer:
             return tf.constant(True)
 
         tf.cond(finite, update, lambda: tf.constant(False))
-        return loss, norm, lr
+        if not record:
+            return loss, norm, lr
+        self._recorder = recorder
+        return loss, norm, lr, recorder.stamps()
 
     @tf.function
     def _weights_are_finite(self):
@@ -144,8 +164,16 @@ class Trainer:
         writer = tf.summary.create_file_writer(self.train_dir)
         start_step, start_time = step, time.time()
         last_log_step, last_log_time = step, start_time
+        if self.trace_step is not None and self.trace_step <= step:
+            logging.warning('--pipeline_trace_step=%d: step %d is already done in %s; no '
+                            'timeline recorded', self.trace_step, self.trace_step,
+                            self.train_dir)
         while step < self.max_steps and self._stop_signal is None:
-            loss, norm, lr = self._step(next(self.iterator))
+            if step + 1 == self.trace_step:
+                loss, norm, lr, stamps = self._recorded_step(next(self.iterator))
+                self._write_timeline(step + 1, stamps.numpy(), writer)
+            else:
+                loss, norm, lr = self._step(next(self.iterator))
             loss, norm = float(loss), float(norm)
             if not (math.isfinite(loss) and math.isfinite(norm)):
                 self._non_finite(f'loss is {loss} and gradient norm {norm} at step {step}')
@@ -177,6 +205,13 @@ class Trainer:
         elapsed = time.time() - start_time
         logging.info('trained steps %d..%d in %.1fs', start_step, step, elapsed)
         return step
+
+    def _write_timeline(self, step: int, stamps, writer) -> None:
+        line = timeline.Timeline.from_stamps(self._recorder, stamps)
+        paths = line.write(self.train_dir, step)
+        with writer.as_default():
+            line.write_summaries(step)
+        logging.info('step %d: %s; wrote %s', step, line.summary(), ' and '.join(paths))
 
     def _non_finite(self, what: str) -> None:
         raise NonFiniteLossError(

@@ -23,7 +23,8 @@ import tensorflow as tf
 
 from tfpipe import fprop_context
 from tfpipe.pipeline.cell import Cell
-from tfpipe.pipeline.schedule import FORWARD, Task
+from tfpipe.pipeline.schedule import BACKWARD, FORWARD, Task
+from tfpipe.pipeline.timeline import RECOMPUTE, Recorder
 
 OnOutput = Callable[[int, Any], Optional[list]]
 
@@ -42,8 +43,10 @@ class PipelineRun:
 
     def __init__(self, cells: Sequence[Cell], thetas: Sequence[dict], micro_inputs: Sequence,
                  offsets: Sequence[int], context: fprop_context.FPropContext,
-                 need_input_grads: bool = False, on_output: Optional[OnOutput] = None):
+                 need_input_grads: bool = False, on_output: Optional[OnOutput] = None,
+                 recorder: Optional[Recorder] = None):
         self.cells = list(cells)
+        self.recorder = recorder  # stamps every task's start and end when given
         self.thetas = list(thetas)
         self.offsets = list(offsets)
         self.context = context
@@ -87,11 +90,21 @@ class PipelineRun:
 
     # -- Tasks ---------------------------------------------------------------------------
 
-    def _scope(self, k: int, m: int, phase: str, extra_deps: Sequence[tf.Tensor] = ()):
+    def _scope(self, k: int, m: int, phase: str, extra_deps: Sequence[tf.Tensor] = (),
+               inputs: Any = (), recorded_phase: Optional[str] = None):
         cell = self.cells[k]
         deps = list(self._last[k]) + list(extra_deps)
-        return _Scopes(tf.device(cell.device), tf.name_scope(f'cell_{k}/{phase}_{m}'),
-                       tf.control_dependencies(deps))
+        scopes = [tf.device(cell.device), tf.name_scope(f'cell_{k}/{phase}_{m}'),
+                  tf.control_dependencies(deps)]
+        if self.recorder is not None:
+            scopes.append(self.recorder.begin(cell.device, k, m, recorded_phase or phase,
+                                              tf.nest.flatten(inputs)))
+        return _Scopes(*scopes)
+
+    def _end(self, k: int, m: int, outputs: Sequence[tf.Tensor]) -> None:
+        if self.recorder is not None:
+            with tf.device(self.cells[k].device):
+                self.recorder.end(k, m, outputs)
 
     def _context(self, m: int, sink: fprop_context.BatchStatsSink):
         ctx = self.context
@@ -100,7 +113,7 @@ class PipelineRun:
 
     def _forward(self, k: int, m: int) -> None:
         cell, theta = self.cells[k], self.thetas[k]
-        with self._scope(k, m, 'forward'):
+        with self._scope(k, m, 'forward', inputs=self.inputs[(k, m)]):
             x = tf.nest.map_structure(tf.identity, self.inputs[(k, m)])
             self.inputs[(k, m)] = x
             with self._context(m, self.sinks[k]):
@@ -117,18 +130,23 @@ class PipelineRun:
         self._last[k] = tf.nest.flatten(y)
         if k + 1 < len(self.cells):
             self.inputs[(k + 1, m)] = y
+            self._end(k, m, self._last[k])
             return
         self.outputs[m] = y
+        grads = None
         if self.on_output is not None:
             with tf.device(cell.device), tf.name_scope(f'cell_{k}/loss_{m}'):
                 grads = self.on_output(m, y)
             if grads is not None:
                 self.output_grads[(k, m)] = grads
+        self._end(k, m, self._last[k] + list(grads or []))  # the loss counts as forward
 
     def _backward(self, k: int, m: int) -> None:
         cell, theta = self.cells[k], self.thetas[k]
         dy = self.output_grads.pop((k, m))
-        with self._scope(k, m, 'backward', extra_deps=dy):
+        saved = self.inputs.get((k, m)) if cell.recompute else self.tapes[(k, m)][1:]
+        with self._scope(k, m, 'backward', extra_deps=dy, inputs=(dy, saved),
+                         recorded_phase=RECOMPUTE if cell.recompute else None):
             if cell.recompute:
                 x = tf.nest.map_structure(tf.identity, self.inputs.pop((k, m)))
                 tape = tf.GradientTape(watch_accessed_variables=False)
@@ -140,8 +158,12 @@ class PipelineRun:
                 tape, x, y = self.tapes.pop((k, m))
             x_leaves = float_leaves(x) if k > 0 or self.need_input_grads else []
             flat_theta = tf.nest.flatten(theta)
-            grads = tape.gradient(float_leaves(y), x_leaves + flat_theta, output_gradients=dy,
-                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            recomputed = (self.recorder.split(k, m, BACKWARD, tf.nest.flatten(y))
+                          if self.recorder is not None and cell.recompute else None)
+            with tf.control_dependencies([recomputed] if recomputed is not None else []):
+                grads = tape.gradient(float_leaves(y), x_leaves + flat_theta,
+                                      output_gradients=dy,
+                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
             dx, dtheta = grads[:len(x_leaves)], grads[len(x_leaves):]
             # Embedding lookups give IndexedSlices; the accumulator is dense.
             dtheta = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
@@ -149,6 +171,7 @@ class PipelineRun:
             acc = self.theta_grads[k]
             self.theta_grads[k] = dtheta if acc is None else [a + g for a, g in zip(acc, dtheta)]
         self._last[k] = list(self.theta_grads[k]) + list(dx)
+        self._end(k, m, self._last[k])
         if k > 0:
             self.output_grads[(k - 1, m)] = dx
         else:

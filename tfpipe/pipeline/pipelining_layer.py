@@ -19,14 +19,15 @@ without tapes or recompute, and BatchNorm uses its moving statistics.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import tensorflow as tf
 
 from tfpipe import devices as devices_lib
 from tfpipe import fprop_context
 from tfpipe.base_layer import BaseLayer, body_meta
-from tfpipe.pipeline import costs, microbatch, partition, schedule
+from tfpipe.pipeline import costs, microbatch, partition, schedule, timeline
 from tfpipe.pipeline.cell import RECOMPUTE_POLICIES, Cell, recompute_flags
 from tfpipe.pipeline.executor import PipelineRun, float_leaves, is_differentiable
 
@@ -83,6 +84,7 @@ class PipeliningLayer(BaseLayer):
                 layers.append(self.CreateChildren(p.body[start:stop]))
         self.cells = [Cell(k, self.devices[k], layers[k], flags[k])
                       for k in range(len(self.balance))]
+        self._recorder: timeline.Recorder | None = None
 
     def _Balance(self) -> list[int]:
         p = self.params
@@ -110,6 +112,22 @@ class PipeliningLayer(BaseLayer):
                                         first)
         return partition.solve_balance(layer_costs, p.num_cells)
 
+    @contextlib.contextmanager
+    def RecordTimeline(self) -> Iterator[timeline.Recorder]:
+        """Stamps every task of the steps built inside (within a tf.function).
+
+        Return `recorder.stamps()` from the function and read the result with
+        `timeline.Timeline.from_stamps`. The stamps only add control dependencies,
+        so the step computes the same values.
+        """
+        if self._recorder is not None:
+            raise ValueError(f'{self.path}: RecordTimeline() is already active; do not nest it')
+        self._recorder = timeline.Recorder()
+        try:
+            yield self._recorder
+        finally:
+            self._recorder = None
+
     # -- Forward -------------------------------------------------------------------------
 
     def _Split(self, inputs: Any, device: str) -> tuple[list, list[int]]:
@@ -132,7 +150,7 @@ class PipeliningLayer(BaseLayer):
         thetas = self._ReadThetas(theta)
         if not ctx.training:
             micro, offsets = self._Split(inputs, self.devices[0])
-            run = PipelineRun(self.cells, thetas, micro, offsets, ctx)
+            run = PipelineRun(self.cells, thetas, micro, offsets, ctx, recorder=self._recorder)
             run.run(t for tick in self._Ticks('fill_drain', len(micro)) for t in tick
                     if t.phase == schedule.FORWARD)
             return self._Merge(run.outputs)
@@ -168,7 +186,7 @@ class PipeliningLayer(BaseLayer):
                 pos += size
             micro, offsets = self._Split(x, self.devices[0])
             run = PipelineRun(self.cells, local_thetas, micro, offsets, ctx,
-                              need_input_grads=True)
+                              need_input_grads=True, recorder=self._recorder)
             run.run(t for tick in ticks for t in tick if t.phase == schedule.FORWARD)
             run.apply_batch_stats()
             y = self._Merge(run.outputs)
@@ -251,7 +269,8 @@ class PipeliningLayer(BaseLayer):
             return tape.gradient(total, leaves,
                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
-        run = PipelineRun(self.cells, thetas, micro, offsets, ctx, on_output=on_output)
+        run = PipelineRun(self.cells, thetas, micro, offsets, ctx, on_output=on_output,
+                          recorder=self._recorder)
         run.run(t for tick in self._Ticks(self.params.schedule, len(micro)) for t in tick)
         run.apply_batch_stats()
         with tf.device(self.devices[-1]), tf.name_scope('loss'):
