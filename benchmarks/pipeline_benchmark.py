@@ -5,7 +5,8 @@ Prints ONE table (see benchmarks/README.md for what each row means):
   1. overhead        plain tf.function SGD step vs tfpipe K=1, M=1
   2. scaling         K=2 with M=1,2,4,8 relative to K=1, M=1, next to the GPipe bubble
   3. recompute mem   peak memory of an activation-dominated stack, recompute always vs never
-  4. accum mem       peak memory of a weight-dominated stack, M=1 vs M=4
+  4. accum mem       peak memory of a weight-dominated stack, M=1 vs M=4 vs M=8: the bound
+                     is "M=4 at most one gradient set above M=1, flat from M=4 to M=8"
 
 The machine is shared and noisy, so timing variants are built once, warmed up, and then
 timed in interleaved rounds (the order rotates every round); the table shows medians and
@@ -29,6 +30,9 @@ import time
 from typing import Callable, Optional
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+# Rows 3-4 read peak memory; TensorFlow's default CPU allocator keeps no statistics on some
+# machines ("Cannot reset memory stats for device 'CPU:0'"), the BFC allocator always does.
+os.environ.setdefault('TF_CPU_ALLOCATOR_USE_BFC', 'true')
 
 MIB = 1024.0 * 1024.0
 
@@ -51,7 +55,7 @@ PRESETS = {
 SCALING_MICRO = (1, 2, 4, 8)
 SCALING_CELLS = 2
 OVERHEAD_TARGET = 1.05
-ACCUM_TARGET = 1.2
+ACCUM_FLAT = 1.05  # M=8 peak / M=4 peak: "flat" from M=4 to M=8
 LEARNING_RATE = 1e-4
 
 
@@ -402,14 +406,12 @@ def main(args) -> int:
         print('measuring row 4 (accumulation memory)...', flush=True)
         k = args.acc_cells
         res = {}
-        for m in (1, args.acc_micro, 'clip'):
+        for m in (1, args.acc_micro, 2 * args.acc_micro, 'clip'):
             res[m] = measure_memory(
                 lambda m=m: build_pipe(args.acc_layers, args.acc_width, args.acc_batch, k,
                                        1 if m == 'clip' else m, 'always', clip=m == 'clip'),
                 args.mem_repeats, 1)
         mm = args.acc_micro
-        ratio = res[mm]['peak'] / res[1]['peak']
-        tratio = res[mm]['transient'] / max(res[1]['transient'], 1)
         # One full set of weight gradients (the per-cell running sums of M > 1) is as big
         # as the weights; M=1 can apply each gradient as soon as it exists.
         grad_set = args.acc_layers * (args.acc_width + 1) * args.acc_width * 4
@@ -419,14 +421,22 @@ def main(args) -> int:
                      mib(r['peak']), f'{mib(min(r["peaks"]))}..{mib(max(r["peaks"]))}', '1.00',
                      f'step transient {mib(r["transient"])} (resident {mib(r["resident"])}; '
                      f'weights = one gradient set = {mib(grad_set)})', ''])
-        r = res[mm]
-        rows.append([4, 'accum mem', f'K={k} M={mm} recompute=always', short(r['devs']),
-                     mib(r['peak']), f'{mib(min(r["peaks"]))}..{mib(max(r["peaks"]))}',
-                     f'{ratio:.2f}',
-                     f'target <= {ACCUM_TARGET}x of M=1; step transient {mib(r["transient"])} '
-                     f'(transient ratio {tratio:.2f}); M=1 peak + one gradient set = '
-                     f'{mib(res[1]["peak"] + grad_set)} ({floor:.2f}x)',
-                     'PASS' if ratio <= ACCUM_TARGET else 'MISS'])
+        above = res[mm]['peak'] - res[1]['peak']
+        for m in (mm, 2 * mm):
+            r = res[m]
+            if m == mm:
+                target = (f'bound: <= M=1 peak + one gradient set = '
+                          f'{mib(res[1]["peak"] + grad_set)} ({floor:.2f}x); {mib(above)} above '
+                          f'M=1 = {above / grad_set:.2f} gradient sets')
+                verdict = 'PASS' if above <= grad_set else 'MISS'
+            else:
+                flat = r['peak'] / res[mm]['peak']
+                target = f'bound: flat from M={mm}, <= {ACCUM_FLAT}x M={mm} (got {flat:.2f}x)'
+                verdict = 'PASS' if flat <= ACCUM_FLAT else 'MISS'
+            rows.append([4, 'accum mem', f'K={k} M={m} recompute=always', short(r['devs']),
+                         mib(r['peak']), f'{mib(min(r["peaks"]))}..{mib(max(r["peaks"]))}',
+                         f'{r["peak"] / res[1]["peak"]:.2f}',
+                         f'{target}; step transient {mib(r["transient"])}', verdict])
         r = res['clip']
         rows.append([4, 'accum mem', f'diag: K={k} M=1 + clip_by_global_norm', short(r['devs']),
                      mib(r['peak']), f'{mib(min(r["peaks"]))}..{mib(max(r["peaks"]))}',
