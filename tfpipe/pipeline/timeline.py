@@ -23,15 +23,37 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import weakref
 from typing import Any, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
+# ACD's resolver registry (see _ANCHOR_OF) is only reachable here.
+from tensorflow.python.framework import auto_control_deps
 
 from tfpipe.pipeline import schedule
 
 RECOMPUTE = 'recompute'
 PHASES = (schedule.FORWARD, RECOMPUTE, schedule.BACKWARD)
+
+
+# tf.function's automatic control dependencies (ACD) chain every stateful op without a
+# resource input in the order the step was built: bare tf.timestamp ops would chain all
+# devices' stamps, and so serialize the very devices being measured. ACD's resolver
+# registry lets an op declare the resources it touches: each stamp declares a read of a
+# never-written handle, which leaves it out of that chain (reads are not ordered among
+# themselves); the stamp's own control dependencies order it.
+_ANCHOR_OF: 'weakref.WeakKeyDictionary[tf.Operation, tf.Tensor]' = weakref.WeakKeyDictionary()
+
+
+@auto_control_deps.register_acd_resource_resolver
+def _timeline_stamps_read_their_anchor(op, resource_reads, resource_writes) -> bool:
+    del resource_writes
+    anchor = _ANCHOR_OF.get(op)
+    if anchor is None or anchor in resource_reads:
+        return False
+    resource_reads.add(anchor)
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +74,21 @@ class Recorder:
         self._open: dict[tuple[int, int], tuple[Label, tf.Tensor]] = {}
         self._end_of: dict[Any, tf.Tensor] = {}  # output tensor ref -> its task's end stamp
         self._last_end: dict[str, tf.Tensor] = {}  # device -> end stamp of its last task
+        self._anchor: Optional[tf.Tensor] = None
+
+    def unchain(self, op: tf.Operation) -> None:
+        """Leaves a stateful op of the recording (a stamp, or a function call with a
+        stamp inside) out of tf.function's program-order chain (see _ANCHOR_OF)."""
+        if self._anchor is None or self._anchor.graph is not op.graph:
+            with tf.control_dependencies(None), tf.name_scope('timeline'):
+                self._anchor = tf.raw_ops.VarHandleOp(
+                    dtype=tf.float32, shape=[], shared_name='tfpipe_timeline_anchor')
+        _ANCHOR_OF[op] = self._anchor
+
+    def timestamp(self, name: str) -> tf.Tensor:
+        stamp = tf.timestamp(name=name)
+        self.unchain(stamp.op)
+        return stamp
 
     def begin(self, device: str, cell: int, micro_batch: int, phase: str,
               inputs: Sequence[tf.Tensor]) -> '_Start':
@@ -59,14 +96,17 @@ class Recorder:
         once `inputs` exist and makes every op created in it wait for that stamp."""
         return _Start(self, Label(device, cell, micro_batch, phase), list(inputs))
 
-    def split(self, cell: int, micro_batch: int, phase: str,
-              ready: Sequence[tf.Tensor]) -> tf.Tensor:
-        """Ends the open event of (cell, micro_batch) when `ready` exist and opens
-        `phase` at the same stamp (recompute -> backward). Returns the stamp, which
-        the caller makes the next phase's ops wait for."""
+    def split(self, cell: int, micro_batch: int, phase: str, ready: Sequence[tf.Tensor] = (),
+              stamp: Optional[tf.Tensor] = None) -> tf.Tensor:
+        """Ends the open event of (cell, micro_batch) when `ready` exist (or at `stamp`,
+        taken by the caller) and opens `phase` at the same stamp (recompute ->
+        backward). Returns the stamp, which the next phase's ops must wait for."""
         label, start = self._open.pop((cell, micro_batch))
-        with tf.control_dependencies(_ops(ready)):
-            stamp = tf.timestamp(name=f'{label.phase}_end')
+        if stamp is not None:
+            self.unchain(stamp.op)
+        else:
+            with tf.control_dependencies(_ops(ready)):
+                stamp = self.timestamp(f'{label.phase}_end')
         self._close(label, start, stamp)
         self._open[(cell, micro_batch)] = (dataclasses.replace(label, phase=phase), stamp)
         return stamp
@@ -76,7 +116,7 @@ class Recorder:
         call it under the task's device scope."""
         label, start = self._open.pop((cell, micro_batch))
         with tf.control_dependencies(None), tf.control_dependencies(_ops(outputs)):
-            stamp = tf.timestamp(name=f'{label.phase}_end')
+            stamp = self.timestamp(f'{label.phase}_end')
         self._close(label, start, stamp)
         for t in outputs:
             self._end_of[t.ref()] = stamp
@@ -110,7 +150,7 @@ class _Start:
 
     def __enter__(self):
         with tf.control_dependencies(self._recorder._start_deps(self._label, self._inputs)):
-            stamp = tf.timestamp(name=f'{self._label.phase}_start')
+            stamp = self._recorder.timestamp(f'{self._label.phase}_start')
         self._recorder._open[(self._label.cell, self._label.micro_batch)] = (self._label, stamp)
         self._deps = tf.control_dependencies([stamp])
         self._deps.__enter__()
