@@ -51,6 +51,10 @@ flags.DEFINE_string('cluster_spec', None, 'worker=HOST:PORT,HOST:PORT[@chief=HOS
 flags.DEFINE_integer('task', None, 'With --job=worker: this worker\'s index in --cluster_spec.')
 flags.DEFINE_float('cluster_wait_seconds', 60.0, 'How long the trainer waits for every worker '
                    'to accept connections before it gives up.')
+flags.DEFINE_integer('pipeline_trace_step', None, 'Record the measured timeline of this '
+                     'training step (1 = the first): train/pipeline_trace-<step>.json (Chrome '
+                     'trace format) and .png, and the bubble per device in the log and '
+                     'TensorBoard.')
 
 EXIT_BAD_INPUT = 2
 
@@ -149,6 +153,11 @@ def main(argv) -> int:
     if FLAGS.max_steps is not None:
         params.task.train.max_steps = FLAGS.max_steps
         options.max_steps = FLAGS.max_steps
+    if FLAGS.pipeline_trace_step is not None:
+        if FLAGS.pipeline_trace_step < 1:
+            raise UsageError(f'--pipeline_trace_step={FLAGS.pipeline_trace_step} must be a '
+                             'step >= 1 (1 is the first training step)')
+        options.pipeline_trace_step = FLAGS.pipeline_trace_step
     _set_data_dir(params)
     if cluster is not None and FLAGS.mode != 'inspect_params':
         cluster_lib.connect(cluster, FLAGS.cluster_wait_seconds)

@@ -15,6 +15,7 @@ and a restore copies them into the others.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import math
@@ -33,6 +34,7 @@ from tfpipe import checkpoints, fprop_context
 from tfpipe.base_layer import flatten_by_path
 from tfpipe.hyperparams import Params
 from tfpipe.optimizers import BaseOptimizer, clip_by_global_norm
+from tfpipe.pipeline import timeline
 from trainer import experiment
 
 
@@ -49,10 +51,11 @@ class RuntimeOptions:
     save_max_to_keep: Optional[int] = None
     eval_poll_max_seconds: float = 30.0
     eval_idle_timeout_seconds: Optional[float] = None  # None: evalers wait for the last step
+    pipeline_trace_step: Optional[int] = None  # record the timeline of this step (1 = first)
 
     def __post_init__(self):
         for name in ('max_steps', 'save_interval_steps', 'summary_interval_steps',
-                     'save_max_to_keep'):
+                     'save_max_to_keep', 'pipeline_trace_step'):
             _check_positive_int(f'trainer.{name}', getattr(self, name), allow_none=True)
         for name in ('eval_poll_max_seconds', 'eval_idle_timeout_seconds'):
             value = getattr(self, name)
@@ -112,6 +115,10 @@ class Trainer:
         self.summary_interval = options.summary_interval_steps or tp.summary_interval_steps
         self.train_dir = train_dir
         self.params = params
+        self.trace_step = options.pipeline_trace_step
+        if self.trace_step is not None and self.trace_step > self.max_steps:
+            raise ValueError(f'--pipeline_trace_step={self.trace_step} is beyond max_steps='
+                             f'{self.max_steps}: pick a step in 1..{self.max_steps}')
         self.task = params.task.Instantiate()
         self.replica_variables = [{p: v for p, v in copy.items() if v.trainable}
                                   for copy in self.task.pipe.ReplicaVariablesByPath()]
@@ -135,6 +142,7 @@ class Trainer:
         self._stop_signal: Optional[int] = None
         self._restored: Optional[str] = None
         self._saved_this_run = False
+        self._recorder: Optional[timeline.Recorder] = None
 
     def restore_latest(self) -> int:
         """Restores the newest complete checkpoint, if any; returns the global step.
@@ -163,15 +171,27 @@ class Trainer:
     @tf.function
     def _step(self, batch):
         """One synchronous step; the update is skipped when loss or gradients are not finite."""
+        return self._build_step(batch, record=False)
+
+    @tf.function
+    def _recorded_step(self, batch):
+        """The same step with every pipeline task time-stamped (--pipeline_trace_step)."""
+        return self._build_step(batch, record=True)
+
+    def _build_step(self, batch, record: bool):
         step = self.global_step
-        with fprop_context.training(step=step):
+        recording = self.task.pipe.RecordTimeline() if record else contextlib.nullcontext()
+        with fprop_context.training(step=step), recording as recorder:
             loss, grads = self.task.ForwardBackward(self.task.theta, batch)
         lr = self.learning_rate * self.schedule.Value(step + 1)  # step + 1: the update number
         norm = guarded_update(
             loss, [flatten_by_path(g, self.task.path) for g in
                    (grads if isinstance(grads, list) else [grads])],
             self.clip_norm, self.optimizers, self.replica_variables, lr, step)
-        return loss, norm, lr
+        if not record:
+            return loss, norm, lr
+        self._recorder = recorder
+        return loss, norm, lr, recorder.stamps()
 
     @tf.function
     def _weights_are_finite(self):
@@ -199,13 +219,21 @@ class Trainer:
         start_step, start_time = step, time.time()
         progress = Progress(self.max_steps, start_time)
         out_of_data = False
+        if self.trace_step is not None and self.trace_step <= step:
+            logging.warning('--pipeline_trace_step=%d: step %d is already done in %s; no '
+                            'timeline recorded', self.trace_step, self.trace_step,
+                            self.train_dir)
         while step < self.max_steps and self._stop_signal is None:
             try:
                 batch = next(self.iterator)
             except StopIteration:
                 out_of_data = True
                 break
-            loss, norm, lr = self._step(batch)
+            if step + 1 == self.trace_step:
+                loss, norm, lr, stamps = self._recorded_step(batch)
+                self._write_timeline(step + 1, stamps.numpy(), writer)
+            else:
+                loss, norm, lr = self._step(batch)
             loss, norm = float(loss), float(norm)
             if not (math.isfinite(loss) and math.isfinite(norm)):
                 self._non_finite(f'loss is {loss} and gradient norm {norm} at step {step}')
@@ -250,6 +278,13 @@ class Trainer:
         else:
             logging.info('%s  %.2f steps/s  %.1f examples/s  ETA %dm%02ds', head,
                          steps_per_sec, steps_per_sec * self.batch_size, eta // 60, eta % 60)
+
+    def _write_timeline(self, step: int, stamps, writer) -> None:
+        line = timeline.Timeline.from_stamps(self._recorder, stamps)
+        paths = line.write(self.train_dir, step)
+        with writer.as_default():
+            line.write_summaries(step)
+        logging.info('step %d: %s; wrote %s', step, line.summary(), ' and '.join(paths))
 
     def _non_finite(self, what: str) -> None:
         raise NonFiniteLossError(

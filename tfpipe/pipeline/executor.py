@@ -33,6 +33,7 @@ popping cell's, and their gradients straight back.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import tensorflow as tf
@@ -41,6 +42,7 @@ from tfpipe import fprop_context
 from tfpipe.pipeline import accumulate, portals
 from tfpipe.pipeline.cell import Cell
 from tfpipe.pipeline.schedule import BACKWARD, BACKWARD_INPUT, FORWARD, Task
+from tfpipe.pipeline.timeline import RECOMPUTE, Recorder
 
 OnOutput = Callable[[int, Any], Optional[list]]
 
@@ -60,8 +62,9 @@ class PipelineRun:
     def __init__(self, cells: Sequence[Cell], thetas: Sequence[dict], micro_inputs: Sequence,
                  offsets: Sequence[int], context: fprop_context.FPropContext,
                  need_input_grads: bool = False, on_output: Optional[OnOutput] = None,
-                 split_backward: bool = False):
+                 split_backward: bool = False, recorder: Optional[Recorder] = None):
         self.cells = list(cells)
+        self.recorder = recorder  # stamps every task's start and end when given
         self.thetas = list(thetas)
         self.offsets = list(offsets)
         self.context = context
@@ -117,11 +120,21 @@ class PipelineRun:
 
     # -- Tasks ---------------------------------------------------------------------------
 
-    def _scope(self, k: int, m: int, phase: str, extra_deps: Sequence[tf.Tensor] = ()):
+    def _scope(self, k: int, m: int, phase: str, extra_deps: Sequence[tf.Tensor] = (),
+               inputs: Any = (), recorded_phase: Optional[str] = None):
         cell = self.cells[k]
         deps = list(self._last.get(cell.device, [])) + list(extra_deps)
-        return _Scopes(tf.device(cell.device), tf.name_scope(f'cell_{k}/{phase}_{m}'),
-                       tf.control_dependencies(deps))
+        scopes = [tf.device(cell.device), tf.name_scope(f'cell_{k}/{phase}_{m}'),
+                  tf.control_dependencies(deps)]
+        if self.recorder is not None:
+            scopes.append(self.recorder.begin(cell.device, k, m, recorded_phase or phase,
+                                              tf.nest.flatten(inputs)))
+        return _Scopes(*scopes)
+
+    def _end(self, k: int, m: int, outputs: Sequence[tf.Tensor]) -> None:
+        if self.recorder is not None:
+            with tf.device(self.cells[k].device):
+                self.recorder.end(k, m, outputs)
 
     def _context(self, m: int, sink: fprop_context.BatchStatsSink):
         ctx = self.context
@@ -130,8 +143,9 @@ class PipelineRun:
 
     def _forward(self, k: int, m: int) -> None:
         cell, theta = self.cells[k], self.thetas[k]
-        with self._scope(k, m, 'forward'):
-            x = portals.give(self.inputs[(k, m)], self.portal_inputs.pop((k, m), {}))
+        portal_x = self.portal_inputs.pop((k, m), {})
+        with self._scope(k, m, 'forward', inputs=(self.inputs[(k, m)], portal_x)):
+            x = portals.give(self.inputs[(k, m)], portal_x)
             x = tf.nest.map_structure(tf.identity, x)  # on this device: the copy
             self.inputs[(k, m)] = x
             with self._context(m, self.sinks[k]):
@@ -153,40 +167,48 @@ class PipelineRun:
             for key, value in sent.items():
                 self.portal_inputs.setdefault((self.routes[k][key], m), {})[key] = value
             self.inputs[(k + 1, m)] = y
+            self._end(k, m, self._last[cell.device])
             return
         self.outputs[m] = y
+        grads = None
         if self.on_output is not None:
             with tf.device(cell.device), tf.name_scope(f'cell_{k}/loss_{m}'):
                 grads = self.on_output(m, y)
             if grads is not None:
                 self.output_grads[(k, m)] = grads
+        self._end(k, m, self._last[cell.device] + list(grads or []))  # the loss: forward
 
     def _backward(self, k: int, m: int) -> None:
         cell, theta = self.cells[k], self.thetas[k]
         dy = self._incoming_grads(k, m)
-        with self._scope(k, m, 'backward', extra_deps=dy):
+        with self._scope(k, m, 'backward', extra_deps=dy, inputs=(dy, self._saved(k, m)),
+                         recorded_phase=RECOMPUTE if cell.recompute else None):
             tape, x, outs = self._tape_of(k, m)
             x_leaves, y_leaves, x_parts, x_received = self._boundary(k, x, outs[-1])
-            grads = tape.gradient(y_leaves, x_leaves + tf.nest.flatten(theta),
-                                  output_gradients=dy,
-                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            with self._after_recompute(k, m, BACKWARD, outs):
+                grads = tape.gradient(y_leaves, x_leaves + tf.nest.flatten(theta),
+                                      output_gradients=dy,
+                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
             dx, dtheta = grads[:len(x_leaves)], grads[len(x_leaves):]
             self._accumulate(k, dtheta)
         self._last[cell.device] = tf.nest.flatten(list(self.theta_grads[k]) + list(dx),
                                                   expand_composites=True)
+        self._end(k, m, self._last[cell.device])
         self._pass_input_grads(k, m, dx, x_parts, x_received)
 
     def _backward_input(self, k: int, m: int) -> None:
         """B of a split backward: gradients of the input and of every layer's output."""
         cell = self.cells[k]
         dy = self._incoming_grads(k, m)
-        with self._scope(k, m, 'backward_input', extra_deps=dy):
+        with self._scope(k, m, 'backward_input', extra_deps=dy, inputs=(dy, self._saved(k, m)),
+                         recorded_phase=RECOMPUTE if cell.recompute else None):
             tape, x, outs = self._tape_of(k, m)
             x_leaves, y_leaves, x_parts, x_received = self._boundary(k, x, outs[-1])
             inner = [float_leaves(o) for o in outs[:-1]]
-            grads = tape.gradient(y_leaves, x_leaves + [t for o in inner for t in o],
-                                  output_gradients=dy,
-                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            with self._after_recompute(k, m, BACKWARD_INPUT, outs):
+                grads = tape.gradient(y_leaves, x_leaves + [t for o in inner for t in o],
+                                      output_gradients=dy,
+                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
             dx, rest = grads[:len(x_leaves)], grads[len(x_leaves):]
             douts, pos = [], 0
             for leaves in inner:
@@ -195,13 +217,14 @@ class PipelineRun:
         # Layer i's weights are differentiated from its output alone, in the W task.
         self._awaiting_weights[(k, m)] = (tape, inner + [y_leaves], douts + [list(dy)])
         self._last[cell.device] = list(dx) + [g for d in douts for g in d]
+        self._end(k, m, self._last[cell.device])
         self._pass_input_grads(k, m, dx, x_parts, x_received)
 
     def _backward_weight(self, k: int, m: int) -> None:
         """W of a split backward: each layer's weight gradients from its output gradient."""
         cell, theta = self.cells[k], self.thetas[k]
         tape, targets, douts = self._awaiting_weights.pop((k, m))
-        with self._scope(k, m, 'backward_weight'):
+        with self._scope(k, m, 'backward_weight', inputs=douts):
             by_layer = {}
             for layer, target, dout in zip(cell.layers, targets, douts):
                 name = layer.params.name
@@ -213,8 +236,22 @@ class PipelineRun:
             self._accumulate(k, tf.nest.flatten({n: by_layer[n] for n in theta}))
         self._last[cell.device] = tf.nest.flatten(list(self.theta_grads[k]),
                                                   expand_composites=True)
+        self._end(k, m, self._last[cell.device])
 
     # -- Backward helpers ----------------------------------------------------------------
+
+    def _saved(self, k: int, m: int) -> Any:
+        """What a backward task starts from besides dy: the input it recomputes from, or
+        the forward's recorded tape outputs (the timeline's start waits for them)."""
+        return self.inputs.get((k, m)) if self.cells[k].recompute else self.tapes[(k, m)][1:]
+
+    def _after_recompute(self, k: int, m: int, phase: str, outs: list):
+        """With a timeline: ends the recompute event when the recomputed outputs exist
+        and makes the differentiation wait for that stamp (recompute -> `phase`)."""
+        if self.recorder is None or not self.cells[k].recompute:
+            return contextlib.nullcontext()
+        stamp = self.recorder.split(k, m, phase, tf.nest.flatten(outs[-1]))
+        return tf.control_dependencies([stamp])
 
     def _incoming_grads(self, k: int, m: int) -> list:
         """The gradient of the cell's output, then those of the skips it sent by portal."""

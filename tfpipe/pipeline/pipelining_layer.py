@@ -28,15 +28,16 @@ its own copy: the trainer's step.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import tensorflow as tf
 
 from tfpipe import devices as devices_lib
 from tfpipe import fprop_context
 from tfpipe.base_layer import BaseLayer, body_meta
-from tfpipe.pipeline import costs, microbatch, partition, replicas, schedule
+from tfpipe.pipeline import costs, microbatch, partition, replicas, schedule, timeline
 from tfpipe.pipeline.cell import RECOMPUTE_POLICIES, Cell, recompute_flags
 from tfpipe.pipeline.executor import PipelineRun, float_leaves, is_differentiable
 
@@ -150,6 +151,7 @@ class PipeliningLayer(BaseLayer):
         self.replica_cells = [self.cells] + [
             replicas.mirror_cells(self, p.body, self.balance, devices, flags, p.fprop_dtype)
             for devices in self.replica_devices[1:]]
+        self._recorder: timeline.Recorder | None = None
 
     def _Balance(self) -> list[int]:
         p = self.params
@@ -197,6 +199,22 @@ class PipeliningLayer(BaseLayer):
         """Copies replica 0's variables into the mirrors: call after restoring a checkpoint."""
         replicas.sync(self.ReplicaVariablesByPath())
 
+    @contextlib.contextmanager
+    def RecordTimeline(self) -> Iterator[timeline.Recorder]:
+        """Stamps every task of the steps built inside (within a tf.function).
+
+        Return `recorder.stamps()` from the function and read the result with
+        `timeline.Timeline.from_stamps`. The stamps only add control dependencies,
+        so the step computes the same values.
+        """
+        if self._recorder is not None:
+            raise ValueError(f'{self.path}: RecordTimeline() is already active; do not nest it')
+        self._recorder = timeline.Recorder()
+        try:
+            yield self._recorder
+        finally:
+            self._recorder = None
+
     # -- Forward -------------------------------------------------------------------------
 
     def _Split(self, inputs: Any, device: str) -> tuple[list, list[int], list[range]]:
@@ -215,7 +233,7 @@ class PipeliningLayer(BaseLayer):
               groups: list[range], ctx, **kwargs) -> list[PipelineRun]:
         """One PipelineRun per replica over its group of micro-batches."""
         return [PipelineRun(cells, cell_thetas, [micro[m] for m in group],
-                            [offsets[m] for m in group], ctx, **kwargs)
+                            [offsets[m] for m in group], ctx, recorder=self._recorder, **kwargs)
                 for cells, cell_thetas, group in zip(self.replica_cells, thetas, groups)]
 
     def _ReadThetas(self, theta: dict | list) -> list[list[dict]]:
@@ -406,6 +424,7 @@ class PipeliningLayer(BaseLayer):
         ticks = [self._Ticks(self.params.schedule, len(group)) for group in groups]
         runs = [PipelineRun(cells, cell_thetas, [micro[m] for m in group],
                             [offsets[m] for m in group], ctx, on_output=on_output_of(group),
+                            recorder=self._recorder,
                             split_backward=schedule.phases_of(t) != (schedule.FORWARD,
                                                                      schedule.BACKWARD))
                 for cells, cell_thetas, group, t in zip(self.replica_cells, thetas, groups,
