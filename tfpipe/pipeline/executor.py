@@ -90,6 +90,9 @@ class PipelineRun:
 
     # -- Public --------------------------------------------------------------------------
 
+    # AutoGraph would convert every function the tasks call, once per (cell, micro-batch)
+    # closure: most of the tracing time at large K*M. Nothing here branches on tensors.
+    @tf.autograph.experimental.do_not_convert
     def run(self, tasks: Iterable[Task]) -> None:
         for task in tasks:
             if task.phase == FORWARD:

@@ -245,6 +245,7 @@ class PipeliningLayer(BaseLayer):
         return [[cell.read_theta(t) for cell in cells]
                 for cells, t in zip(self.replica_cells, per_replica)]
 
+    @tf.autograph.experimental.do_not_convert  # see PipelineRun.run: no tensor branches
     def FProp(self, theta: dict, inputs: Any) -> Any:
         """Pipelined forward; differentiable with any outer tf.GradientTape."""
         if isinstance(theta, list):
@@ -364,6 +365,7 @@ class PipeliningLayer(BaseLayer):
 
     # -- The trainer's step --------------------------------------------------------------
 
+    @tf.autograph.experimental.do_not_convert  # see PipelineRun.run: no tensor branches
     def ForwardBackward(self, theta: dict | list[dict], inputs: Any, loss_fn: LossFn,
                         targets: Any) -> tuple[tf.Tensor, dict | list[dict]]:
         """Mean loss over the mini-batch and its gradients w.r.t. theta.
