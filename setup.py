@@ -17,6 +17,8 @@ setup(
         'importlib_resources',
         # tf.summary raises TBNotInstalledError without it since TF 2.16.
         'tensorboard',
+        # The timeline's Gantt PNG (tensorboard brings it too; matplotlib would be ~40 MB).
+        'pillow',
     ],
     entry_points={'console_scripts': ['tfpipe-trainer = trainer.main:run']},
     extras_require={
