@@ -98,3 +98,35 @@ def test_inspect_pipeline_with_no_fitting_config_exits_2_and_writes_nothing(tmp_
     assert out.returncode == 2
     assert 'no configuration fits --device_memory' in trainer_helpers.error_line(out)
     assert not os.path.exists(logdir)
+
+
+def test_partition_by_memory_evens_out_bytes_per_cell():
+    import tensorflow as tf
+    import tfpipe
+    from tfpipe import layers
+    from tfpipe.pipeline import costs, partition
+    widths = [4, 256, 8, 8, 8, 8]
+    body = [layers.Dense.Params().Set(name=f'fc{i}', input_dim=a, output_dim=b)
+            for i, (a, b) in enumerate(zip(widths, widths[1:]))]
+    per_layer = costs.by_memory(body, tf.TensorShape([32, 4]))
+    assert per_layer[0] == 4 * (2 * (4 * 256 + 256) + 32 * 256)  # weights + grads + output
+    pipe = tfpipe.PipeliningLayer.Params().Set(
+        name='pipe', body=body, num_cells=2, partition_by='memory',
+        input_shape=[32, 4]).Instantiate()
+    assert list(pipe.balance) == partition.solve_balance(per_layer, 2) == [1, 4]
+
+
+def test_inspect_model_reports_bytes_per_cell(data_dir, capsys):
+    from trainer import experiment, inspect_modes
+    params = experiment.load_params(trainer_helpers.FAST)
+    params.input.train.data_dir = data_dir
+    inspect_modes.inspect_model(params)
+    out = capsys.readouterr().out
+    cells = [line for line in out.splitlines() if line.strip().startswith('parameters')]
+    assert len(cells) == 2  # SmallConvPipe: balance [3, 2]
+    # Adam keeps two slots per weight: slot bytes are twice the parameter bytes.
+    for line in cells:
+        params_mib = float(line.split('parameters ')[1].split(' MiB')[0])
+        slots_mib = float(line.split('optimizer slots ')[1].split(' MiB')[0])
+        assert params_mib > 0 and slots_mib == pytest.approx(2 * params_mib, rel=1e-3)
+        assert 'activations per micro-batch' in line

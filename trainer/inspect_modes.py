@@ -24,7 +24,7 @@ CHECK_TOLERANCE = 1e-5
 
 
 def _mib(num_bytes: float) -> str:
-    return f'{num_bytes / 2**20:.2f} MiB'
+    return f'{num_bytes / 2**20:.4g} MiB'
 
 
 def _sample_inputs(params: Params, task) -> tuple[object, int]:
