@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -99,6 +99,50 @@ def slot_bytes_of(optimizer: Optional[Params], variables: Sequence[tf.Variable])
     return float(total)
 
 
+def _timings(apply: Callable[[Any, Any], Any], theta: Any, x: Any, sizes: Sequence[int],
+             repeats: int) -> tuple[list[float], list[float]]:
+    """Forward and backward seconds of `apply(theta, x[:b])` for each b, call overhead removed."""
+    fwd = tf.function(apply)
+
+    @tf.function
+    def fwd_bwd(theta, v):
+        leaves = float_leaves(v) + tf.nest.flatten(theta)
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(leaves)
+            y = apply(theta, v)
+        outs = float_leaves(y)
+        grads = tape.gradient(outs, leaves, output_gradients=[tf.ones_like(o) for o in outs],
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        # Embedding lookups give IndexedSlices; the pipeline densifies them too.
+        return [tf.convert_to_tensor(g) for g in grads]
+
+    f_times, b_times = [], []
+    for b in sizes:
+        xb = tf.nest.map_structure(lambda t, b=b: t[:b], x)
+        call = _call_overhead(xb, repeats)
+        forward = max(_median_seconds(fwd, theta, xb, repeats=repeats) - call, 0.0)
+        both = max(_median_seconds(fwd_bwd, theta, xb, repeats=repeats) - call, 0.0)
+        f_times.append(forward)
+        b_times.append(max(both - forward, 0.0))
+    return f_times, b_times
+
+
+def _scaled(layer_times: list[list[float]], body_times: list[float]) -> list[list[float]]:
+    """Scales the layers' times at each size so they add up to the whole body's time.
+
+    A layer timed alone pays dispatch costs that vanish when all layers run in
+    one graph, as they do in the pipeline; the body's own time is the truth,
+    the single-layer times say how to share it out.
+    """
+    out = [list(t) for t in layer_times]
+    for i, total in enumerate(body_times):
+        parts = sum(t[i] for t in layer_times)
+        if parts > 0:
+            for t in out:
+                t[i] *= total / parts
+    return out
+
+
 def profile_body(body: Sequence[Params], sample: Any, device: str,
                  batch_sizes: Sequence[int], optimizer: Optional[Params] = None,
                  repeats: int = 5) -> list[LayerProfile]:
@@ -106,13 +150,14 @@ def profile_body(body: Sequence[Params], sample: Any, device: str,
 
     `sample` is a mini-batch of the body's input (nested structures allowed) at
     least `max(batch_sizes)` examples long; each layer gets the previous layer's
-    output. Training mode (BatchNorm batch statistics, dropout on) with
+    output. The whole body is timed too, and the layers' times are scaled to add
+    up to it. Training mode (BatchNorm batch statistics, dropout on) with
     statistics discarded, so profiling changes nothing.
     """
     from tfpipe.layers.composite import Sequential  # local: composite imports base_layer only
 
     sizes = sorted(set(int(b) for b in batch_sizes))
-    profiles = []
+    timings, shapes = [], []
     with tf.device(device):
         seq = Sequential.Params().Set(name='profile', body=list(body)).Instantiate()
         x = tf.nest.map_structure(lambda t: t[:sizes[-1]], sample)
@@ -120,42 +165,32 @@ def profile_body(body: Sequence[Params], sample: Any, device: str,
         with fprop_context.scope(training=True, step=tf.constant(0, tf.int64),
                                  batch_stats=sink):
             for layer in seq.layers:
-                fwd = tf.function(lambda theta, v, layer=layer: apply_layer(layer, theta, v))
-
-                @tf.function
-                def fwd_bwd(theta, v, layer=layer):
-                    leaves = float_leaves(v) + tf.nest.flatten(theta)
-                    with tf.GradientTape(watch_accessed_variables=False) as tape:
-                        tape.watch(leaves)
-                        y = apply_layer(layer, theta, v)
-                    outs = float_leaves(y)
-                    grads = tape.gradient(outs, leaves,
-                                          output_gradients=[tf.ones_like(o) for o in outs],
-                                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
-                    # Embedding lookups give IndexedSlices; the pipeline densifies them too.
-                    return [tf.convert_to_tensor(g) for g in grads]
-
-                f_times, b_times = [], []
-                for b in sizes:
-                    xb = tf.nest.map_structure(lambda t, b=b: t[:b], x)
-                    call = _call_overhead(xb, repeats)
-                    forward = max(_median_seconds(fwd, layer.theta, xb, repeats=repeats) - call,
-                                  0.0)
-                    both = max(_median_seconds(fwd_bwd, layer.theta, xb, repeats=repeats) - call,
-                               0.0)
-                    f_times.append(forward)
-                    b_times.append(max(both - forward, 0.0))
-                y = fwd(layer.theta, x)
-                variables = layer.trainable_variables
-                profiles.append(LayerProfile(
-                    name=layer.params.name, forward=Affine.fit(sizes, f_times),
-                    backward=Affine.fit(sizes, b_times),
-                    param_bytes=float(sum(v.shape.num_elements() * v.dtype.size
-                                          for v in variables)),
-                    slot_bytes=slot_bytes_of(optimizer, variables),
-                    input_bytes_per_example=_bytes_per_example(x),
-                    output_bytes_per_example=_bytes_per_example(y)))
+                def apply(theta, v, layer=layer):
+                    return apply_layer(layer, theta, v)
+                timings.append(_timings(apply, layer.theta, x, sizes, repeats))
+                y = apply(layer.theta, x)
+                shapes.append((_bytes_per_example(x), _bytes_per_example(y)))
                 x = y
+
+            def apply_body(thetas, v):
+                for layer, theta in zip(seq.layers, thetas):
+                    v = apply_layer(layer, theta, v)
+                return v
+            body_f, body_b = _timings(apply_body, [layer.theta for layer in seq.layers],
+                                      tf.nest.map_structure(lambda t: t[:sizes[-1]], sample),
+                                      sizes, repeats)
+    forwards = _scaled([t[0] for t in timings], body_f)
+    backwards = _scaled([t[1] for t in timings], body_b)
+    profiles = []
+    for layer, forward, backward, (in_bytes, out_bytes) in zip(seq.layers, forwards, backwards,
+                                                                shapes):
+        variables = layer.trainable_variables
+        profiles.append(LayerProfile(
+            name=layer.params.name, forward=Affine.fit(sizes, forward),
+            backward=Affine.fit(sizes, backward),
+            param_bytes=float(sum(v.shape.num_elements() * v.dtype.size for v in variables)),
+            slot_bytes=slot_bytes_of(optimizer, variables),
+            input_bytes_per_example=in_bytes, output_bytes_per_example=out_bytes))
     return profiles
 
 

@@ -3,8 +3,9 @@
 The executor runs each device's tasks in the order `schedule.cell_order` gives,
 and a task starts once the tasks it depends on are done. The simulator does
 exactly that with numbers instead of ops, so a prediction uses the same
-schedule data as the executor and any schedule (fill-drain, 1F1B, a custom
-one) can be evaluated without building a graph.
+schedule data as the executor and any schedule (fill-drain, 1F1B, virtual
+stages with several cells per device, split input/weight backward phases of
+zero-bubble schedules, a custom one) can be evaluated without building a graph.
 
 Costs are per (cell, phase) and per micro-batch: profiled by the planner, or
 measured from a traced step (a phase the schedule does not run as its own task,
@@ -81,20 +82,40 @@ class Result:
         return 1 - sum(self.busy) / (len(self.busy) * self.step_time)
 
 
+# Phase names of split-backward (zero-bubble) schedules, by value so that the simulator
+# plays them whether or not this tree's schedule module builds such schedules.
+BACKWARD_INPUT = 'backward_input'
+BACKWARD_WEIGHT = 'backward_weight'
+
+
 def _dependencies(task: Task, num_cells: int) -> list[Task]:
+    """The executor's data dependencies (schedule.validate's rules).
+
+    F(k, m) needs F(k-1, m); a backward of cell k (fused, or the input part of a
+    split one) needs F(k, m) and the same backward of cell k+1; the weight part
+    W(k, m) needs only the input part of its own cell.
+    """
     k, m = task.cell, task.micro_batch
     if task.phase == FORWARD:
         return [Task(k - 1, m, FORWARD)] if k > 0 else []
+    if task.phase == BACKWARD_WEIGHT:
+        return [Task(k, m, BACKWARD_INPUT)]
     deps = [Task(k, m, FORWARD)]
     if k + 1 < num_cells:
-        deps.append(Task(k + 1, m, BACKWARD))
+        deps.append(Task(k + 1, m, task.phase))
     return deps
 
 
 def _task_time(task: Task, cells: list[CellCosts], phases: set[str]) -> Number:
+    """A task's cost; a recompute the schedule does not run as its own task is charged
+    to the backward that runs it, and a split backward without its own costs gets half
+    of the fused backward for each part."""
     time = cells[task.cell].time
-    cost = time.get(task.phase, 0)
-    if task.phase == BACKWARD and RECOMPUTE not in phases:
+    if task.phase in (BACKWARD_INPUT, BACKWARD_WEIGHT) and task.phase not in time:
+        cost = time.get(BACKWARD, 0) / 2
+    else:
+        cost = time.get(task.phase, 0)
+    if task.phase in (BACKWARD, BACKWARD_INPUT) and RECOMPUTE not in phases:
         cost = cost + time.get(RECOMPUTE, 0)  # the executor recomputes inside the backward
     return cost
 
@@ -108,29 +129,36 @@ def _share(parallelism: Optional[Number], running: int) -> Number:
     return parallelism / running
 
 
-def simulate(sched: Schedule, cells: list[CellCosts],
-             device: DeviceModel = DeviceModel()) -> Result:
-    """Plays `sched` with `cells[k]`'s costs on one device per cell.
+def simulate(sched: Schedule, cells: list[CellCosts], device: DeviceModel = DeviceModel(),
+             num_devices: Optional[int] = None) -> Result:
+    """Plays `sched` with `cells[k]`'s costs; cell k runs on device k mod `num_devices`.
 
-    Each device runs its tasks in schedule order; a task starts when its device
-    is free and its inputs have arrived (previous cell's forward, next cell's
-    backward, plus link time). With `device.parallelism` set, running tasks
-    share that much compute (processor sharing); exact with Fraction costs.
+    `num_devices` defaults to one device per cell (with virtual stages there are
+    more cells than devices). Each device runs its tasks in schedule order; a
+    task starts when its device is free and its inputs have arrived (previous
+    cell's forward, next cell's backward, plus link time). With
+    `device.parallelism` set, running tasks share that much compute (processor
+    sharing). Exact with Fraction costs. Busy time and peak memory are per device.
     """
     num_cells = len(cells)
-    orders = [schedule_lib.cell_order(sched, k) for k in range(num_cells)]
+    num_devices = num_devices or num_cells
+    orders = [[task for tick in sched for task in tick if task.cell % num_devices == d]
+              for d in range(num_devices)]
     phases = {task.phase for order in orders for task in order}
+    last_backward = BACKWARD_WEIGHT if BACKWARD_WEIGHT in phases else BACKWARD
     speed = 1 if device.speed == 1 else device.speed  # keeps Fraction costs exact
     work = {task: _task_time(task, cells, phases) / speed
             for order in orders for task in order}
-    cursor = [0] * num_cells
+    cursor = [0] * num_devices
     start: dict[Task, Number] = {}
     end: dict[Task, Number] = {}
     remaining: dict[Task, Number] = {}
-    busy = [0] * num_cells
+    busy = [0] * num_devices
     now: Number = 0
-    stash = [0.0] * num_cells
-    peak = [c.static_bytes for c in cells]
+    static = [sum(c.static_bytes for j, c in enumerate(cells) if j % num_devices == d)
+              for d in range(num_devices)]
+    stash = [0.0] * num_devices
+    peak = list(static)
     total = sum(len(o) for o in orders)
 
     def ready_time(task: Task) -> Optional[Number]:
@@ -139,7 +167,7 @@ def simulate(sched: Schedule, cells: list[CellCosts],
             if dep not in end:
                 return None
             link = 0
-            if dep.cell != task.cell and device.bandwidth:
+            if dep.cell % num_devices != task.cell % num_devices and device.bandwidth:
                 link = cells[min(dep.cell, task.cell)].output_bytes / device.bandwidth
             times.append(end[dep] + link)
         return max(times)
@@ -147,10 +175,10 @@ def simulate(sched: Schedule, cells: list[CellCosts],
     while len(end) < total:
         # Start every device's next task whose inputs are there by `now`.
         waiting = []
-        for k in range(num_cells):
-            if cursor[k] >= len(orders[k]) or orders[k][cursor[k]] in remaining:
+        for d in range(num_devices):
+            if cursor[d] >= len(orders[d]) or orders[d][cursor[d]] in remaining:
                 continue
-            task = orders[k][cursor[k]]
+            task = orders[d][cursor[d]]
             at = ready_time(task)
             if at is None:
                 continue
@@ -159,7 +187,7 @@ def simulate(sched: Schedule, cells: list[CellCosts],
                 continue
             start[task] = now
             remaining[task] = work[task]
-            peak[k] = max(peak[k], cells[k].static_bytes + stash[k] + cells[k].working_bytes)
+            peak[d] = max(peak[d], static[d] + stash[d] + cells[task.cell].working_bytes)
         if not remaining:
             if not waiting:
                 raise RuntimeError('the schedule deadlocks: a device waits for a task that '
@@ -170,18 +198,18 @@ def simulate(sched: Schedule, cells: list[CellCosts],
         step = min([min(remaining.values()) / rate] + [w - now for w in waiting])
         now = now + step
         for task in list(remaining):
+            d = task.cell % num_devices
             remaining[task] -= step * rate
-            busy[task.cell] += step
+            busy[d] += step
             if remaining[task] <= 1e-12:
                 del remaining[task]
                 end[task] = now
-                cursor[task.cell] += 1
-                k = task.cell
+                cursor[d] += 1
                 if task.phase == FORWARD:
-                    stash[k] += cells[k].stash_bytes
-                elif task.phase == BACKWARD:
-                    stash[k] -= cells[k].stash_bytes
-                peak[k] = max(peak[k], cells[k].static_bytes + stash[k])
+                    stash[d] += cells[task.cell].stash_bytes
+                elif task.phase == last_backward:
+                    stash[d] -= cells[task.cell].stash_bytes
+                peak[d] = max(peak[d], static[d] + stash[d])
     return Result(step_time=now, busy=busy, peak_bytes=peak, start=start, end=end)
 
 
