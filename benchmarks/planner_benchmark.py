@@ -43,6 +43,8 @@ def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--section', choices=('all', 'threads', 'predict', 'table2'), default='all')
     ap.add_argument('--quick', action='store_true', help='fewer steps and rounds')
+    ap.add_argument('--models', default=','.join(PREDICT_MODELS),
+                    help='comma list for the predict section')
     ap.add_argument('--data_dir', default=os.path.expanduser('~/tensorflow_datasets'))
     return ap.parse_args()
 
@@ -129,7 +131,7 @@ def predict_section(args) -> None:
           f'parallelism={device.model.parallelism:g}, intra_op_threads={intra}')
     print(f'{"model":<28} {"K":>2} {"M":>2} {"recompute":<9} {"predicted":>9} {"measured":>9} '
           f'{"pred/meas":>9}')
-    for name in PREDICT_MODELS:
+    for name in args.models.split(','):
         params = model_params(name, args.data_dir)
         task = params.task.Instantiate()
         batch_size = params.input.train.batch_size
@@ -177,11 +179,11 @@ def table2_section(args) -> None:
     from tfpipe.bodies import amoebanet_body, transformer_body
     from tfpipe.pipeline import planner, profile
 
-    batch = 32
+    batch, size, blocks, dim = (32, 16, 4, 64) if args.quick else (64, 32, 16, 128)
     bodies = {
         'AmoebaNet-D': (amoebanet_body(10, filters=16, cells_per_stage=2),
-                        tf.random.stateless_normal([batch, 32, 32, 3], [0, 0])),
-        'Transformer': (transformer_body(256, 64, 128, 512, 4, 8 if args.quick else 16),
+                        tf.random.stateless_normal([batch, size, size, 3], [0, 0])),
+        'Transformer': (transformer_body(256, 64, dim, 4 * dim, 4, blocks),
                         tf.zeros([batch, 64], tf.int32)),
     }
     # Assumed accelerators: each device computes like one logical CPU of this host running
@@ -189,11 +191,13 @@ def table2_section(args) -> None:
     # exchange activations at 1 GB/s.
     device = planner.parse_device_profile('speed=1,bandwidth=1e9')
     ks, ms = (2, 4, 8), (1, 4, 32)
+    # Layers are profiled at batch 1 and `batch`; the table is simulated for a mini-batch of
+    # 8 x batch (M=32 gives micro-batches of batch / 4), extrapolating the per-example cost.
     print('\n## table2: normalised throughput (K=2, M=1 = 1), fill-drain, recompute always, '
-          f'batch {batch}; simulated | GPipe paper (TPUv3)')
+          f'mini-batch {8 * batch}; simulated | GPipe paper (TPUv3)')
     for name, (body, sample) in bodies.items():
         profiles = profile.profile_body(body, sample, '/CPU:0', [1, batch])
-        table = planner.throughput_table(profiles, batch, device, ks, ms)
+        table = planner.throughput_table(profiles, 8 * batch, device, ks, ms)
         print(f'{name} ({len(profiles)} layers)   ' + '  '.join(f'M={m:<12}' for m in ms))
         for k in ks:
             cells = '  '.join(f'{table[(k, m)]:5.2f} | {PAPER_TABLE2[name][(k, m)]:<5.2f}'

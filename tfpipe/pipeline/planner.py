@@ -185,12 +185,15 @@ def format_table(configs: Sequence[Config], limit: int = 8) -> str:
 def local_parallelism(intra_op_threads: int) -> float:
     """How many logical-CPU tasks run at full speed at once on this host.
 
-    Each op uses up to `intra_op_threads` cores (0: TensorFlow's default, all of
-    them), so the host's cores fit cores / threads such tasks side by side.
+    With `intra_op_threads` = n each op may use n cores, so cores / n tasks fit
+    side by side. TensorFlow's default pool (0) is shared by all logical
+    devices and the ops of one micro-batch are mostly too small to spread over
+    several cores, so tasks of different cells overlap up to the core count;
+    benchmarks/planner_benchmark.py checks this against measured steps.
     """
     cores = os.cpu_count() or 1
-    threads = intra_op_threads if intra_op_threads > 0 else cores
-    return max(1.0, cores / max(1, min(threads, cores)))
+    threads = intra_op_threads if intra_op_threads > 0 else 1
+    return max(1.0, cores / min(threads, cores))
 
 
 def throughput_table(profiles: Sequence[LayerProfile], batch_size: int,
