@@ -111,7 +111,7 @@ from tfpipe.pipeline import partition, schedule, trace  # noqa: E402
 if ARGS.pin_threads == 'on':
     tf.config.threading.set_intra_op_parallelism_threads(ARGS.intra_op_threads)
     tf.config.threading.set_inter_op_parallelism_threads(ARGS.inter_op_threads)
-tfpipe.configure_logical_cpus(ARGS.num_logical_cpus)
+tfpipe.configure_logical_cpus(ARGS.num_logical_cpus, 0, 0)  # threads: --pin_threads above
 
 
 # --- Models and steps ---------------------------------------------------------------------

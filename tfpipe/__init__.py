@@ -1,9 +1,9 @@
 """tfpipe: config-driven TensorFlow 2 training with GPipe pipeline parallelism."""
 from tfpipe import fprop_context, layers
 from tfpipe.base_layer import BaseLayer, LayerMeta
-from tfpipe.devices import configure_logical_cpus
+from tfpipe.devices import configure_logical_cpus, configure_threads
 from tfpipe.hyperparams import InstantiableParams, Params
 from tfpipe.pipeline.pipelining_layer import PipeliningLayer
 
 __all__ = ['BaseLayer', 'InstantiableParams', 'LayerMeta', 'Params', 'PipeliningLayer',
-           'configure_logical_cpus', 'fprop_context', 'layers']
+           'configure_logical_cpus', 'configure_threads', 'fprop_context', 'layers']

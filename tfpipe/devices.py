@@ -13,6 +13,7 @@ replicas of K cells asking for R*K slots get one replica per worker when R = T.
 """
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from typing import Optional, Sequence
 
@@ -20,13 +21,57 @@ import tensorflow as tf
 
 LOCAL_JOBS = ('localhost', 'chief')  # the trainer's own job: TF's default, or the listed chief
 
+# Measured with benchmarks/planner_benchmark.py (trainer steps/s of the default model on
+# 8 logical CPUs of a 2-core host): see its threads rows.
+DEFAULT_INTRA_OP_THREADS = 0
+DEFAULT_INTER_OP_THREADS = 0
+_THREAD_ENV = ('TF_NUM_INTRAOP_THREADS', 'TF_NUM_INTEROP_THREADS')
 
-def configure_logical_cpus(count: int) -> None:
-    """Splits the host CPU into `count` logical devices.
+
+def configure_threads(intra_op_threads: int, inter_op_threads: int) -> None:
+    """Sets TensorFlow's thread pools; 0 leaves a pool at TensorFlow's default.
+
+    Like the logical devices, the pools are fixed when the runtime starts, so
+    this must run before the first op; a conflicting later call names the fix.
+    """
+    setters = ((intra_op_threads, tf.config.threading.get_intra_op_parallelism_threads,
+                tf.config.threading.set_intra_op_parallelism_threads, 'intra_op_threads'),
+               (inter_op_threads, tf.config.threading.get_inter_op_parallelism_threads,
+                tf.config.threading.set_inter_op_parallelism_threads, 'inter_op_threads'))
+    for value, get, set_, name in setters:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f'{name}={value!r} must be an int >= 0 (0: TensorFlow\'s default)')
+        if value == 0 or get() == value:
+            continue
+        try:
+            set_(value)
+        except RuntimeError as e:
+            raise RuntimeError(
+                f'cannot set {name}={value}: TensorFlow is already initialised with '
+                f'{get()}; configure threads at the start of the program, before any '
+                'TensorFlow op') from e
+
+
+def configure_logical_cpus(count: int, intra_op_threads: Optional[int] = None,
+                           inter_op_threads: Optional[int] = None) -> None:
+    """Splits the host CPU into `count` logical devices and sizes the thread pools.
+
+    Thread pools: None takes tfpipe's default for logical CPUs
+    (DEFAULT_INTRA_OP_THREADS / DEFAULT_INTER_OP_THREADS, the fastest setting
+    measured for the trainer) unless TF_NUM_INTRAOP_THREADS /
+    TF_NUM_INTEROP_THREADS are set, which then win; 0 keeps TensorFlow's
+    default. Logical CPUs share the host's cores, so single-threaded ops let
+    two cells really overlap instead of each grabbing every core.
 
     Must run before TensorFlow initialises its runtime (before the first op,
     variable or device listing); afterwards it fails with a message saying so.
     """
+    defaults = (DEFAULT_INTRA_OP_THREADS, DEFAULT_INTER_OP_THREADS)
+    threads = [0 if value is None and os.environ.get(env) else
+               default if value is None else value
+               for value, default, env in zip((intra_op_threads, inter_op_threads),
+                                              defaults, _THREAD_ENV)]
+    configure_threads(*threads)
     cpus = tf.config.list_physical_devices('CPU')
     try:
         tf.config.set_logical_device_configuration(

@@ -30,9 +30,12 @@ flags.DEFINE_string('model', None, 'Registered model: <task>.<dataset>.<ClassNam
 flags.DEFINE_string('logdir', None, 'Directory of checkpoints, summaries and job outputs.')
 flags.DEFINE_string('job', None, 'trainer | evaler_<split> | decoder_<split>, or a comma list; '
                     'default: trainer plus evaler_dev and decoder_test in threads.')
-flags.DEFINE_enum('mode', 'sync', ['sync', 'inspect_params', 'inspect_model'],
+flags.DEFINE_enum('mode', 'sync', ['sync', 'inspect_params', 'inspect_model',
+                                   'inspect_pipeline', 'check_pipeline'],
                   'sync: run the jobs; inspect_params: print the params tree; inspect_model: '
-                  'print the partition, devices and variables.')
+                  'the partition, devices, variables and bytes per cell; inspect_pipeline: '
+                  'profile the layers and recommend K, balance, M, recompute; check_pipeline: '
+                  'one step as configured vs K=1 (exit 1 beyond 1e-5 relative).')
 flags.DEFINE_enum('run_locally', None, ['cpu', 'gpu'], 'Devices of this process; default: gpu '
                   'when GPUs are visible, else cpu (logical CPUs).')
 flags.DEFINE_integer('num_logical_cpus', 8, 'Logical CPU devices with --run_locally=cpu.')
@@ -55,6 +58,15 @@ flags.DEFINE_integer('pipeline_trace_step', None, 'Record the measured timeline 
                      'training step (1 = the first): train/pipeline_trace-<step>.json (Chrome '
                      'trace format) and .png, and the bubble per device in the log and '
                      'TensorBoard.')
+flags.DEFINE_integer('intra_op_threads', None, 'TensorFlow intra-op threads; default: '
+                     'tfpipe\'s measured best on logical CPUs; 0: TensorFlow\'s default.')
+flags.DEFINE_integer('inter_op_threads', None, 'TensorFlow inter-op threads; default: '
+                     'tfpipe\'s measured best on logical CPUs; 0: TensorFlow\'s default.')
+flags.DEFINE_integer('num_devices', None, 'inspect_pipeline: devices to plan for (K <= D); '
+                     'default: the devices of this process.')
+flags.DEFINE_string('device_memory', None, 'inspect_pipeline: bytes per device, e.g. 16GiB.')
+flags.DEFINE_string('device_profile', '', 'inspect_pipeline: plan for other devices, e.g. '
+                    'speed=8,memory=16GiB,bandwidth=10e9[,parallelism=N].')
 
 EXIT_BAD_INPUT = 2
 
@@ -77,7 +89,10 @@ def _configure_devices() -> None:
             raise UsageError(f'--num_logical_cpus={FLAGS.num_logical_cpus} must be >= 1: '
                              'give at least one logical CPU per pipeline cell')
         tf.config.set_visible_devices([], 'GPU')  # cells go to logical CPUs even beside a GPU
-        tfpipe.configure_logical_cpus(FLAGS.num_logical_cpus)
+        tfpipe.configure_logical_cpus(FLAGS.num_logical_cpus, FLAGS.intra_op_threads,
+                                      FLAGS.inter_op_threads)
+    else:
+        tfpipe.configure_threads(FLAGS.intra_op_threads or 0, FLAGS.inter_op_threads or 0)
 
 
 def _parse_jobs(job_flag: str | None) -> list[str]:
@@ -108,19 +123,27 @@ def _set_data_dir(params) -> None:
             input_params.data_dir = data_dir
 
 
-def _inspect_model(params) -> None:
-    task = params.task.Instantiate()
-    pipe = task.pipe
-    print(f'balance {list(pipe.balance)}  micro-batches {pipe.params.num_micro_batches}  '
-          f'recompute {pipe.params.recompute}  replicas {pipe.num_replicas}')
-    for r, cells in enumerate(pipe.replica_cells):
-        for cell in cells:
-            count = sum(v.shape.num_elements() for layer in cell.layers
-                        for v in layer.trainable_variables)
-            replica = f'replica {r} ' if pipe.num_replicas > 1 else ''
-            print(f'{replica}cell {cell.index} on {cell.device}: {cell.names} ({count} params)')
-    for path, var in task.VariablesByPath().items():
-        print(f'{path} {var.shape.as_list()} {var.dtype.name} {var.device}')
+def _run_inspect_mode(params) -> int:
+    """inspect_model / inspect_pipeline / check_pipeline (trainer/inspect_modes.py)."""
+    import tensorflow as tf
+    from tfpipe.pipeline import planner
+    from trainer import inspect_modes
+    if FLAGS.mode == 'inspect_model':
+        inspect_modes.inspect_model(params)
+        return 0
+    if FLAGS.mode == 'check_pipeline':
+        code, report = inspect_modes.check_pipeline(params)
+        print(report)
+        return code
+    memory = None if FLAGS.device_memory is None else planner.parse_bytes(FLAGS.device_memory)
+    num_devices = FLAGS.num_devices or len(tf.config.list_logical_devices('GPU')
+                                           or tf.config.list_logical_devices('CPU'))
+    if num_devices < 1:
+        raise UsageError(f'--num_devices={num_devices}: plan for at least one device')
+    inspect_modes.inspect_pipeline(params, num_devices, memory, FLAGS.device_profile,
+                                   tf.config.threading.get_intra_op_parallelism_threads(),
+                                   FLAGS.logdir)
+    return 0
 
 
 def main(argv) -> int:
@@ -164,9 +187,8 @@ def main(argv) -> int:
     if FLAGS.mode == 'inspect_params':
         print(params.ToText())
         return 0
-    if FLAGS.mode == 'inspect_model':
-        _inspect_model(params)
-        return 0
+    if FLAGS.mode != 'sync':
+        return _run_inspect_mode(params)
     logdir = FLAGS.logdir
     experiment.check_logdir(logdir, FLAGS.model)
     train_dir = train_job.train_dir_of(logdir)

@@ -1,4 +1,4 @@
-"""Per-layer costs for automatic balancing: parameters, flops or measured time.
+"""Per-layer costs for automatic balancing: parameters, flops, memory or measured time.
 
 The partitioner only sees a list of numbers; this module turns the body's
 layer params into one. By parameter count and by flops nothing is built (both
@@ -18,7 +18,7 @@ from tfpipe import fprop_context
 from tfpipe.base_layer import apply_layer, body_metas
 from tfpipe.hyperparams import Params
 
-PARTITION_BY = ('params', 'flops', 'time')
+PARTITION_BY = ('params', 'flops', 'memory', 'time')
 
 
 def by_params(body: Sequence[Params]) -> list[float]:
@@ -27,6 +27,20 @@ def by_params(body: Sequence[Params]) -> list[float]:
 
 def by_flops(body: Sequence[Params], input_shape: Any) -> list[float]:
     return [float(meta.flops) for meta in body_metas(body, input_shape)]
+
+
+def by_memory(body: Sequence[Params], input_shape: Any, bytes_per_element: int = 4) -> list[float]:
+    """Bytes each layer keeps during a training step: weights, their gradient sum and
+    its mini-batch output activation (float32 unless told otherwise).
+
+    Balancing by this evens out the peak memory per device, which matters when
+    the model is cut because it does not fit, not because it is slow.
+    """
+    out = []
+    for p, meta in zip(body, body_metas(body, input_shape)):
+        activation = sum(s.num_elements() for s in tf.nest.flatten(meta.out_shapes))
+        out.append(float(bytes_per_element * (2 * p.cls.NumParams(p) + activation)))
+    return out
 
 
 def by_time(body: Sequence[Params], sample: Any, device: str, repeats: int = 5) -> list[float]:

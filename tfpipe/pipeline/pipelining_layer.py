@@ -87,7 +87,7 @@ class PipeliningLayer(BaseLayer):
                  'cell j runs on device j mod K.')
         p.Define('partition_by', 'params', f'Cost used by automatic balance: {costs.PARTITION_BY}.')
         p.Define('input_shape', None, "Mini-batch input shape (batch first), needed by "
-                 "partition_by='flops' or 'time'.")
+                 "partition_by='flops', 'memory' or 'time'.")
         p.Define('input_dtype', tf.float32, "Input dtype for partition_by='time'.")
         p.Define('devices', None, 'One device per cell and replica (replica r, cell k: entry '
                  'r*K+k); None: GPUs if there are enough, else logical CPUs.')
@@ -173,6 +173,8 @@ class PipeliningLayer(BaseLayer):
                              "mini-batch shape, batch first), or use partition_by='params'")
         elif p.partition_by == 'flops':
             layer_costs = costs.by_flops(p.body, tf.TensorShape(p.input_shape))
+        elif p.partition_by == 'memory':
+            layer_costs = costs.by_memory(p.body, tf.TensorShape(p.input_shape))
         else:
             first = devices_lib.resolve(None if p.devices is None else list(p.devices)[:1],
                                         1)[0]

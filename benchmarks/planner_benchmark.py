@@ -1,0 +1,223 @@
+"""Planner and thread-default figures, measured side by side in one run.
+
+    python benchmarks/planner_benchmark.py                  # all sections (~10 min on 2 cores)
+    python benchmarks/planner_benchmark.py --section=predict --quick
+
+Sections:
+- threads: the trainer's steps/s for the default model (a subprocess per setting, settings
+  interleaved over rounds): tfpipe's default vs TensorFlow's default vs pinned settings;
+- predict: for the models in params/ whose data is generated here and a Dense stack, the
+  planner's predicted step time vs the measured trainer step, over a small grid of (K, M), and
+  the planner's recommendation vs the fastest measured configuration;
+- table2: the shape of GPipe's Table 2 (normalised throughput over K and M) simulated from
+  profiled AmoebaNet and Transformer bodies under an accelerator device profile.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+
+THREAD_SETTINGS = {  # name -> trainer flags
+    'tfpipe default': [],
+    'TF default (0/0)': ['--intra_op_threads=0', '--inter_op_threads=0'],
+    'intra=1 inter=2': ['--intra_op_threads=1', '--inter_op_threads=2'],
+    'intra=2 inter=2': ['--intra_op_threads=2', '--inter_op_threads=2'],
+    'intra=1 inter=4': ['--intra_op_threads=1', '--inter_op_threads=4'],
+}
+PREDICT_MODELS = ('image.shapes.SmallConvPipe', 'image.shapes.AmoebaNetPipe',
+                  'mt.reverse.TransformerPipe', 'dense_stack')
+GRID = ((1, 1), (2, 2), (2, 4), (4, 4), (4, 8))
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument('--section', choices=('all', 'threads', 'predict', 'table2'), default='all')
+    ap.add_argument('--quick', action='store_true', help='fewer steps and rounds')
+    ap.add_argument('--models', default=','.join(PREDICT_MODELS),
+                    help='comma list for the predict section')
+    ap.add_argument('--data_dir', default=os.path.expanduser('~/tensorflow_datasets'))
+    return ap.parse_args()
+
+
+# -- threads -------------------------------------------------------------------------------
+
+def trainer_steps_per_sec(flags: list[str], steps: int, data_dir: str) -> float:
+    """Steps/s over the trainer's last logging interval (after tracing and warm-up)."""
+    with tempfile.TemporaryDirectory() as logdir:
+        cmd = [sys.executable, '-m', 'trainer', '--model=image.shapes.AmoebaNetPipe',
+               '--run_locally=cpu', '--job=trainer', f'--logdir={logdir}',
+               f'--max_steps={steps}', f'--tfds_data_dir={data_dir}',
+               f'--gin_bindings=trainer.summary_interval_steps={steps // 3}',
+               '--gin_bindings=trainer.save_interval_steps=100000', *flags]
+        out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    rates = re.findall(r'([0-9.]+) steps/s', out.stderr + out.stdout)
+    if out.returncode or not rates:
+        raise RuntimeError(f'trainer failed: {out.stderr[-2000:]}')
+    return float(rates[-1])
+
+
+def threads_section(args) -> None:
+    rounds, steps = (1, 60) if args.quick else (3, 150)
+    results = {name: [] for name in THREAD_SETTINGS}
+    for _ in range(rounds):
+        for name, flags in THREAD_SETTINGS.items():
+            results[name].append(trainer_steps_per_sec(flags, steps, args.data_dir))
+    best = max(results, key=lambda n: statistics.median(results[n]))
+    print(f'\n## threads: trainer steps/s, image.shapes.AmoebaNetPipe, 8 logical CPUs, '
+          f'{os.cpu_count()} cores, median of {rounds} interleaved runs of {steps} steps')
+    for name, values in results.items():
+        med = statistics.median(values)
+        print(f'{name:<18} {med:6.2f} steps/s  ({", ".join(f"{v:.2f}" for v in values)})  '
+              f'best/this {statistics.median(results[best]) / med:.2f}x')
+
+
+# -- predict -------------------------------------------------------------------------------
+
+def model_params(name: str, data_dir: str):
+    from tfpipe import layers
+    from trainer import experiment
+    if name != 'dense_stack':
+        params = experiment.load_params(name)
+    else:  # the benchmark stack: 8 x Dense(1024) on flattened 16x16x3 images, batch 256
+        params = experiment.load_params('image.shapes.SmallConvPipe')
+        body = [layers.Flatten.Params().Set(name='flat'),
+                layers.Dense.Params().Set(name='fc0', input_dim=768, output_dim=1024,
+                                          activation='relu')]
+        body += [layers.Dense.Params().Set(name=f'fc{i}', input_dim=1024, output_dim=1024,
+                                           activation='relu') for i in range(1, 8)]
+        body += [layers.Dense.Params().Set(name='logits', input_dim=1024, output_dim=4)]
+        params.task.pipeline.body = body
+        params.input.train.batch_size = 256
+    params.input.train.data_dir = data_dir
+    params.task.pipeline.Set(partition_by='params', input_shape=None)
+    return params
+
+
+def measure_steps(trainers: dict, rounds: int, steps: int) -> dict:
+    """Median seconds per step of each trainer, rounds interleaved across trainers."""
+    times = {key: [] for key in trainers}
+    for trainer, batch in trainers.values():
+        for _ in range(2):
+            trainer._step(batch)  # noqa: SLF001 - trace and warm up the real step
+    for _ in range(rounds):
+        for key, (trainer, batch) in trainers.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                trainer._step(batch)[0].numpy()  # noqa: SLF001
+            times[key].append((time.perf_counter() - start) / steps)
+    return {key: statistics.median(v) for key, v in times.items()}
+
+
+def predict_section(args) -> None:
+    import tensorflow as tf
+    from tfpipe.pipeline import planner
+    from trainer import inspect_modes, train_job
+
+    rounds, steps = (2, 3) if args.quick else (3, 8)
+    intra = tf.config.threading.get_intra_op_parallelism_threads()
+    device = planner.DeviceProfile(planner.simulator.DeviceModel(
+        parallelism=planner.local_parallelism(intra)))
+    print(f'\n## predict: planner vs measured trainer step (ms), local device model '
+          f'parallelism={device.model.parallelism:g}, intra_op_threads={intra}')
+    print(f'{"model":<28} {"K":>2} {"M":>2} {"recompute":<9} {"predicted":>9} {"measured":>9} '
+          f'{"pred/meas":>9}')
+    for name in args.models.split(','):
+        params = model_params(name, args.data_dir)
+        task = params.task.Instantiate()
+        batch_size = params.input.train.batch_size
+        profiles = inspect_modes.profile_model(params, task, 32)
+        overhead = inspect_modes.step_overhead(params, task)
+        configs = planner.search(profiles, batch_size, 4, device, step_overhead=overhead)
+        best = configs[0]
+        grid = {(k, m, 'always') for k, m in GRID if k <= len(profiles)}
+        grid.add((best.num_cells, best.num_micro_batches, best.recompute))
+        chosen = {}
+        for c in configs:
+            key = (c.num_cells, c.num_micro_batches, c.recompute)
+            if key in grid and c.schedule == best.schedule and key not in chosen:
+                chosen[key] = c
+        trainers = {}
+        for key, c in chosen.items():
+            p = params.Copy()
+            p.task.pipeline.Set(num_cells=None, balance=c.balance, num_micro_batches=c.num_micro_batches,
+                                recompute=c.recompute, schedule=c.schedule)
+            trainer = train_job.Trainer(p, tempfile.mkdtemp(), train_job.RuntimeOptions())
+            trainers[key] = (trainer, next(trainer.iterator))
+        measured = measure_steps(trainers, rounds, steps)
+        for key, c in sorted(chosen.items()):
+            mark = ' <- recommended' if c is best else ''
+            print(f'{name:<28} {key[0]:>2} {key[1]:>2} {key[2]:<9} {1e3 * c.step_time:>9.2f} '
+                  f'{1e3 * measured[key]:>9.2f} {c.step_time / measured[key]:>9.2f}{mark}')
+        fastest = min(measured, key=measured.get)
+        best_key = (best.num_cells, best.num_micro_batches, best.recompute)
+        print(f'{name:<28} recommended/fastest measured: '
+              f'{measured[best_key] / measured[fastest]:.2f}x (fastest {fastest})')
+
+
+# -- table2 --------------------------------------------------------------------------------
+
+PAPER_TABLE2 = {
+    'AmoebaNet-D': {(2, 1): 1.0, (2, 4): 1.07, (2, 32): 1.21, (4, 1): 1.13, (4, 4): 1.26,
+                    (4, 32): 1.84, (8, 1): 1.38, (8, 4): 1.72, (8, 32): 3.48},
+    'Transformer': {(2, 1): 1.0, (2, 4): 1.7, (2, 32): 1.8, (4, 1): 1.07, (4, 4): 3.2,
+                    (4, 32): 3.4, (8, 1): 1.3, (8, 4): 4.8, (8, 32): 6.3},
+}
+
+
+def table2_section(args) -> None:
+    import tensorflow as tf
+    from tfpipe.bodies import amoebanet_body, transformer_body
+    from tfpipe.pipeline import planner, profile
+
+    batch, size, blocks, dim = (32, 16, 4, 64) if args.quick else (64, 32, 16, 128)
+    bodies = {
+        'AmoebaNet-D': (amoebanet_body(10, filters=16, cells_per_stage=2),
+                        tf.random.stateless_normal([batch, size, size, 3], [0, 0])),
+        'Transformer': (transformer_body(256, 64, dim, 4 * dim, 4, blocks),
+                        tf.zeros([batch, 64], tf.int32)),
+    }
+    # Assumed accelerators: each device computes like one logical CPU of this host running
+    # alone, devices are independent (parallelism: one per device), and neighbouring devices
+    # exchange activations at 1 GB/s.
+    device = planner.parse_device_profile('speed=1,bandwidth=1e9')
+    ks, ms = (2, 4, 8), (1, 4, 32)
+    # Layers are profiled at batch 1 and `batch`; the table is simulated for a mini-batch of
+    # 8 x batch (M=32 gives micro-batches of batch / 4), extrapolating the per-example cost.
+    print('\n## table2: normalised throughput (K=2, M=1 = 1), fill-drain, recompute always, '
+          f'mini-batch {8 * batch}; simulated | GPipe paper (TPUv3)')
+    for name, (body, sample) in bodies.items():
+        profiles = profile.profile_body(body, sample, '/CPU:0', [1, batch])
+        table = planner.throughput_table(profiles, 8 * batch, device, ks, ms)
+        print(f'{name} ({len(profiles)} layers)   ' + '  '.join(f'M={m:<12}' for m in ms))
+        for k in ks:
+            cells = '  '.join(f'{table[(k, m)]:5.2f} | {PAPER_TABLE2[name][(k, m)]:<5.2f}'
+                              for m in ms)
+            print(f'  K={k}                ' + cells)
+
+
+def main() -> int:
+    args = parse_args()
+    if args.section in ('all', 'threads'):
+        threads_section(args)  # subprocesses: before this process starts TensorFlow
+    if args.section in ('all', 'predict', 'table2'):
+        import tfpipe
+        tfpipe.configure_logical_cpus(8)
+    if args.section in ('all', 'predict'):
+        predict_section(args)
+    if args.section in ('all', 'table2'):
+        table2_section(args)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""--mode=check_pipeline: one step as configured vs K=1 on the same batch.
+
+image.cifar10.AmoebaNetD and mt.wmt14_ende.TransformerPipe are not run: their data (CIFAR-10,
+WMT14) is not on this machine and is never downloaded; their bodies are built from the same
+layer classes (AmoebaCell, TransformerBlock) as the generated-data models checked here.
+"""
+import pytest
+import tensorflow as tf
+
+from tests import trainer_helpers
+from tfpipe.base_layer import BaseLayer
+from trainer import experiment, inspect_modes
+
+
+class CallCounter(BaseLayer):
+    """Deliberately broken: scales by how often it has run, so a recompute differs."""
+
+    def __init__(self, params, parent=None):
+        super().__init__(params, parent)
+        self.calls = self.CreateVariable('calls', [], init='zeros', trainable=False)
+
+    def FProp(self, theta, x):
+        count = self.calls.assign_add(1.0)
+        return x * (1.0 + 0.1 * count)
+
+
+def _params(model, data_dir):
+    params = experiment.load_params(model)
+    for _, split in params.input.IterParams():
+        if split is not None:
+            split.data_dir = data_dir
+    return params
+
+
+def test_check_pipeline_cli_passes_on_the_fast_model(tmp_path, data_dir):
+    out = trainer_helpers.run(trainer_helpers.FAST, str(tmp_path / 'unused'), data_dir,
+                              '--mode=check_pipeline')
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert 'PASS' in out.stdout and 'largest gradient difference' in out.stdout
+
+
+@pytest.mark.parametrize('model', ['image.shapes.AmoebaNetPipe', 'mt.reverse.TransformerPipe'])
+def test_check_pipeline_passes_on_registered_models(model, data_dir):
+    code, report = inspect_modes.check_pipeline(_params(model, data_dir))
+    assert code == 0, report
+    assert 'PASS' in report
+
+
+def test_check_pipeline_fails_on_a_recompute_unsafe_layer_and_names_it(data_dir):
+    params = _params(trainer_helpers.FAST, data_dir)
+    body = params.task.pipeline.body
+    body.insert(3, CallCounter.Params().Set(name='counter'))
+    params.task.pipeline.Set(balance=[3, 3], recompute='always')
+    code, report = inspect_modes.check_pipeline(params)
+    assert code == 1, report
+    assert 'FAIL: worst' in report
+    worst = report.splitlines()[-1]
+    assert 'task/pipe/' in worst, report  # names a variable of the model

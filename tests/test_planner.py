@@ -1,0 +1,132 @@
+"""The planner: search, memory budget, device profiles, and the trainer's inspect_pipeline mode."""
+import json
+import os
+
+import pytest
+
+from tests import trainer_helpers
+from tfpipe.pipeline import planner, simulator
+from tfpipe.pipeline.profile import Affine, LayerProfile
+
+
+def _layers(n=8, param_bytes=1e6, activation=1e4):
+    return [LayerProfile(name=f'l{i}', forward=Affine(1e-4, 1e-4), backward=Affine(2e-4, 2e-4),
+                         param_bytes=param_bytes, slot_bytes=2 * param_bytes,
+                         input_bytes_per_example=activation, output_bytes_per_example=activation)
+            for i in range(n)]
+
+
+def _independent(memory=None):
+    return planner.DeviceProfile(simulator.DeviceModel(), memory)
+
+
+def test_more_devices_and_micro_batches_win_on_independent_devices():
+    configs = planner.search(_layers(), 64, 4, _independent())
+    best = configs[0]
+    assert best.num_cells == 4 and best.num_micro_batches > 1
+    assert best.balance == [2, 2, 2, 2]
+    assert configs == sorted(configs, key=lambda c: (not c.fits, round(c.step_time, 6),
+                                                     c.num_cells, c.num_micro_batches,
+                                                     max(c.peak_bytes)))
+
+
+def test_the_recommendation_respects_the_memory_budget():
+    layers = _layers(activation=1e5)
+    free = planner.search(layers, 64, 4, _independent())
+    peaks = sorted(max(c.peak_bytes) for c in free)
+    budget = peaks[len(peaks) // 2]  # half of the configurations fit
+    configs = planner.search(layers, 64, 4, _independent(budget))
+    best = planner.best_fitting(configs, budget)
+    assert max(best.peak_bytes) <= budget
+    assert any(not c.fits for c in configs)
+    assert all(c.fits == (max(c.peak_bytes) <= budget) for c in configs)
+    assert best.step_time >= free[0].step_time
+
+
+def test_a_budget_too_small_for_everything_is_a_clear_error():
+    configs = planner.search(_layers(), 64, 2, _independent(1000.0))
+    with pytest.raises(ValueError, match='no configuration fits --device_memory.*raise'):
+        planner.best_fitting(configs, 1000.0)
+
+
+def test_recompute_lowers_the_predicted_peak():
+    layers = _layers(activation=1e6)
+    costs = {policy: simulator.simulate(
+        planner.SCHEDULES['fill_drain'](2, 8),
+        planner.cell_costs(layers, [4, 4], 8, 64, policy)) for policy in ('always', 'never')}
+    assert max(costs['always'].peak_bytes) < max(costs['never'].peak_bytes)
+    assert costs['always'].step_time > costs['never'].step_time  # one extra forward
+
+
+def test_device_profile_and_sizes_parse_or_name_the_fix():
+    profile = planner.parse_device_profile('speed=8,memory=16GiB,bandwidth=10e9')
+    assert profile.memory == 16 * 2**30
+    assert profile.model == simulator.DeviceModel(8.0, None, 10e9)
+    assert planner.parse_bytes('512MB') == 512e6
+    with pytest.raises(ValueError, match='speed=8,memory=16GiB'):
+        planner.parse_device_profile('sped=8')
+    with pytest.raises(ValueError, match='512MiB'):
+        planner.parse_bytes('lots')
+
+
+def test_params_override_applies_to_the_model():
+    from trainer import experiment
+    config = planner.search(_layers(5), 16, 2, _independent())[0]
+    params = experiment.load_params(trainer_helpers.FAST, config.params_override())
+    pipe = params.task.pipeline
+    assert (pipe.balance, pipe.num_micro_batches, pipe.recompute, pipe.schedule) == (
+        config.balance, config.num_micro_batches, config.recompute, config.schedule)
+
+
+def test_inspect_pipeline_prints_the_best_and_writes_json(tmp_path, data_dir):
+    logdir = str(tmp_path / 'plan')
+    out = trainer_helpers.run(trainer_helpers.FAST, logdir, data_dir, '--mode=inspect_pipeline',
+                              '--num_devices=2', '--device_memory=1GiB')
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert '--params_override="task.pipeline.num_cells=' in out.stdout
+    with open(os.path.join(logdir, 'inspect_pipeline.json')) as f:
+        report = json.load(f)
+    assert len(report['layers']) == 5
+    assert report['best']['num_cells'] <= 2 and report['best']['fits']
+    assert report['params_override'] in out.stdout
+
+
+def test_inspect_pipeline_with_no_fitting_config_exits_2_and_writes_nothing(tmp_path, data_dir):
+    logdir = str(tmp_path / 'plan')
+    out = trainer_helpers.run(trainer_helpers.FAST, logdir, data_dir, '--mode=inspect_pipeline',
+                              '--num_devices=2', '--device_memory=1KiB')
+    assert out.returncode == 2
+    assert 'no configuration fits --device_memory' in trainer_helpers.error_line(out)
+    assert not os.path.exists(logdir)
+
+
+def test_partition_by_memory_evens_out_bytes_per_cell():
+    import tensorflow as tf
+    import tfpipe
+    from tfpipe import layers
+    from tfpipe.pipeline import costs, partition
+    widths = [4, 256, 8, 8, 8, 8]
+    body = [layers.Dense.Params().Set(name=f'fc{i}', input_dim=a, output_dim=b)
+            for i, (a, b) in enumerate(zip(widths, widths[1:]))]
+    per_layer = costs.by_memory(body, tf.TensorShape([32, 4]))
+    assert per_layer[0] == 4 * (2 * (4 * 256 + 256) + 32 * 256)  # weights + grads + output
+    pipe = tfpipe.PipeliningLayer.Params().Set(
+        name='pipe', body=body, num_cells=2, partition_by='memory',
+        input_shape=[32, 4]).Instantiate()
+    assert list(pipe.balance) == partition.solve_balance(per_layer, 2) == [1, 4]
+
+
+def test_inspect_model_reports_bytes_per_cell(data_dir, capsys):
+    from trainer import experiment, inspect_modes
+    params = experiment.load_params(trainer_helpers.FAST)
+    params.input.train.data_dir = data_dir
+    inspect_modes.inspect_model(params)
+    out = capsys.readouterr().out
+    cells = [line for line in out.splitlines() if line.strip().startswith('parameters')]
+    assert len(cells) == 2  # SmallConvPipe: balance [3, 2]
+    # Adam keeps two slots per weight: slot bytes are twice the parameter bytes.
+    for line in cells:
+        params_mib = float(line.split('parameters ')[1].split(' MiB')[0])
+        slots_mib = float(line.split('optimizer slots ')[1].split(' MiB')[0])
+        assert params_mib > 0 and slots_mib == pytest.approx(2 * params_mib, rel=1e-3)
+        assert 'activations per micro-batch' in line

@@ -1,0 +1,48 @@
+"""Thread flags reach TensorFlow: read back from tf.config.threading in a fresh process."""
+import subprocess
+import sys
+
+import pytest
+
+from tests import trainer_helpers
+
+_PROBE = '''
+import sys
+from absl import flags
+from trainer import main
+flags.FLAGS(['trainer'] + sys.argv[1:])
+main._configure_devices()
+import tensorflow as tf
+print(tf.config.threading.get_intra_op_parallelism_threads(),
+      tf.config.threading.get_inter_op_parallelism_threads(),
+      len(tf.config.list_logical_devices('CPU')))
+'''
+
+
+def _probe(*flags, extra_env=None):
+    env = trainer_helpers.env()
+    env.update(extra_env or {})
+    out = subprocess.run([sys.executable, '-c', _PROBE, '--run_locally=cpu',
+                          '--num_logical_cpus=3', *flags], env=env, cwd=trainer_helpers.REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [int(v) for v in out.stdout.split()[-3:]]
+
+
+def test_thread_flags_reach_tensorflow():
+    assert _probe('--intra_op_threads=3', '--inter_op_threads=5') == [3, 5, 3]
+
+
+def test_the_default_is_tfpipes_and_the_environment_wins():
+    from tfpipe import devices
+    assert _probe() == [devices.DEFAULT_INTRA_OP_THREADS, devices.DEFAULT_INTER_OP_THREADS, 3]
+    # TF_NUM_*_THREADS are read by TensorFlow itself: tfpipe leaves the config unset.
+    assert _probe(extra_env={'TF_NUM_INTRAOP_THREADS': '1', 'TF_NUM_INTEROP_THREADS': '1'}
+                  )[:2] == [0, 0]
+    assert _probe('--intra_op_threads=2', extra_env={'TF_NUM_INTRAOP_THREADS': '1'})[0] == 2
+
+
+def test_bad_thread_counts_name_the_fix():
+    from tfpipe import devices
+    with pytest.raises(ValueError, match='intra_op_threads=-1 must be an int >= 0'):
+        devices.configure_threads(-1, 0)

@@ -1,0 +1,213 @@
+"""Recommends K, balance, M, recompute and schedule from measured per-layer costs.
+
+Every candidate configuration is turned into per-(cell, phase) costs from the
+layer profiles (`profile.py`) and played by the simulator on the schedule the
+executor would run, so the prediction includes the bubble, imbalance between
+cells, the per-micro-batch overhead of small micro-batches and, for logical
+CPUs, the cores the devices share. Configurations whose predicted peak memory
+on some device exceeds the budget are kept in the report but marked.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Optional, Sequence
+
+from tfpipe.pipeline import partition, schedule, simulator
+from tfpipe.pipeline.cell import RECOMPUTE_POLICIES, recompute_flags
+from tfpipe.pipeline.profile import LayerProfile
+from tfpipe.pipeline.schedule import BACKWARD, FORWARD
+
+SCHEDULES = {'fill_drain': schedule.fill_drain, '1f1b': schedule.one_f_one_b}
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+_UNITS = {'': 1, 'b': 1, 'k': 1e3, 'kb': 1e3, 'kib': 2**10, 'm': 1e6, 'mb': 1e6, 'mib': 2**20,
+          'g': 1e9, 'gb': 1e9, 'gib': 2**30, 't': 1e12, 'tb': 1e12, 'tib': 2**40}
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProfile:
+    """The devices planned for: `model` for the simulator plus a memory budget in bytes."""
+
+    model: simulator.DeviceModel
+    memory: Optional[float] = None
+
+
+@dataclasses.dataclass
+class Config:
+    """One candidate and its prediction."""
+
+    num_cells: int
+    balance: list[int]
+    num_micro_batches: int
+    recompute: str
+    schedule: str
+    step_time: float
+    bubble: float
+    peak_bytes: list[float]
+    fits: bool = True
+
+    def params_override(self, prefix: str = 'task.pipeline') -> str:
+        """The --params_override text that applies this configuration to a model."""
+        return (f'{prefix}.num_cells={self.num_cells},{prefix}.balance={self.balance},'
+                f'{prefix}.num_micro_batches={self.num_micro_batches},'
+                f"{prefix}.recompute='{self.recompute}',{prefix}.schedule='{self.schedule}'")
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def parse_bytes(text: str) -> float:
+    """'16GiB', '512MB', '1e9' -> bytes; a clear ValueError otherwise."""
+    match = re.fullmatch(r'\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*', str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f'{text!r} is not a size: write bytes as a number with an optional '
+                         'unit, e.g. 1e9, 512MiB or 16GiB')
+    try:
+        return float(match.group(1)) * _UNITS[unit]
+    except ValueError:
+        raise ValueError(f'{text!r} is not a size: write e.g. 1e9, 512MiB or 16GiB') from None
+
+
+def parse_device_profile(text: str) -> DeviceProfile:
+    """'speed=8,memory=16GiB,bandwidth=10e9[,parallelism=4]' -> DeviceProfile.
+
+    speed: compute relative to the device the layers were profiled on;
+    memory: bytes per device; bandwidth: bytes/s between neighbouring devices;
+    parallelism: devices that really compute at once (default: all of them).
+    """
+    fields = {'speed': 1.0, 'memory': None, 'bandwidth': None, 'parallelism': None}
+    for item in filter(None, (s.strip() for s in text.split(','))):
+        key, sep, value = item.partition('=')
+        if not sep or key not in fields:
+            raise ValueError(f'--device_profile item {item!r}: use key=value with keys '
+                             f'{sorted(fields)}, e.g. speed=8,memory=16GiB,bandwidth=10e9')
+        number = parse_bytes(value) if key in ('memory', 'bandwidth') else float(value)
+        if number <= 0:
+            raise ValueError(f'--device_profile {key}={value} must be > 0')
+        fields[key] = number
+    return DeviceProfile(simulator.DeviceModel(fields['speed'], fields['parallelism'],
+                                               fields['bandwidth']), fields['memory'])
+
+
+def cell_costs(profiles: Sequence[LayerProfile], balance: Sequence[int],
+               num_micro_batches: int, batch_size: int, recompute: str) -> list[simulator.CellCosts]:
+    """Per-micro-batch costs of each cell of one configuration.
+
+    Memory (bytes, an estimate from layer inputs and outputs): static = weights,
+    optimizer slots and the gradient sums; stash = the cell input when
+    recomputing, else every layer's input and output; working = the
+    activations of one forward (recompute) plus one set of weight gradients.
+    """
+    b = batch_size / num_micro_batches
+    flags = recompute_flags(recompute, len(balance))
+    cells = []
+    for (start, stop), recomputes in zip(partition.cell_ranges(balance), flags):
+        layers = profiles[start:stop]
+        forward = sum(p.forward(b) for p in layers)
+        backward = sum(p.backward(b) for p in layers)
+        params = sum(p.param_bytes for p in layers)
+        activations = b * sum(p.input_bytes_per_example + p.output_bytes_per_example
+                              for p in layers)
+        cell_input = b * layers[0].input_bytes_per_example
+        time = {FORWARD: forward, BACKWARD: backward}
+        if recomputes:
+            time[simulator.RECOMPUTE] = forward
+        cells.append(simulator.CellCosts(
+            time=time, static_bytes=2 * params + sum(p.slot_bytes for p in layers),
+            stash_bytes=cell_input if recomputes else activations,
+            working_bytes=(activations if recomputes else 0.0) + params,
+            output_bytes=b * layers[-1].output_bytes_per_example))
+    return cells
+
+
+def _balance(profiles: Sequence[LayerProfile], num_cells: int, micro: float) -> list[int]:
+    costs = [p.forward(micro) + p.backward(micro) for p in profiles]
+    return partition.solve_balance(costs, num_cells)
+
+
+def search(profiles: Sequence[LayerProfile], batch_size: int, num_devices: int,
+           device: DeviceProfile, micro_batches: Sequence[int] = MICRO_BATCHES,
+           recompute: Sequence[str] = RECOMPUTE_POLICIES,
+           schedules: Sequence[str] = tuple(SCHEDULES), step_overhead: float = 0.0,
+           cells: Optional[Sequence[int]] = None) -> list[Config]:
+    """Every configuration with K <= num_devices cells, sorted: fitting ones first, then by time.
+
+    Balance comes from partition.solve_balance on the profiled time at the
+    micro-batch size, so cells are balanced by what they will really cost.
+    """
+    results = []
+    ks = cells or range(1, min(num_devices, len(profiles)) + 1)
+    for k in ks:
+        for m in sorted({min(m, batch_size) for m in micro_batches}):
+            balance = _balance(profiles, k, batch_size / m)
+            for policy in recompute:
+                for name in schedules:
+                    costs = cell_costs(profiles, balance, m, batch_size, policy)
+                    r = simulator.simulate(SCHEDULES[name](k, m), costs, device.model)
+                    peak = [float(p) for p in r.peak_bytes]
+                    fits = device.memory is None or max(peak) <= device.memory
+                    results.append(Config(k, balance, m, policy, name,
+                                          float(r.step_time) + step_overhead,
+                                          float(r.bubble), peak, fits))
+    # Ties (equal to the microsecond) go to fewer devices, fewer micro-batches, less memory.
+    results.sort(key=lambda c: (not c.fits, round(c.step_time, 6), c.num_cells,
+                                c.num_micro_batches, max(c.peak_bytes)))
+    return results
+
+
+def best_fitting(configs: Sequence[Config], budget: Optional[float]) -> Config:
+    """The fastest configuration within the budget; ValueError naming the fix if none fits."""
+    for config in configs:
+        if config.fits:
+            return config
+    least = min(configs, key=lambda c: max(c.peak_bytes))
+    raise ValueError(
+        f'no configuration fits --device_memory={budget:.4g} bytes: the smallest predicted peak '
+        f'is {max(least.peak_bytes):.4g} bytes (K={least.num_cells}, '
+        f'M={least.num_micro_batches}, recompute={least.recompute}); raise --device_memory, '
+        'allow more devices (--num_devices) or shrink the batch')
+
+
+def format_table(configs: Sequence[Config], limit: int = 8) -> str:
+    """The best few configurations as a text table (step time in ms, peak in MiB)."""
+    lines = [f'{"K":>2} {"M":>3} {"recompute":<11} {"schedule":<10} {"step ms":>8} '
+             f'{"bubble":>6} {"peak MiB/device":<24} fits  balance']
+    for c in configs[:limit]:
+        peaks = '/'.join(f'{p / 2**20:.0f}' for p in c.peak_bytes)
+        lines.append(f'{c.num_cells:>2} {c.num_micro_batches:>3} {c.recompute:<11} '
+                     f'{c.schedule:<10} {1e3 * c.step_time:>8.2f} {c.bubble:>6.2f} '
+                     f'{peaks:<24} {"yes" if c.fits else "NO":<5} {c.balance}')
+    return '\n'.join(lines)
+
+
+def local_parallelism(intra_op_threads: int) -> float:
+    """How many logical-CPU tasks run at full speed at once on this host.
+
+    With `intra_op_threads` = n each op may use n cores, so cores / n tasks fit
+    side by side. TensorFlow's default pool (0) is shared by all logical
+    devices and the ops of one micro-batch are mostly too small to spread over
+    several cores, so tasks of different cells overlap up to the core count;
+    benchmarks/planner_benchmark.py checks this against measured steps.
+    """
+    cores = os.cpu_count() or 1
+    threads = intra_op_threads if intra_op_threads > 0 else 1
+    return max(1.0, cores / min(threads, cores))
+
+
+def throughput_table(profiles: Sequence[LayerProfile], batch_size: int,
+                     device: DeviceProfile, ks: Sequence[int], ms: Sequence[int],
+                     recompute: str = 'always') -> dict[tuple[int, int], float]:
+    """Examples/s of each (K, M) under fill-drain, normalised to the first (K, M): Table 2's shape."""
+    out = {}
+    for k in ks:
+        for m in ms:
+            balance = _balance(profiles, k, batch_size / m)
+            costs = cell_costs(profiles, balance, m, batch_size, recompute)
+            out[(k, m)] = batch_size / float(
+                simulator.simulate(schedule.fill_drain(k, m), costs, device.model).step_time)
+    base = out[(ks[0], ms[0])]
+    return {key: value / base for key, value in out.items()}
+
+

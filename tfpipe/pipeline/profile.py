@@ -1,0 +1,200 @@
+"""Measured per-layer costs of a body: forward and backward time, parameter and activation bytes.
+
+The planner needs, for every layer, what one micro-batch costs at any
+micro-batch size. Each layer is built once on one device and timed at two
+batch sizes; time is then modelled as `fixed + per_example * b`, which keeps
+the per-call overhead that makes small micro-batches relatively expensive on
+CPUs (a pure per-example cost would predict that more micro-batches are free).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from tfpipe import fprop_context
+from tfpipe.base_layer import apply_layer
+from tfpipe.hyperparams import Params
+from tfpipe.pipeline import microbatch
+from tfpipe.pipeline.executor import float_leaves
+
+
+@dataclasses.dataclass
+class Affine:
+    """`fixed + per_example * b` seconds for a batch of b examples."""
+
+    fixed: float
+    per_example: float
+
+    def __call__(self, batch: float) -> float:
+        return self.fixed + self.per_example * batch
+
+    @classmethod
+    def fit(cls, sizes: Sequence[int], times: Sequence[float]) -> 'Affine':
+        """Least squares through the measurements, both terms kept >= 0."""
+        if len(sizes) == 1 or len(set(sizes)) == 1:
+            return cls(0.0, float(np.mean(times)) / sizes[0])
+        slope, intercept = np.polyfit(np.asarray(sizes, float), np.asarray(times, float), 1)
+        slope = max(float(slope), 0.0)
+        if intercept < 0:
+            return cls(0.0, float(np.dot(sizes, times) / np.dot(sizes, sizes)))
+        return cls(float(intercept), slope)
+
+
+@dataclasses.dataclass
+class LayerProfile:
+    """One layer's measured costs. Bytes per example scale with the micro-batch size."""
+
+    name: str
+    forward: Affine
+    backward: Affine  # the gradient computation alone (a recompute adds one forward)
+    param_bytes: float
+    slot_bytes: float
+    input_bytes_per_example: float
+    output_bytes_per_example: float
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _bytes_per_example(struct: Any) -> float:
+    leaves = tf.nest.flatten(struct)
+    batch = leaves[0].shape[0]
+    return sum(t.shape.num_elements() * t.dtype.size for t in leaves) / batch
+
+
+def _median_seconds(fn, *args, repeats: int) -> float:
+    for _ in range(2):  # trace, then warm up
+        tf.nest.map_structure(lambda t: t.numpy(), fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        tf.nest.map_structure(lambda t: t.numpy(), fn(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def _call_overhead(x: Any, repeats: int) -> float:
+    """Seconds of calling a tf.function that does nothing with `x`.
+
+    Inside the pipeline all layers run in one graph, so the Python-side cost of
+    one call per layer is not part of a layer's cost and is subtracted.
+    """
+    noop = tf.function(lambda v: tf.nest.map_structure(tf.identity, v))
+    return _median_seconds(noop, x, repeats=repeats)
+
+
+def slot_bytes_of(optimizer: Optional[Params], variables: Sequence[tf.Variable]) -> float:
+    """Bytes of the optimizer's slots for `variables` (Adam: 2x the weights, SGD: 0)."""
+    if optimizer is None:
+        return 0.0
+    opt = optimizer.Instantiate()
+    total = 0
+    for var in variables:
+        for shape in opt._slot_shapes(tf.TensorShape(var.shape)).values():  # noqa: SLF001
+            total += int(np.prod(shape, dtype=np.int64)) * var.dtype.size
+    return float(total)
+
+
+def _timings(apply: Callable[[Any, Any], Any], theta: Any, x: Any, sizes: Sequence[int],
+             repeats: int) -> tuple[list[float], list[float]]:
+    """Forward and backward seconds of `apply(theta, x[:b])` for each b, call overhead removed."""
+    fwd = tf.function(apply)
+
+    @tf.function
+    def fwd_bwd(theta, v):
+        leaves = float_leaves(v) + tf.nest.flatten(theta)
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(leaves)
+            y = apply(theta, v)
+        outs = float_leaves(y)
+        grads = tape.gradient(outs, leaves, output_gradients=[tf.ones_like(o) for o in outs],
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        # Embedding lookups give IndexedSlices; the pipeline densifies them too.
+        return [tf.convert_to_tensor(g) for g in grads]
+
+    f_times, b_times = [], []
+    for b in sizes:
+        xb = tf.nest.map_structure(lambda t, b=b: t[:b], x)
+        call = _call_overhead(xb, repeats)
+        forward = max(_median_seconds(fwd, theta, xb, repeats=repeats) - call, 0.0)
+        both = max(_median_seconds(fwd_bwd, theta, xb, repeats=repeats) - call, 0.0)
+        f_times.append(forward)
+        b_times.append(max(both - forward, 0.0))
+    return f_times, b_times
+
+
+def _scaled(layer_times: list[list[float]], body_times: list[float]) -> list[list[float]]:
+    """Scales the layers' times at each size so they add up to the whole body's time.
+
+    A layer timed alone pays dispatch costs that vanish when all layers run in
+    one graph, as they do in the pipeline; the body's own time is the truth,
+    the single-layer times say how to share it out.
+    """
+    out = [list(t) for t in layer_times]
+    for i, total in enumerate(body_times):
+        parts = sum(t[i] for t in layer_times)
+        if parts > 0:
+            for t in out:
+                t[i] *= total / parts
+    return out
+
+
+def profile_body(body: Sequence[Params], sample: Any, device: str,
+                 batch_sizes: Sequence[int], optimizer: Optional[Params] = None,
+                 repeats: int = 5) -> list[LayerProfile]:
+    """Builds `body` on `device` once and measures every layer at each batch size.
+
+    `sample` is a mini-batch of the body's input (nested structures allowed) at
+    least `max(batch_sizes)` examples long; each layer gets the previous layer's
+    output. The whole body is timed too, and the layers' times are scaled to add
+    up to it. Training mode (BatchNorm batch statistics, dropout on) with
+    statistics discarded, so profiling changes nothing.
+    """
+    from tfpipe.layers.composite import Sequential  # local: composite imports base_layer only
+
+    sizes = sorted(set(int(b) for b in batch_sizes))
+    timings, shapes = [], []
+    with tf.device(device):
+        seq = Sequential.Params().Set(name='profile', body=list(body)).Instantiate()
+        x = tf.nest.map_structure(lambda t: t[:sizes[-1]], sample)
+        sink = fprop_context.BatchStatsSink(discard=True)
+        with fprop_context.scope(training=True, step=tf.constant(0, tf.int64),
+                                 batch_stats=sink):
+            for layer in seq.layers:
+                def apply(theta, v, layer=layer):
+                    return apply_layer(layer, theta, v)
+                timings.append(_timings(apply, layer.theta, x, sizes, repeats))
+                y = apply(layer.theta, x)
+                shapes.append((_bytes_per_example(x), _bytes_per_example(y)))
+                x = y
+
+            def apply_body(thetas, v):
+                for layer, theta in zip(seq.layers, thetas):
+                    v = apply_layer(layer, theta, v)
+                return v
+            body_f, body_b = _timings(apply_body, [layer.theta for layer in seq.layers],
+                                      tf.nest.map_structure(lambda t: t[:sizes[-1]], sample),
+                                      sizes, repeats)
+    forwards = _scaled([t[0] for t in timings], body_f)
+    backwards = _scaled([t[1] for t in timings], body_b)
+    profiles = []
+    for layer, forward, backward, (in_bytes, out_bytes) in zip(seq.layers, forwards, backwards,
+                                                                shapes):
+        variables = layer.trainable_variables
+        profiles.append(LayerProfile(
+            name=layer.params.name, forward=Affine.fit(sizes, forward),
+            backward=Affine.fit(sizes, backward),
+            param_bytes=float(sum(v.shape.num_elements() * v.dtype.size for v in variables)),
+            slot_bytes=slot_bytes_of(optimizer, variables),
+            input_bytes_per_example=in_bytes, output_bytes_per_example=out_bytes))
+    return profiles
+
+
+def profiling_batch_sizes(batch_size: int, max_micro_batches: int) -> list[int]:
+    """The two sizes the affine fit uses: the whole batch and the smallest micro-batch."""
+    small = max(1, microbatch.micro_batch_sizes(batch_size, max_micro_batches)[-1])
+    return sorted({small, batch_size})

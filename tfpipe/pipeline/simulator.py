@@ -1,0 +1,228 @@
+"""Plays a pipeline schedule with per-(cell, phase) costs: step time, bubble, peak memory.
+
+The executor runs each device's tasks in the order `schedule.cell_order` gives,
+and a task starts once the tasks it depends on are done. The simulator does
+exactly that with numbers instead of ops, so a prediction uses the same
+schedule data as the executor and any schedule (fill-drain, 1F1B, virtual
+stages with several cells per device, split input/weight backward phases of
+zero-bubble schedules, a custom one) can be evaluated without building a graph.
+
+Costs are per (cell, phase) and per micro-batch: profiled by the planner, or
+measured from a traced step (a phase the schedule does not run as its own task,
+such as 'recompute', is charged to the backward task that runs it). A device
+model says how fast devices are and whether they really run in parallel:
+logical CPUs of one host share its cores, which `parallelism` captures as
+processor sharing (at most that many tasks progress at full speed at once).
+"""
+from __future__ import annotations
+
+import dataclasses
+from fractions import Fraction
+from typing import Mapping, Optional, Union
+
+from tfpipe.pipeline import schedule as schedule_lib
+from tfpipe.pipeline.schedule import BACKWARD, FORWARD, Schedule, Task
+
+Number = Union[float, Fraction]
+RECOMPUTE = 'recompute'
+
+
+@dataclasses.dataclass
+class CellCosts:
+    """What one cell costs, per micro-batch unless said otherwise.
+
+    `time[phase]` is seconds (or any unit) on a reference device. Memory in
+    bytes: `static_bytes` lives all step (weights, optimizer slots, gradient
+    sums); `stash_bytes` is held from a micro-batch's forward to its backward
+    (the cell input when recomputing, all saved activations otherwise);
+    `working_bytes` is held only while one of the cell's tasks runs.
+    `output_bytes` is what goes to the next cell (activation forward, its
+    gradient backward), for link time.
+    """
+
+    time: dict[str, Number]
+    static_bytes: float = 0.0
+    stash_bytes: float = 0.0
+    working_bytes: float = 0.0
+    output_bytes: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceModel:
+    """How the simulated devices behave.
+
+    speed: relative compute speed (costs are divided by it); parallelism: how
+    many tasks progress at full speed at the same time (None: every device is
+    independent, as with GPUs/TPUs; logical CPUs of one host share its cores);
+    bandwidth: bytes/s between neighbouring devices (None: free transfers).
+    """
+
+    speed: float = 1.0
+    parallelism: Optional[float] = None
+    bandwidth: Optional[float] = None
+
+
+@dataclasses.dataclass
+class Result:
+    """Per-device busy time and peak memory, the step time and the bubble."""
+
+    step_time: Number
+    busy: list[Number]
+    peak_bytes: list[float]
+    start: dict[Task, Number]
+    end: dict[Task, Number]
+
+    @property
+    def idle(self) -> list[Number]:
+        return [self.step_time - b for b in self.busy]
+
+    @property
+    def bubble(self) -> Number:
+        """Idle fraction over all devices: 1 - busy / (devices * step time)."""
+        return 1 - sum(self.busy) / (len(self.busy) * self.step_time)
+
+
+# Phase names of split-backward (zero-bubble) schedules, by value so that the simulator
+# plays them whether or not this tree's schedule module builds such schedules.
+BACKWARD_INPUT = 'backward_input'
+BACKWARD_WEIGHT = 'backward_weight'
+
+
+def _dependencies(task: Task, num_cells: int) -> list[Task]:
+    """The executor's data dependencies (schedule.validate's rules).
+
+    F(k, m) needs F(k-1, m); a backward of cell k (fused, or the input part of a
+    split one) needs F(k, m) and the same backward of cell k+1; the weight part
+    W(k, m) needs only the input part of its own cell.
+    """
+    k, m = task.cell, task.micro_batch
+    if task.phase == FORWARD:
+        return [Task(k - 1, m, FORWARD)] if k > 0 else []
+    if task.phase == BACKWARD_WEIGHT:
+        return [Task(k, m, BACKWARD_INPUT)]
+    deps = [Task(k, m, FORWARD)]
+    if k + 1 < num_cells:
+        deps.append(Task(k + 1, m, task.phase))
+    return deps
+
+
+def _task_time(task: Task, cells: list[CellCosts], phases: set[str]) -> Number:
+    """A task's cost; a recompute the schedule does not run as its own task is charged
+    to the backward that runs it, and a split backward without its own costs gets half
+    of the fused backward for each part."""
+    time = cells[task.cell].time
+    if task.phase in (BACKWARD_INPUT, BACKWARD_WEIGHT) and task.phase not in time:
+        cost = time.get(BACKWARD, 0) / 2
+    else:
+        cost = time.get(task.phase, 0)
+    if task.phase in (BACKWARD, BACKWARD_INPUT) and RECOMPUTE not in phases:
+        cost = cost + time.get(RECOMPUTE, 0)  # the executor recomputes inside the backward
+    return cost
+
+
+def _share(parallelism: Optional[Number], running: int) -> Number:
+    """The speed of each of `running` tasks under processor sharing (1: full speed)."""
+    if parallelism is None or parallelism >= running:
+        return 1
+    if isinstance(parallelism, int):
+        return Fraction(parallelism, running)  # exact for the textbook tests
+    return parallelism / running
+
+
+def simulate(sched: Schedule, cells: list[CellCosts], device: DeviceModel = DeviceModel(),
+             num_devices: Optional[int] = None) -> Result:
+    """Plays `sched` with `cells[k]`'s costs; cell k runs on device k mod `num_devices`.
+
+    `num_devices` defaults to one device per cell (with virtual stages there are
+    more cells than devices). Each device runs its tasks in schedule order; a
+    task starts when its device is free and its inputs have arrived (previous
+    cell's forward, next cell's backward, plus link time). With
+    `device.parallelism` set, running tasks share that much compute (processor
+    sharing). Exact with Fraction costs. Busy time and peak memory are per device.
+    """
+    num_cells = len(cells)
+    num_devices = num_devices or num_cells
+    orders = [[task for tick in sched for task in tick if task.cell % num_devices == d]
+              for d in range(num_devices)]
+    phases = {task.phase for order in orders for task in order}
+    last_backward = BACKWARD_WEIGHT if BACKWARD_WEIGHT in phases else BACKWARD
+    speed = 1 if device.speed == 1 else device.speed  # keeps Fraction costs exact
+    work = {task: _task_time(task, cells, phases) / speed
+            for order in orders for task in order}
+    cursor = [0] * num_devices
+    start: dict[Task, Number] = {}
+    end: dict[Task, Number] = {}
+    remaining: dict[Task, Number] = {}
+    busy = [0] * num_devices
+    now: Number = 0
+    static = [sum(c.static_bytes for j, c in enumerate(cells) if j % num_devices == d)
+              for d in range(num_devices)]
+    stash = [0.0] * num_devices
+    peak = list(static)
+    total = sum(len(o) for o in orders)
+
+    def ready_time(task: Task) -> Optional[Number]:
+        times = [now]
+        for dep in _dependencies(task, num_cells):
+            if dep not in end:
+                return None
+            link = 0
+            if dep.cell % num_devices != task.cell % num_devices and device.bandwidth:
+                link = cells[min(dep.cell, task.cell)].output_bytes / device.bandwidth
+            times.append(end[dep] + link)
+        return max(times)
+
+    while len(end) < total:
+        # Start every device's next task whose inputs are there by `now`.
+        waiting = []
+        for d in range(num_devices):
+            if cursor[d] >= len(orders[d]) or orders[d][cursor[d]] in remaining:
+                continue
+            task = orders[d][cursor[d]]
+            at = ready_time(task)
+            if at is None:
+                continue
+            if at > now:
+                waiting.append(at)
+                continue
+            start[task] = now
+            remaining[task] = work[task]
+            peak[d] = max(peak[d], static[d] + stash[d] + cells[task.cell].working_bytes)
+        if not remaining:
+            if not waiting:
+                raise RuntimeError('the schedule deadlocks: a device waits for a task that '
+                                   'another device runs later; check it with schedule.validate')
+            now = min(waiting)
+            continue
+        rate = _share(device.parallelism, len(remaining))
+        step = min([min(remaining.values()) / rate] + [w - now for w in waiting])
+        now = now + step
+        for task in list(remaining):
+            d = task.cell % num_devices
+            remaining[task] -= step * rate
+            busy[d] += step
+            if remaining[task] <= 1e-12:
+                del remaining[task]
+                end[task] = now
+                cursor[d] += 1
+                if task.phase == FORWARD:
+                    stash[d] += cells[task.cell].stash_bytes
+                elif task.phase == last_backward:
+                    stash[d] -= cells[task.cell].stash_bytes
+                peak[d] = max(peak[d], static[d] + stash[d])
+    return Result(step_time=now, busy=busy, peak_bytes=peak, start=start, end=end)
+
+
+def unit_costs(num_cells: int, forward: Number = Fraction(1),
+               backward: Number = Fraction(1)) -> list[CellCosts]:
+    """Every cell costs `forward` and `backward` per micro-batch: the textbook pipeline."""
+    return [CellCosts(time={FORWARD: forward, BACKWARD: backward}) for _ in range(num_cells)]
+
+
+def costs_from_measurements(measured: Mapping[tuple[int, str], Number],
+                            num_cells: int) -> list[CellCosts]:
+    """Per-(cell, phase) durations (e.g. means over a traced step's micro-batches) as costs."""
+    cells = [CellCosts(time={}) for _ in range(num_cells)]
+    for (k, phase), value in measured.items():
+        cells[k].time[phase] = value
+    return cells

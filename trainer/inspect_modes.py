@@ -1,0 +1,199 @@
+"""The trainer's inspection modes: inspect_model, inspect_pipeline and check_pipeline.
+
+They read the model's params and one batch of its input and never touch the
+training logdir's checkpoints: inspect_pipeline only adds its JSON report.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+import time
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+
+from tfpipe.hyperparams import Params
+from tfpipe.pipeline import planner, profile
+from tfpipe.pipeline.partition import cell_ranges
+
+PLAN_FILE = 'inspect_pipeline.json'
+CHECK_TOLERANCE = 1e-5
+
+
+def _mib(num_bytes: float) -> str:
+    return f'{num_bytes / 2**20:.4g} MiB'
+
+
+def _sample_inputs(params: Params, task) -> tuple[object, int]:
+    """One training batch of the model's real input, as the pipeline's input."""
+    batch = next(iter(params.input.train.Instantiate().Dataset()))
+    inputs = task.PipelineInputs(batch)
+    return inputs, int(tf.nest.flatten(inputs)[0].shape[0])
+
+
+def profile_model(params: Params, task, max_micro_batches: int) -> list[profile.LayerProfile]:
+    """Every body layer of the model profiled on its first cell's device, on a real batch."""
+    sample, batch_size = _sample_inputs(params, task)
+    sizes = profile.profiling_batch_sizes(batch_size, max_micro_batches)
+    return profile.profile_body(params.task.pipeline.body, sample, task.pipe.devices[0], sizes,
+                                params.task.train.optimizer)
+
+
+def inspect_model(params: Params) -> None:
+    """Partition, devices, variables, and per cell: parameter, slot and activation bytes."""
+    task = params.task.Instantiate()
+    pipe = task.pipe
+    m = pipe.params.num_micro_batches
+    print(f'balance {list(pipe.balance)}  micro-batches {m}  recompute {pipe.params.recompute}'
+          f'  replicas {pipe.num_replicas}')
+    profiles = profile_model(params, task, m)
+    batch = params.input.train.batch_size // pipe.num_replicas  # each replica's share
+    for r, cells in enumerate(pipe.replica_cells):
+        replica = f'replica {r} ' if pipe.num_replicas > 1 else ''
+        for cell, (start, stop) in zip(cells, cell_ranges(pipe.balance)):
+            count = sum(v.shape.num_elements() for layer in cell.layers
+                        for v in layer.trainable_variables)
+            layers = profiles[start:stop]
+            activations = (batch / m) * sum(p.output_bytes_per_example for p in layers)
+            print(f'{replica}cell {cell.index} on {cell.device}: {cell.names} ({count} params)\n'
+                  f'  parameters {_mib(sum(p.param_bytes for p in layers))}  optimizer slots '
+                  f'{_mib(sum(p.slot_bytes for p in layers))}  activations per micro-batch '
+                  f'{_mib(activations)} (profiled layer outputs at batch {batch}/{m})')
+    for path, var in task.VariablesByPath().items():
+        print(f'{path} {var.shape.as_list()} {var.dtype.name} {var.device}')
+
+
+def step_overhead(params: Params, task) -> float:
+    """Seconds of the optimizer update, which runs after the pipeline in every step.
+
+    Timed as its own tf.function, minus the cost of calling an empty one: in the
+    trainer the update shares the step's call.
+    """
+    variables = {p: v for p, v in task.VariablesByPath().items() if v.trainable}
+    optimizer = params.task.train.optimizer.Instantiate()
+    optimizer.CreateSlots(variables)
+    grads = {p: tf.zeros_like(v) for p, v in variables.items()}
+    apply = tf.function(lambda: optimizer.Apply(tf.constant(0.0), grads, variables))
+    noop = tf.function(lambda: tf.constant(0.0))
+
+    def seconds(fn) -> float:
+        fn()
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return float(np.median(times))
+
+    return max(seconds(apply) - seconds(noop), 0.0)
+
+
+def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[float],
+                     device_profile: str, intra_op_threads: int,
+                     logdir: Optional[str]) -> None:
+    """Profiles the body, searches configurations, prints the best and writes JSON.
+
+    A budget no configuration fits is a ValueError (exit 2) raised before the
+    report is written.
+    """
+    if device_profile:
+        device = planner.parse_device_profile(device_profile)
+    else:
+        device = planner.DeviceProfile(
+            planner.simulator.DeviceModel(parallelism=planner.local_parallelism(
+                intra_op_threads)))
+    if device_memory is not None:
+        device = dataclasses.replace(device, memory=device_memory)
+    task = params.task.Instantiate()
+    batch_size = params.input.train.batch_size
+    max_m = min(max(planner.MICRO_BATCHES), batch_size)
+    profiles = profile_model(params, task, max_m)
+    overhead = 0.0 if device_profile else step_overhead(params, task)
+    configs = planner.search(profiles, batch_size, num_devices, device, step_overhead=overhead)
+    best = planner.best_fitting(configs, device.memory)
+    print(f'{len(profiles)} layers profiled on {task.pipe.devices[0]}, batch {batch_size}; '
+          f'{len(configs)} configurations simulated for up to {num_devices} devices'
+          + (f', budget {_mib(device.memory)} per device' if device.memory else ''))
+    print(planner.format_table(configs))
+    print(f'best: K={best.num_cells} M={best.num_micro_batches} recompute={best.recompute} '
+          f'schedule={best.schedule}: predicted {1e3 * best.step_time:.2f} ms/step, bubble '
+          f'{best.bubble:.2f}, peak {_mib(max(best.peak_bytes))}')
+    print(f'--params_override="{best.params_override()}"')
+    if logdir:
+        os.makedirs(logdir, exist_ok=True)
+        report = {'batch_size': batch_size, 'num_devices': num_devices,
+                  'device_memory': device.memory, 'device_model': dataclasses.asdict(device.model),
+                  'step_overhead': overhead, 'layers': [p.to_json() for p in profiles],
+                  'best': best.to_json(), 'params_override': best.params_override(),
+                  'configs': [c.to_json() for c in configs]}
+        path = os.path.join(logdir, PLAN_FILE)
+        with open(path, 'w') as f:
+            json.dump(report, f, indent=1)
+        print(f'wrote {path}')
+
+
+def _relative_difference(a: np.ndarray, b: np.ndarray) -> float:
+    """max |a - b| over max |b|: relative to the tensor's scale, so tiny entries do not explode."""
+    scale = float(np.max(np.abs(b))) if b.size else 0.0
+    return float(np.max(np.abs(a - b))) / max(scale, 1e-30) if a.size else 0.0
+
+
+def _one_step(params: Params, batch) -> tuple[float, dict, dict]:
+    """Loss, gradients and updated weights (by path) of one training step of `params`.
+
+    The trainer's own task, optimizer, clipping and learning-rate schedule, in
+    one tf.function that also returns the gradients (one trace per model:
+    tracing dominates the check's time).
+    """
+    from tfpipe import fprop_context
+    from tfpipe.base_layer import flatten_by_path
+    from tfpipe.optimizers import clip_by_global_norm
+    from trainer import train_job
+
+    with tempfile.TemporaryDirectory() as train_dir:
+        trainer = train_job.Trainer(params, train_dir, train_job.RuntimeOptions())
+        task, step = trainer.task, trainer.global_step
+
+        @tf.function
+        def train_step(batch):
+            with fprop_context.training(step=step):
+                loss, grads = task.ForwardBackward(task.theta, batch)
+            grads = flatten_by_path(grads, task.path)
+            clipped, _ = clip_by_global_norm(grads, trainer.clip_norm)
+            lr = trainer.learning_rate * trainer.schedule.Value(step + 1)
+            trainer.optimizer.Apply(lr, clipped, trainer.variables)
+            return loss, grads
+
+        loss, grads = train_step(batch)
+        weights = {p: v.numpy() for p, v in task.VariablesByPath().items()}
+    return float(loss), {p: g.numpy() for p, g in grads.items()}, weights
+
+
+def check_pipeline(params: Params) -> tuple[int, str]:
+    """One step as configured vs K=1 with the same M and no recompute, on one batch.
+
+    Returns (exit code, report). The reference keeps M so BatchNorm's
+    micro-batch statistics match, and does not recompute, so a layer whose
+    recomputed forward differs from its forward (stateful randomness, hidden
+    counters) shows up as well as a wrong partition or schedule.
+    """
+    batch = next(iter(params.input.train.Instantiate().Dataset()))
+    reference = params.Copy()
+    pipe = reference.task.pipeline
+    pipe.Set(balance=[len(pipe.body)], num_cells=None, recompute='never', devices=None)
+    loss, grads, weights = _one_step(params, batch)
+    ref_loss, ref_grads, ref_weights = _one_step(reference, batch)
+    rows = [('loss', 'loss', _relative_difference(np.array(loss), np.array(ref_loss)))]
+    rows += [('gradient', p, _relative_difference(g, ref_grads[p])) for p, g in grads.items()]
+    rows += [('weight', p, _relative_difference(w, ref_weights[p])) for p, w in weights.items()]
+    kind, worst, value = max(rows, key=lambda r: r[2])
+    summary = {k: max(r[2] for r in rows if r[0] == k) for k in ('loss', 'gradient', 'weight')}
+    ok = value <= CHECK_TOLERANCE
+    report = (f'check_pipeline: balance {list(params.task.pipeline.balance or [])} vs K=1 '
+              f'(same M, no recompute), float32 tolerance {CHECK_TOLERANCE:g} relative\n'
+              + '\n'.join(f'  largest {k} difference {v:.3g}' for k, v in summary.items())
+              + f'\n{"PASS" if ok else "FAIL"}: worst {kind} {worst} ({value:.3g})')
+    return (0 if ok else 1), report
