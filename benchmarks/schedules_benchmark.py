@@ -3,10 +3,10 @@
 For K in {2, 4} and M in {4, 8} on a balanced Dense stack, prints per schedule:
   - step time (median of interleaved rounds) relative to fill_drain;
   - peak memory of one step (BFC allocator; all logical CPUs share it), relative too;
-  - the idle fraction of the schedule's data on unit costs.
+  - the bubble measured by the timeline (tf.timestamp around every task, median over
+    rounds), and the idle fraction of the schedule's data on unit costs.
 
-Logical CPUs share two cores here, so a smaller bubble need not shorten the step: the
-measured timeline (python -m trainer ... --pipeline_trace_step) shows where the time goes.
+Logical CPUs share two cores here, so a smaller bubble need not shorten the step.
 
 Run (from the repository root):
     PYTHONPATH=. python benchmarks/schedules_benchmark.py           # a few minutes
@@ -39,7 +39,7 @@ import tensorflow as tf  # noqa: E402
 
 import tfpipe  # noqa: E402
 from tfpipe import fprop_context, layers  # noqa: E402
-from tfpipe.pipeline import partition, schedule  # noqa: E402
+from tfpipe.pipeline import partition, schedule, timeline  # noqa: E402
 from tfpipe.pipeline.pipelining_layer import SCHEDULES  # noqa: E402
 
 tf.get_logger().setLevel('ERROR')  # one tf.function per variant is intended
@@ -66,19 +66,32 @@ def build(name: str, v: int, k: int, m: int):
     x = tf.constant(rng.normal(size=[ARGS.batch, ARGS.width]), tf.float32)
     y = tf.constant(rng.normal(size=[ARGS.batch, ARGS.width]), tf.float32)
 
-    @tf.function
-    def step():
+    recorders = []
+
+    def body(record: bool):
         with fprop_context.training(step=0):
-            loss, grads = pipe.ForwardBackward(pipe.theta, x, loss_fn, y)
+            if record:
+                with pipe.RecordTimeline() as recorder:
+                    loss, grads = pipe.ForwardBackward(pipe.theta, x, loss_fn, y)
+                recorders.append(recorder)
+            else:
+                loss, grads = pipe.ForwardBackward(pipe.theta, x, loss_fn, y)
         for var, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads)):
             var.assign_sub(1e-6 * g)
-        return loss
+        return (loss, recorders[-1].stamps()) if record else loss
 
-    return step
+    step = tf.function(lambda: body(False))
+    recorded = tf.function(lambda: body(True))
+
+    def measured_bubble() -> float:
+        _, stamps = recorded()
+        return timeline.Timeline.from_stamps(recorders[-1], stamps.numpy()).bubble()['overall']
+
+    return step, measured_bubble
 
 
 def unit_bubble(name: str, v: int, k: int, m: int) -> float:
-    ticks = SCHEDULES[name](k, m, v)
+    ticks = SCHEDULES[name].build(k, m, v)
     return schedule.idle_slots(ticks, k) / (len(ticks) * k)
 
 
@@ -92,31 +105,35 @@ def main() -> None:
     print(f'{ARGS.layers} x Dense({ARGS.width}), batch {ARGS.batch}, recompute always, '
           f'{ARGS.rounds} interleaved rounds; ratios against fill_drain of the same K, M')
     print(f'{"K":>2} {"M":>2}  {"schedule":<20} {"ms/step":>8} {"time":>6} {"peak MiB":>9} '
-          f'{"memory":>7} {"unit bubble":>12}')
+          f'{"memory":>7} {"bubble measured":>16} {"unit":>6}')
     for k in (2, 4):
         for m in (4, 8):
-            steps = {}
+            steps, bubbles = {}, {}
             for name, v in VARIANTS:
-                steps[name] = build(name, v, k, m)
+                steps[name], bubbles[name] = build(name, v, k, m)
                 steps[name]().numpy()  # trace and warm up
+                bubbles[name]()
             peaks = {}
             for name in steps:  # one at a time, so peaks are each step's own
                 gc.collect()
                 peaks[name] = peak_mib(steps[name])
             times = {name: [] for name in steps}
+            measured = {name: [] for name in steps}
             names = list(steps)
             for r in range(ARGS.rounds):
                 for name in names[r % len(names):] + names[:r % len(names)]:
                     start = time.perf_counter()
                     steps[name]().numpy()
                     times[name].append(time.perf_counter() - start)
+                    measured[name].append(bubbles[name]())
             base = statistics.median(times['fill_drain'])
             for name, v in VARIANTS:
                 med = statistics.median(times[name])
                 label = f'{name} (v={v})' if v > 1 else name
                 print(f'{k:>2} {m:>2}  {label:<20} {1e3 * med:8.1f} {med / base:5.2f}x '
                       f'{peaks[name]:9.1f} {peaks[name] / peaks["fill_drain"]:6.2f}x '
-                      f'{unit_bubble(name, v, k, m):12.3f}')
+                      f'{statistics.median(measured[name]):16.3f} '
+                      f'{unit_bubble(name, v, k, m):6.3f}')
 
 
 if __name__ == '__main__':

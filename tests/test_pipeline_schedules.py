@@ -15,8 +15,8 @@ from tfpipe.pipeline import partition
 from tfpipe.pipeline.trace import ops_per_device
 
 RECOMPUTE = ['always', 'except_last', 'never']
-ZB_SIZES = [(2, 2), (2, 5), (4, 4)]
-INTERLEAVED_SIZES = [(2, 2, 2), (2, 4, 3), (3, 3, 2)]  # (K, M, v): M a multiple of K
+ZB_SIZES = [(k, m) for k in (2, 4) for m in (2, 4, 5)]
+INTERLEAVED_SIZES = [(2, 2, 2), (2, 4, 2), (4, 4, 2), (2, 4, 3)]  # (K, M, v): M a multiple of K
 
 
 def build(body, num_devices, num_micro_batches, schedule_name, recompute, virtual_stages=1):
@@ -45,10 +45,17 @@ def cases():
         yield 'interleaved_1f1b', k, m, v
 
 
+def deep_mlp_body():
+    """mlp_body with two more layers: 8, enough for K=4 devices x v=2 cells each."""
+    body = mz.mlp_body()
+    extra = [body[2].Copy().Set(name='fc1b'), body[3].Copy().Set(name='fc2b')]
+    return body[:4] + extra + body[4:]
+
+
 @pytest.mark.parametrize('recompute', RECOMPUTE)
 @pytest.mark.parametrize('name,k,m,v', list(cases()))
 def test_mlp_with_dropout_equals_unpartitioned(name, k, m, v, recompute):
-    body = mz.mlp_body()
+    body = deep_mlp_body() if k * v > 6 else mz.mlp_body()
     x, y = mz.inputs_for(body)
     pipe = build(body, k, m, name, recompute, v)
     assert_step_equal(pipe, mz.pipeline(body, 1, 1), x, y)
