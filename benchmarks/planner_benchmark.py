@@ -99,7 +99,7 @@ def model_params(name: str, data_dir: str):
         params.task.pipeline.body = body
         params.input.train.batch_size = 256
     params.input.train.data_dir = data_dir
-    params.task.pipeline.Set(partition_by='params', input_shape=None)
+    params.task.pipeline.Set(balance=None, num_cells=2, partition_by='params', input_shape=None)
     return params
 
 
