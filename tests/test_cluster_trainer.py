@@ -97,6 +97,20 @@ def losses(train_dir: str) -> dict[int, float]:
 STEPS = 4
 
 
+def assert_same_run(expected_dir, actual_dir) -> None:
+    """Loss at every step and the final checkpoint's variables within 1e-5."""
+    expected, actual = losses(str(expected_dir)), losses(str(actual_dir))
+    assert sorted(expected) == sorted(actual) == list(range(1, STEPS + 1))
+    for step in expected:
+        assert actual[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-7), step
+    assert checkpoints.step_of(checkpoints.latest(str(actual_dir))) == STEPS
+    want = th.model_values(checkpoints.latest(str(expected_dir)))
+    got = th.model_values(checkpoints.latest(str(actual_dir)))
+    assert want.keys() == got.keys()
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-7, err_msg=name)
+
+
 @pytest.mark.parametrize('balance', [[3, 2], [1, 1, 1, 2]], ids=['K2', 'K4'])
 def test_cluster_run_equals_single_process_run(tmp_path, data_dir, workers, balance):
     flags = [*th.fast_flags(STEPS, 2), th.overrides(**{'task.pipeline.balance': balance})]
@@ -108,17 +122,7 @@ def test_cluster_run_equals_single_process_run(tmp_path, data_dir, workers, bala
     spec = workers.spec + (f'@chief=127.0.0.1:{free_port()}' if len(balance) == 4 else '')
     remote = trainer(str(tmp_path), 'remote', data_dir, *flags, spec=spec)
     assert remote.returncode == 0, remote.stderr[-3000:]
-    expected = losses(str(tmp_path / 'local' / 'train'))
-    actual = losses(str(tmp_path / 'remote' / 'train'))
-    assert sorted(expected) == sorted(actual) == list(range(1, STEPS + 1))
-    for step in expected:
-        assert actual[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-7), step
-    want = th.model_values(checkpoints.latest(str(tmp_path / 'local' / 'train')))
-    got = th.model_values(checkpoints.latest(str(tmp_path / 'remote' / 'train')))
-    assert checkpoints.step_of(checkpoints.latest(str(tmp_path / 'remote' / 'train'))) == STEPS
-    assert want.keys() == got.keys()
-    for name in want:
-        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-7, err_msg=name)
+    assert_same_run(tmp_path / 'local' / 'train', tmp_path / 'remote' / 'train')
     if len(balance) == 4:  # each check once, to keep the module short
         inspect = trainer(str(tmp_path), 'remote', data_dir, '--mode=inspect_model',
                           th.overrides(**{'task.pipeline.balance': balance}), spec=workers.spec)
@@ -142,16 +146,7 @@ def test_replicas_across_processes_equal_replicas_in_one_process(tmp_path, data_
     assert local.returncode == 0, local.stderr[-3000:]
     remote = trainer(str(tmp_path), 'remote', data_dir, *flags, spec=workers.spec)
     assert remote.returncode == 0, remote.stderr[-3000:]
-    expected = losses(str(tmp_path / 'local' / 'train'))
-    actual = losses(str(tmp_path / 'remote' / 'train'))
-    assert sorted(expected) == sorted(actual) == list(range(1, STEPS + 1))
-    for step in expected:
-        assert actual[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-7), step
-    want = th.model_values(checkpoints.latest(str(tmp_path / 'local' / 'train')))
-    got = th.model_values(checkpoints.latest(str(tmp_path / 'remote' / 'train')))
-    assert want.keys() == got.keys()
-    for name in want:
-        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-7, err_msg=name)
+    assert_same_run(tmp_path / 'local' / 'train', tmp_path / 'remote' / 'train')
     inspect = trainer(str(tmp_path), 'remote', data_dir, '--mode=inspect_model',
                       th.overrides(**{'task.pipeline.num_replicas': 2}), spec=workers.spec)
     assert inspect.returncode == 0, inspect.stderr[-3000:]

@@ -21,7 +21,8 @@ from fractions import Fraction
 from typing import Mapping, Optional, Union
 
 from tfpipe.pipeline import schedule as schedule_lib
-from tfpipe.pipeline.schedule import BACKWARD, FORWARD, Schedule, Task
+from tfpipe.pipeline.schedule import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD,
+                                      Schedule, Task)
 
 Number = Union[float, Fraction]
 RECOMPUTE = 'recompute'
@@ -82,30 +83,6 @@ class Result:
         return 1 - sum(self.busy) / (len(self.busy) * self.step_time)
 
 
-# Phase names of split-backward (zero-bubble) schedules, by value so that the simulator
-# plays them whether or not this tree's schedule module builds such schedules.
-BACKWARD_INPUT = 'backward_input'
-BACKWARD_WEIGHT = 'backward_weight'
-
-
-def _dependencies(task: Task, num_cells: int) -> list[Task]:
-    """The executor's data dependencies (schedule.validate's rules).
-
-    F(k, m) needs F(k-1, m); a backward of cell k (fused, or the input part of a
-    split one) needs F(k, m) and the same backward of cell k+1; the weight part
-    W(k, m) needs only the input part of its own cell.
-    """
-    k, m = task.cell, task.micro_batch
-    if task.phase == FORWARD:
-        return [Task(k - 1, m, FORWARD)] if k > 0 else []
-    if task.phase == BACKWARD_WEIGHT:
-        return [Task(k, m, BACKWARD_INPUT)]
-    deps = [Task(k, m, FORWARD)]
-    if k + 1 < num_cells:
-        deps.append(Task(k + 1, m, task.phase))
-    return deps
-
-
 def _task_time(task: Task, cells: list[CellCosts], phases: set[str]) -> Number:
     """A task's cost; a recompute the schedule does not run as its own task is charged
     to the backward that runs it, and a split backward without its own costs gets half
@@ -163,7 +140,7 @@ def simulate(sched: Schedule, cells: list[CellCosts], device: DeviceModel = Devi
 
     def ready_time(task: Task) -> Optional[Number]:
         times = [now]
-        for dep in _dependencies(task, num_cells):
+        for dep in schedule_lib.dependencies(task, num_cells):
             if dep not in end:
                 return None
             link = 0
