@@ -46,6 +46,18 @@ def test_check_pipeline_passes_on_registered_models(model, data_dir):
     assert 'PASS' in report
 
 
+@pytest.mark.parametrize('overrides', [
+    dict(num_replicas=2),
+    dict(schedule='zb_h1', num_micro_batches=4),
+    dict(schedule='interleaved_1f1b', virtual_stages=2, balance=[2, 1, 1, 1]),
+], ids=['replicas', 'zb_h1', 'interleaved'])
+def test_check_pipeline_passes_on_replicas_and_newer_schedules(overrides, data_dir):
+    params = _params(trainer_helpers.FAST, data_dir)
+    params.task.pipeline.Set(**overrides)
+    code, report = inspect_modes.check_pipeline(params)
+    assert code == 0, report
+
+
 def test_check_pipeline_fails_on_a_recompute_unsafe_layer_and_names_it(data_dir):
     params = _params(trainer_helpers.FAST, data_dir)
     body = params.task.pipeline.body

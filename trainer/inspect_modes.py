@@ -150,7 +150,6 @@ def _one_step(params: Params, batch) -> tuple[float, dict, dict]:
     """
     from tfpipe import fprop_context
     from tfpipe.base_layer import flatten_by_path
-    from tfpipe.optimizers import clip_by_global_norm
     from trainer import train_job
 
     with tempfile.TemporaryDirectory() as train_dir:
@@ -161,11 +160,12 @@ def _one_step(params: Params, batch) -> tuple[float, dict, dict]:
         def train_step(batch):
             with fprop_context.training(step=step):
                 loss, grads = task.ForwardBackward(task.theta, batch)
-            grads = flatten_by_path(grads, task.path)
-            clipped, _ = clip_by_global_norm(grads, trainer.clip_norm)
+            replica_grads = [flatten_by_path(g, task.path)
+                             for g in (grads if isinstance(grads, list) else [grads])]
             lr = trainer.learning_rate * trainer.schedule.Value(step + 1)
-            trainer.optimizer.Apply(lr, clipped, trainer.variables)
-            return loss, grads
+            train_job.guarded_update(loss, replica_grads, trainer.clip_norm, trainer.optimizers,
+                                     trainer.replica_variables, lr, step)
+            return loss, replica_grads[0]  # all-reduced: every replica's are the same
 
         loss, grads = train_step(batch)
         weights = {p: v.numpy() for p, v in task.VariablesByPath().items()}
@@ -173,7 +173,8 @@ def _one_step(params: Params, batch) -> tuple[float, dict, dict]:
 
 
 def check_pipeline(params: Params) -> tuple[int, str]:
-    """One step as configured vs K=1 with the same M and no recompute, on one batch.
+    """One step as configured vs K=1 (R=1, fill-drain) with the same micro-batches and no
+    recompute, on one batch.
 
     Returns (exit code, report). The reference keeps M so BatchNorm's
     micro-batch statistics match, and does not recompute, so a layer whose
@@ -183,7 +184,11 @@ def check_pipeline(params: Params) -> tuple[int, str]:
     batch = next(iter(params.input.train.Instantiate().Dataset()))
     reference = params.Copy()
     pipe = reference.task.pipeline
-    pipe.Set(balance=[len(pipe.body)], num_cells=None, recompute='never', devices=None)
+    # One cell, one replica running the R*M micro-batches the R replicas run, under the
+    # plain schedule: the step every configuration must equal.
+    pipe.Set(balance=[len(pipe.body)], num_cells=None, recompute='never', devices=None,
+             num_micro_batches=pipe.num_micro_batches * pipe.num_replicas, num_replicas=1,
+             schedule='fill_drain', virtual_stages=1)
     loss, grads, weights = _one_step(params, batch)
     ref_loss, ref_grads, ref_weights = _one_step(reference, batch)
     rows = [('loss', 'loss', _relative_difference(np.array(loss), np.array(ref_loss)))]
