@@ -63,3 +63,39 @@ def test_activations_between_cells_are_bfloat16():
         sent = first.forward(first.read_theta(pipe.theta), x)
         out = last.forward(last.read_theta(pipe.theta), sent)
     assert sent.dtype == tf.bfloat16 and out.dtype == tf.float32
+
+
+def _layer_outputs(pipe, x):
+    """Every layer's output, cell by cell, in evaluation mode."""
+    outs = []
+    with fprop_context.evaluation():
+        for cell in pipe.cells:
+            layer_outs = cell.forward_layers(cell.read_theta(pipe.theta), x)
+            outs += layer_outs
+            x = layer_outs[-1]
+    return outs
+
+
+def test_a_layers_own_fprop_dtype_wins_over_the_pipelines():
+    """A bfloat16 pipeline keeps its softmax layer in float32 (fc3's own fprop_dtype)."""
+    body = zoo.mlp_body(tf.float32)
+    body[-1].fprop_dtype = tf.float32
+    pipe = zoo.pipeline(body, num_cells=2, num_micro_batches=1, fprop_dtype=tf.bfloat16)
+    x, _ = zoo.inputs_for(body, tf.float32)
+    dtypes = [o.dtype for o in _layer_outputs(pipe, x)]
+    assert dtypes == [tf.bfloat16] * 5 + [tf.float32]
+
+
+def test_one_bfloat16_layer_in_a_float32_pipeline():
+    """Only fc1 computes in bfloat16; the next layer gets float32 inputs back, gradients
+    stay float32, and training follows the float32 run within 2%."""
+    body = zoo.mlp_body(tf.float32)
+    body[2].fprop_dtype = tf.bfloat16
+    x, _ = zoo.inputs_for(body, tf.float32)
+    pipe = zoo.pipeline(body, num_cells=2, num_micro_batches=3)
+    dtypes = [o.dtype for o in _layer_outputs(pipe, x)]
+    assert dtypes == [tf.float32, tf.float32, tf.bfloat16] + [tf.float32] * 3
+    _, reference = _train(zoo.mlp_body(tf.float32), None, tape=False)
+    _, got = _train(body, None, tape=False)
+    np.testing.assert_allclose(got, reference, rtol=0.02)
+    assert got != reference  # fc1 did round

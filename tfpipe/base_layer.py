@@ -58,6 +58,11 @@ class BaseLayer(tf.Module):
                  'siblings. The layer path (parent/child) keys variables, seeds and '
                  'checkpoints.')
         p.Define('dtype', tf.float32, 'Dtype of variables and activations.')
+        p.Define('fprop_dtype', None, "Compute dtype, e.g. tf.bfloat16 (Lingvo's name): where "
+                 'the layer runs in a sequence (a pipeline body, Sequential), its float inputs '
+                 'and weights are cast to it; variables and their gradients keep `dtype`. None: '
+                 'compute in the dtype of the inputs (a PipeliningLayer\'s fprop_dtype is the '
+                 'default of its body; a layer\'s own wins, e.g. float32 for a softmax).')
         p.Define('random_seed', None, 'Seed of the weight initialisers; None inherits '
                  "the parent's (0 at the root).")
         return p
@@ -77,6 +82,7 @@ class BaseLayer(tf.Module):
         else:
             self._seed = parent._seed if parent is not None else 0
         self._vars: dict[str, tf.Variable] = {}
+        self._tied: dict[str, tf.Variable] = {}  # name -> another layer's variable
         self._children: dict[str, BaseLayer] = {}
 
     # -- Structure -------------------------------------------------------------------
@@ -146,9 +152,34 @@ class BaseLayer(tf.Module):
         self._vars[name] = var
         return var
 
+    def TieVariable(self, name: str, owner: tf.Variable) -> None:
+        """Uses `owner`, another layer's variable, in place of this layer's variable `name`.
+
+        The own variable is dropped; the shared one stays out of this layer's
+        `theta` and `VariablesByPath`, so an optimizer updates it once and a
+        checkpoint holds it once, under its owner's path. Whoever runs FProp with a
+        theta passes it in (PipeliningLayer does, see `tfpipe.pipeline.ties`).
+        """
+        own = self._vars.get(name)
+        if own is None:
+            raise ValueError(f'{self.path!r} has no variable {name!r} to tie; its variables '
+                             f'are {sorted(self._vars)}')
+        if tuple(own.shape) != tuple(owner.shape) or own.dtype != owner.dtype:
+            raise ValueError(f'cannot tie {self.path}/{name} ({own.dtype.name} '
+                             f'{own.shape.as_list()}) to {owner.name} ({owner.dtype.name} '
+                             f'{owner.shape.as_list()}): shapes and dtypes must be equal')
+        del self._vars[name]
+        self._tied[name] = owner
+
+    @property
+    def tied_variables(self) -> dict[str, tf.Variable]:
+        """This layer's tied variables by name: other layers' variables it reads."""
+        return dict(self._tied)
+
     @property
     def theta(self) -> dict:
-        """Nested dict of trainable variables: own by name, children's by child name."""
+        """Nested dict of trainable variables: own by name, children's by child name.
+        Tied variables belong to their owner's theta, not to this one."""
         out: dict[str, Any] = {n: v for n, v in self._vars.items() if v.trainable}
         for n, child in self._children.items():
             out[n] = child.theta
@@ -173,7 +204,7 @@ class BaseLayer(tf.Module):
         raise NotImplementedError(f'{type(self).__name__} does not implement FProp')
 
     def __call__(self, *inputs: Any) -> Any:
-        return self.FProp(self.theta, *inputs)
+        return self.FProp({**self.theta, **self._tied}, *inputs)
 
     @classmethod
     def FPropMeta(cls, p: Params, *input_shapes: tf.TensorShape) -> LayerMeta:
@@ -190,13 +221,31 @@ class BaseLayer(tf.Module):
             "balance or partition it by 'flops' or 'time'")
 
 
-def apply_layer(layer: BaseLayer, theta: dict, activation: Any) -> Any:
+def cast_floats(struct: Any, dtype: tf.DType) -> Any:
+    """Float leaves of a nested structure cast to `dtype`; ints ride along."""
+    return tf.nest.map_structure(
+        lambda t: tf.cast(t, dtype) if t.dtype.is_floating and t.dtype != dtype else t, struct)
+
+
+def apply_layer(layer: BaseLayer, theta: dict, activation: Any,
+                fprop_dtype: Optional[tf.DType] = None) -> Any:
     """Applies one layer of a sequence to an activation that may carry skips.
 
     A dict activation holds the main tensor under 'x' and stashed skip tensors
     under other keys (see layers.Stash / layers.Pop); a plain layer transforms
     'x' and the skips ride along, so a skip can cross cell boundaries.
+
+    The layer computes in its own `fprop_dtype`, else in `fprop_dtype` (the
+    sequence's default), else in the dtype of the weights it is given (so a
+    float32 layer after a bfloat16 one gets float32 inputs); a layer without
+    float weights takes its inputs as they come. The casts sit under the
+    caller's tape, so weight gradients come back in the variables' dtype.
     """
+    dtype = layer.params.fprop_dtype or fprop_dtype
+    if dtype is None:
+        dtype = next((t.dtype for t in tf.nest.flatten(theta) if t.dtype.is_floating), None)
+    if dtype is not None:
+        theta, activation = cast_floats(theta, dtype), cast_floats(activation, dtype)
     if layer.NESTED_ACTIVATIONS or not isinstance(activation, dict):
         return layer.FProp(theta, activation)
     out = dict(activation)

@@ -33,10 +33,19 @@ def amoebanet_body(num_classes: int, image_channels: int = 3, filters: int = 16,
     return body
 
 
+# The pipeline's `tied_weights` for a `transformer_body(..., tied_softmax=True)`: the
+# softmax projection reads the input embedding, as in Lingvo's and Vaswani et al.'s models.
+TRANSFORMER_TIES = {'logits/w': 'embedding/emb'}
+
+
 def transformer_body(vocab_size: int, max_length: int, model_dim: int, hidden_dim: int,
-                     num_heads: int, num_blocks: int, dropout_keep_prob: float = 1.0
-                     ) -> list[Params]:
-    """Embedding + positions, `num_blocks` causal blocks, final LayerNorm, logits."""
+                     num_heads: int, num_blocks: int, dropout_keep_prob: float = 1.0,
+                     tied_softmax: bool = False) -> list[Params]:
+    """Embedding + positions, `num_blocks` causal blocks, final LayerNorm, logits.
+
+    tied_softmax: lay the logits' weight out like the embedding table
+    ([vocab, model_dim]) so the pipeline can tie them with TRANSFORMER_TIES.
+    """
     body = [layers.Embedding.Params().Set(name='embedding', vocab_size=vocab_size,
                                           embedding_dim=model_dim, scale_sqrt_depth=True),
             layers.PositionEmbedding.Params().Set(name='position', max_length=max_length,
@@ -45,5 +54,6 @@ def transformer_body(vocab_size: int, max_length: int, model_dim: int, hidden_di
         name=f'block{i}', model_dim=model_dim, hidden_dim=hidden_dim, num_heads=num_heads,
         causal=True, residual_dropout_keep_prob=dropout_keep_prob) for i in range(num_blocks)]
     body += [layers.LayerNorm.Params().Set(name='final_ln', dim=model_dim),
-             layers.Dense.Params().Set(name='logits', input_dim=model_dim, output_dim=vocab_size)]
+             layers.Dense.Params().Set(name='logits', input_dim=model_dim, output_dim=vocab_size,
+                                       weight_layout='oi' if tied_softmax else 'io')]
     return body

@@ -46,7 +46,10 @@ SCHEDULES = {'fill_drain': schedule.fill_drain, '1f1b': schedule.one_f_one_b}
 
 
 class _Name:
-    """The `params.name` a Cell reads from each of its layers."""
+    """The params a Cell reads from each of its layers: `name`, and no `fprop_dtype` of
+    its own (a Keras layer computes under its own dtype policy)."""
+
+    fprop_dtype = None
 
     def __init__(self, name: str):
         self.name = name

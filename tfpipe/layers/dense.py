@@ -28,6 +28,10 @@ class Dense(BaseLayer):
         p.Define('activation', 'none', f'One of {activations.NAMES}.')
         p.Define('use_bias', True, 'Add a bias.')
         p.Define('weight_init', 'glorot_uniform', 'Initialiser name for w.')
+        p.Define('weight_layout', 'io', "Layout of w: 'io' is [input_dim, output_dim]; 'oi' is "
+                 '[output_dim, input_dim], the layout of an Embedding table, so that an output '
+                 "softmax can tie its w to the input embedding (Lingvo's "
+                 'use_num_classes_major_weight).')
         return p
 
     def __init__(self, params, parent=None):
@@ -37,16 +41,24 @@ class Dense(BaseLayer):
             raise ValueError(f'{self.path}: input_dim={p.input_dim} and output_dim='
                              f'{p.output_dim} must both be >= 1; set them in the Dense params')
         self._act = activations.get(p.activation, self.path)
-        self.CreateVariable('w', [p.input_dim, p.output_dim], p.weight_init)
+        if p.weight_layout not in ('io', 'oi'):
+            raise ValueError(f"{self.path}: weight_layout={p.weight_layout!r}: use 'io' "
+                             "([input_dim, output_dim]) or 'oi' ([output_dim, input_dim])")
+        shape = [p.input_dim, p.output_dim]
+        self.CreateVariable('w', shape if p.weight_layout == 'io' else shape[::-1],
+                            p.weight_init)
         if p.use_bias:
             self.CreateVariable('b', [p.output_dim], 'zeros')
 
     def FProp(self, theta, x):
-        check_last_dim(self, x, self.params.input_dim, 'input_dim')
-        if x.shape.rank == 2:
-            y = tf.matmul(x, theta['w'])
-        else:
-            y = tf.einsum('...i,io->...o', x, theta['w'])
+        p = self.params
+        check_last_dim(self, x, p.input_dim, 'input_dim')
+        # Rank > 2 is flattened to one matmul: an einsum's gradient builds a
+        # broadcast intermediate as large as batch x input_dim x output_dim.
+        rows = tf.reshape(x, [-1, p.input_dim]) if x.shape.rank != 2 else x
+        y = tf.matmul(rows, theta['w'], transpose_b=p.weight_layout == 'oi')
+        if x.shape.rank != 2:
+            y = tf.reshape(y, tf.concat([tf.shape(x)[:-1], [p.output_dim]], 0))
         if self.params.use_bias:
             y += theta['b']
         return self._act(y)

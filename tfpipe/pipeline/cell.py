@@ -10,7 +10,8 @@ from typing import Any, Optional, Sequence
 
 import tensorflow as tf
 
-from tfpipe.base_layer import BaseLayer, apply_layer
+from tfpipe.base_layer import BaseLayer, apply_layer, cast_floats
+from tfpipe.pipeline import ties as ties_lib
 
 RECOMPUTE_POLICIES = ('always', 'except_last', 'never')
 
@@ -31,12 +32,6 @@ def recompute_flags(policy: str, num_cells: int) -> list[bool]:
     return [True] * (num_cells - 1) + [False]
 
 
-def cast_floats(struct: Any, dtype: tf.DType) -> Any:
-    """Float leaves of a nested structure cast to `dtype`; ints ride along."""
-    return tf.nest.map_structure(
-        lambda t: tf.cast(t, dtype) if t.dtype.is_floating and t.dtype != dtype else t, struct)
-
-
 def _read(value: Any) -> tf.Tensor:
     # read_value() takes the enclosing device scope; tf.identity(variable) leaves
     # the ReadVariableOp unplaced in the traced graph.
@@ -47,16 +42,19 @@ class Cell:
     """Layers [start, stop) of the body, run on `device`."""
 
     def __init__(self, index: int, device: str, layers: Sequence[BaseLayer], recompute: bool,
-                 fprop_dtype: Optional[tf.DType] = None, output_dtype: Optional[tf.DType] = None):
+                 fprop_dtype: Optional[tf.DType] = None, output_dtype: Optional[tf.DType] = None,
+                 ties: Sequence[ties_lib.Tie] = ()):
         """fprop_dtype: compute dtype (e.g. bfloat16), None: the variables' dtype;
         output_dtype: what the cell's float outputs are cast to (the last cell's go
-        back to float32 for the loss), None: left in fprop_dtype."""
+        back to float32 for the loss), None: left in fprop_dtype;
+        ties: the pipeline's ties whose user layer is in this cell."""
         self.index = index
         self.device = device
         self.layers = list(layers)
         self.recompute = recompute
         self.fprop_dtype = fprop_dtype
         self.output_dtype = output_dtype
+        self.ties = [t for t in ties if t.user_cell == index]
 
     @property
     def names(self) -> list[str]:
@@ -67,10 +65,13 @@ class Cell:
 
         Reading the variables here (rather than inside every micro-batch) gives
         each micro-batch the same tensors, and puts the reads on the device that
-        owns the variables.
+        owns the variables. Tied weights owned by another cell are read here too:
+        one copy onto this device per step.
         """
         with tf.device(self.device), tf.name_scope(f'cell_{self.index}/theta'):
-            return {n: tf.nest.map_structure(_read, theta[n]) for n in self.names}
+            out = {n: tf.nest.map_structure(_read, theta[n]) for n in self.names}
+            ties_lib.read_into(out, theta, self.ties, _read)
+            return out
 
     def forward(self, theta: dict, x: Any) -> Any:
         """Applies the cell's layers in order (device and context set by the caller)."""
@@ -80,15 +81,14 @@ class Cell:
         """The output of each layer in turn; a split backward differentiates each layer's
         weights from its own output, so it needs them all.
 
-        With a fprop_dtype the casts happen here, under the caller's tape: weight
-        gradients come back in the variables' dtype (float32) and are summed in
-        it, while compute and the activations sent to the next cell use fprop_dtype.
+        With a fprop_dtype (the pipeline's, or a layer's own) the casts happen in
+        `apply_layer`, under the caller's tape: weight gradients come back in the
+        variables' dtype (float32) and are summed in it, while compute and the
+        activations sent to the next cell use the compute dtype.
         """
-        if self.fprop_dtype is not None:
-            theta, x = cast_floats(theta, self.fprop_dtype), cast_floats(x, self.fprop_dtype)
         outs = []
         for layer in self.layers:
-            x = apply_layer(layer, theta[layer.params.name], x)
+            x = apply_layer(layer, theta[layer.params.name], x, self.fprop_dtype)
             outs.append(x)
         if self.output_dtype is not None:
             outs[-1] = cast_floats(outs[-1], self.output_dtype)

@@ -37,7 +37,7 @@ import tensorflow as tf
 from tfpipe import devices as devices_lib
 from tfpipe import fprop_context
 from tfpipe.base_layer import BaseLayer, body_meta
-from tfpipe.pipeline import costs, microbatch, partition, replicas, schedule, timeline
+from tfpipe.pipeline import costs, microbatch, partition, replicas, schedule, ties, timeline
 from tfpipe.pipeline.cell import RECOMPUTE_POLICIES, Cell, recompute_flags
 from tfpipe.pipeline.executor import PipelineRun, float_leaves, is_differentiable
 
@@ -96,9 +96,10 @@ class PipeliningLayer(BaseLayer):
         p.Define('num_micro_batches', 1, 'M: micro-batches per mini-batch (uneven sizes are '
                  'allowed; a batch smaller than M gives one example per micro-batch).')
         p.Define('recompute', 'always', 'Re-materialisation: ' + ' | '.join(RECOMPUTE_POLICIES))
-        p.Define('fprop_dtype', None, 'Compute dtype of the cells and of the activations '
-                 'sent between them, e.g. tf.bfloat16 (Lingvo\'s name); variables, gradient '
-                 'sums and the outputs stay float32. None: compute in the variables\' dtype.')
+        p.Define('tied_weights', None, "Shared weights, {user: owner} by variable path in the "
+                 "body, e.g. {'logits/w': 'embedding/emb'}: the user layer reads the owner's "
+                 'variable (one variable, on the owner\'s device, checkpointed once); its '
+                 'gradient is the sum of both uses. See tfpipe.pipeline.ties.')
         p.Define('schedule', 'fill_drain', f'Schedule: {sorted(SCHEDULES)} (zb_*: backward '
                  'split into input and weight parts). FProp in training mode (under an outer '
                  'tape) runs only schedules whose forwards come first (fill_drain); the others '
@@ -127,6 +128,9 @@ class PipeliningLayer(BaseLayer):
             raise ValueError(f'{self.path}: virtual_stages={v} needs schedule='
                              f"'interleaved_1f1b' (schedule is {p.schedule!r}); or set "
                              'virtual_stages=1')
+        # The inherited fprop_dtype is the body's default compute dtype (the activations
+        # sent between cells use it); a body layer's own wins. Variables, gradient sums
+        # and the pipeline's outputs stay float32.
         flags = None
         try:
             self.balance = tuple(self._Balance())
@@ -145,11 +149,16 @@ class PipeliningLayer(BaseLayer):
         for k, (start, stop) in enumerate(partition.cell_ranges(self.balance)):
             with tf.device(self.devices[k % num_devices]):
                 layers.append(self.CreateChildren(p.body[start:stop]))
+        try:
+            self.ties = ties.resolve(p.tied_weights, layers)
+        except ValueError as e:
+            raise ValueError(f'{self.path}: {e}') from None
+        ties.tie(self.ties, layers)
         self.cells = [Cell(k, self.devices[k % num_devices], layers[k], flags[k],
-                           *replicas.cell_dtypes(k, len(self.balance), p.fprop_dtype))
+                           *replicas.cell_dtypes(k, len(self.balance), p), ties=self.ties)
                       for k in range(len(self.balance))]
         self.replica_cells = [self.cells] + [
-            replicas.mirror_cells(self, p.body, self.balance, devices, flags, p.fprop_dtype)
+            replicas.mirror_cells(self, p, self.balance, devices, flags, self.ties)
             for devices in self.replica_devices[1:]]
         self._recorder: timeline.Recorder | None = None
 
@@ -183,6 +192,10 @@ class PipeliningLayer(BaseLayer):
         return partition.solve_balance(layer_costs, p.num_cells * p.virtual_stages)
 
     # -- Replicas ------------------------------------------------------------------------
+
+    def devices_of_cells(self, replica: int) -> list[str]:
+        """The device of each cell of one replica (cell j: device j mod K)."""
+        return [cell.device for cell in self.replica_cells[replica]]
 
     @property
     def num_replicas(self) -> int:
@@ -442,6 +455,7 @@ class PipeliningLayer(BaseLayer):
             grads: dict = {}
             for k, cell_grads in enumerate(self._SumOverReplicas(runs)):
                 grads.update(tf.nest.pack_sequence_as(runs[0].thetas[k], cell_grads))
+            ties.fold(grads, self.ties, self.devices_of_cells(0))
             return loss, {name: grads[name] for name in theta}
         per_replica: list[dict] = [{} for _ in runs]
         for k in range(len(self.cells)):
@@ -450,6 +464,8 @@ class PipeliningLayer(BaseLayer):
             for r, run in enumerate(runs):
                 run.theta_grads[k] = reduced[r]
                 per_replica[r].update(run.theta_grads_of(k))
+        for r, replica_grads in enumerate(per_replica):
+            ties.fold(replica_grads, self.ties, self.devices_of_cells(r))
         grads = [{name: g[name] for name in t} for g, t in zip(per_replica, theta)]
         return loss, (grads if self.num_replicas > 1 else grads[0])
 

@@ -34,6 +34,7 @@ from tensorflow.python.ops import collective_ops  # the public tf.distribute wra
 from tfpipe import fprop_context
 from tfpipe.base_layer import BaseLayer
 from tfpipe.pipeline import microbatch, partition
+from tfpipe.pipeline import ties as ties_lib
 from tfpipe.pipeline.cell import Cell
 
 _lock = threading.Lock()
@@ -41,26 +42,29 @@ _group_keys: dict[tuple[str, ...], int] = {}
 _instance_keys = itertools.count(1)
 
 
-def cell_dtypes(k: int, num_cells: int, fprop_dtype: Any) -> tuple[Any, Any]:
-    """(compute dtype, output dtype) of cell k: with a fprop_dtype, the last cell casts
-    the pipeline's output back to float32."""
-    last = fprop_dtype is not None and k == num_cells - 1
-    return fprop_dtype, (tf.float32 if last else None)
+def cell_dtypes(k: int, num_cells: int, pipeline_params: Any) -> tuple[Any, Any]:
+    """(compute dtype, output dtype) of cell k: with a fprop_dtype (the pipeline's or a
+    body layer's), the last cell casts the pipeline's output back to float32."""
+    p = pipeline_params
+    mixed = p.fprop_dtype is not None or any(lp.fprop_dtype is not None for lp in p.body)
+    return p.fprop_dtype, (tf.float32 if mixed and k == num_cells - 1 else None)
 
 
-def mirror_cells(pipe: BaseLayer, body: Sequence[Any], balance: Sequence[int],
+def mirror_cells(pipe: BaseLayer, pipeline_params: Any, balance: Sequence[int],
                  devices: Sequence[str], recompute: Sequence[bool],
-                 fprop_dtype: Any = None) -> list[Cell]:
+                 ties: Sequence[ties_lib.Tie] = ()) -> list[Cell]:
     """One replica's cells: the body's layers built again on `devices`, not adopted
-    (cell k on device k mod K, as the pipeline's own cells)."""
-    cells = []
+    (cell k on device k mod K, as the pipeline's own cells), tied among themselves
+    as the pipeline's own layers are."""
+    cell_layers = []
     for k, (start, stop) in enumerate(partition.cell_ranges(balance)):
-        device = devices[k % len(devices)]
-        with tf.device(device):
-            layers = [pipe.BuildDetachedChild(p.name, p) for p in body[start:stop]]
-        cells.append(Cell(k, device, layers, recompute[k],
-                          *cell_dtypes(k, len(balance), fprop_dtype)))
-    return cells
+        with tf.device(devices[k % len(devices)]):
+            cell_layers.append([pipe.BuildDetachedChild(p.name, p)
+                                for p in pipeline_params.body[start:stop]])
+    ties_lib.tie(ties, cell_layers)
+    return [Cell(k, devices[k % len(devices)], layers, recompute[k],
+                 *cell_dtypes(k, len(balance), pipeline_params), ties=ties)
+            for k, layers in enumerate(cell_layers)]
 
 
 def theta_of(cells: Sequence[Cell]) -> dict:
