@@ -55,10 +55,13 @@ def inspect_model(params: Params) -> None:
         replica = f'replica {r} ' if pipe.num_replicas > 1 else ''
         for cell, (start, stop) in zip(cells, cell_ranges(pipe.balance)):
             count = sum(v.shape.num_elements() for layer in cell.layers
-                        for v in layer.trainable_variables)
+                        for v in tf.nest.flatten(layer.theta))
             layers = profiles[start:stop]
             activations = (batch / m) * sum(p.output_bytes_per_example for p in layers)
-            print(f'{replica}cell {cell.index} on {cell.device}: {cell.names} ({count} params)\n'
+            tied = ''.join(f', reads {"/".join(t.owner)} of cell {t.owner_cell} as '
+                           f'{"/".join(t.user)}' for t in cell.ties)
+            print(f'{replica}cell {cell.index} on {cell.device}: {cell.names} ({count} params'
+                  f'{tied})\n'
                   f'  parameters {_mib(sum(p.param_bytes for p in layers))}  optimizer slots '
                   f'{_mib(sum(p.slot_bytes for p in layers))}  activations per micro-batch '
                   f'{_mib(activations)} (profiled layer outputs at batch {batch}/{m})')
