@@ -240,6 +240,46 @@ def test_full_disk_during_a_save_is_one_line_and_leaves_no_partial_checkpoint(sm
     checkpoints.check_readable(checkpoints.latest(train_dir))
 
 
+@pytest.mark.parametrize('spare_bytes,failing', [(0, 'job.lock'), (4096, 'model.txt')])
+def test_full_disk_at_start_is_one_line_and_leaves_no_temporary_file(small_disk, data_dir,
+                                                                     spare_bytes, failing):
+    """The trainer's first writes hit a full disk: the lock file, or with one page left
+    for the lock, the model and params files. Exit 2 naming the file and the fix,
+    nothing half-written left behind."""
+    logdir = os.path.join(small_disk, 'run')
+    os.makedirs(logdir)  # directory entries fit on a full tmpfs; file contents do not
+    spare = os.path.join(small_disk, 'spare')
+    with open(spare, 'wb') as f:
+        f.write(b'\0' * spare_bytes)
+    _fill(small_disk)
+    os.remove(spare)
+    result = th.run(th.FAST, logdir, data_dir, *th.fast_flags(2, 2))
+    assert result.returncode == 2, result.stderr[-3000:]
+    line = th.error_line(result)
+    if failing == 'job.lock':
+        assert line == (f'error: cannot write {logdir}/train/job.lock (No space left on '
+                        'device): free space on the --logdir file system')
+        return
+    assert line.startswith(
+        f'error: No space left on device while writing {logdir}/{failing}'), line
+    assert line.endswith(': free some space or point --logdir elsewhere; checkpoints '
+                         'already written are intact'), line
+    left = [os.path.join(root, n) for root, _, names in os.walk(logdir) for n in names]
+    assert not [f for f in left if f.endswith('.tmp') or os.path.getsize(f) == 0
+                and not f.endswith('job.lock')], left
+
+
+def test_a_failed_write_keeps_the_old_file(small_disk):
+    from trainer import logdir_access
+    path = os.path.join(small_disk, 'score-1.txt')
+    logdir_access.write_file(path, 'old\n')
+    _fill(small_disk)
+    with pytest.raises(OSError) as e:
+        logdir_access.write_file(path, 'x' * (1 << 20))
+    assert e.value.errno == 28 and e.value.filename == path
+    assert open(path).read() == 'old\n' and not os.path.exists(path + '.tmp')
+
+
 # --- 15: progress without the first step's tracing ------------------------------------------
 
 

@@ -19,6 +19,7 @@ from absl import logging
 
 from tfpipe import checkpoints, fprop_context
 from tfpipe.hyperparams import Params
+from trainer import logdir_access
 
 PROCESSED_FILE = 'processed.txt'
 NUM_EXAMPLES = 'num_examples'  # the line of score-<step>.txt saying how many examples were seen
@@ -166,10 +167,7 @@ class Decoder(_PollingJob):
             out = {k: v.numpy()[real] for k, v in self._decode(batch).items()}
             records += self.task.PostProcessDecodeOut(out)
         out_path = os.path.join(self.job_dir, f'decoder_out-{step}.jsonl')
-        with open(out_path + '.tmp', 'w') as f:
-            for record in records:
-                f.write(json.dumps(record) + '\n')
-        os.replace(out_path + '.tmp', out_path)
+        logdir_access.write_file(out_path, ''.join(json.dumps(r) + '\n' for r in records))
         scores = self.task.DecodeMetrics(records)
         _write_scores(self.job_dir, step, scores, len(records), writer)
         logging.info('decoder_%s step %d: %s (%d examples)', self.split, step, _format(scores),
@@ -183,11 +181,9 @@ def _format(scores: dict) -> str:
 def _write_scores(job_dir: str, step: int, scores: dict, num_examples: int, writer) -> None:
     """score-<step>.txt: one 'name: value' line per metric, then 'num_examples: N'."""
     path = os.path.join(job_dir, f'score-{step}.txt')
-    with open(path + '.tmp', 'w') as f:
-        for name, value in sorted(scores.items()):
-            f.write(f'{name}: {float(np.asarray(value)):.6f}\n')
-        f.write(f'{NUM_EXAMPLES}: {num_examples}\n')
-    os.replace(path + '.tmp', path)
+    logdir_access.write_file(path, ''.join(
+        f'{name}: {float(np.asarray(value)):.6f}\n' for name, value in sorted(scores.items()))
+        + f'{NUM_EXAMPLES}: {num_examples}\n')
     with writer.as_default(step=step):
         for name, value in scores.items():
             tf.summary.scalar(name, float(value))

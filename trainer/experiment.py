@@ -13,6 +13,7 @@ import gin
 
 import model_registry
 from tfpipe import params_text
+from trainer import logdir_access
 from tfpipe.hyperparams import Params
 
 MODEL_FILE = 'model.txt'
@@ -115,16 +116,13 @@ def check_logdir(logdir: str, model: str) -> None:
 def write_job_files(logdir: str, job_dir: str, model: str, params: Params,
                     params_file: str = PARAMS_FILE) -> None:
     os.makedirs(job_dir, exist_ok=True)
-    with open(os.path.join(logdir, MODEL_FILE), 'w') as f:
-        f.write(model + '\n')
+    logdir_access.write_file(os.path.join(logdir, MODEL_FILE), model + '\n')
     write_params(os.path.join(job_dir, params_file), params)
 
 
 def write_params(path: str, params: Params) -> None:
     """Atomically: a reader never sees half a params file."""
-    with open(path + '.tmp', 'w') as f:
-        f.write(params.ToText())
-    os.replace(path + '.tmp', path)
+    logdir_access.write_file(path, params.ToText())
 
 
 def saved_train_params(train_dir: str, params: Params,

@@ -1,4 +1,5 @@
-"""Who may write a job dir: it must be a writable directory, and one live job holds it.
+"""Who may write a job dir, and how: a writable directory, held by one live job, whose
+files are replaced whole.
 
 Two trainers on one logdir would save into the same `ckpt-N` names, and two
 evalers of one split into the same `score-N.txt`; neither notices the other.
@@ -12,6 +13,7 @@ been validated, and the lock file is the first thing it writes.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -87,7 +89,8 @@ class JobDirLock:
                     f'{time.strftime("%Y-%m-%d %H:%M:%S")}\n')
             f.flush()
         except OSError as e:  # a full disk
-            f.close()
+            with contextlib.suppress(OSError):  # closing flushes what did not fit: fails too
+                f.close()
             raise ValueError(f'cannot write {path} ({e.strerror}): free space on the '
                              '--logdir file system') from None
         self._file = f
@@ -97,3 +100,18 @@ class JobDirLock:
         if self._file is not None:
             self._file.close()  # closing the last descriptor drops the flock
             self._file = None
+
+
+def write_file(path: str, text: str) -> None:
+    """Replaces `path` with `text` atomically: a reader (an evaler, a resumed trainer)
+    never sees half a file. When the write fails (disk full) the old file stays, the
+    temporary one is removed, and the error names `path`."""
+    tmp = path + '.tmp'
+    try:
+        with open(tmp, 'w') as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise OSError(e.errno, e.strerror, path) from None

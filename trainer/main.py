@@ -15,6 +15,7 @@ with status 2 and a one-line error, before anything is written to --logdir.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import sys
 import threading
@@ -275,7 +276,21 @@ def _main_with_errors(argv) -> None:
     except (train_job.NonFiniteLossError, WorkerUnavailableError) as e:
         print(f'error: {e}', file=sys.stderr)
         sys.exit(1)
+    except OSError as e:
+        if e.errno not in _STORAGE_ERRORS:
+            raise
+        print(f'error: {e.strerror} while writing {e.filename or "the logdir"}: '
+              f'{_STORAGE_ERRORS[e.errno]}; checkpoints already written are intact',
+              file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
     sys.exit(code)
+
+
+# A full or read-only disk is the machine's state, not a bug: one line and the fix.
+_STORAGE_ERRORS = {errno.ENOSPC: 'free some space or point --logdir elsewhere',
+                   errno.EDQUOT: 'raise the quota or point --logdir elsewhere',
+                   errno.EROFS: 'point --logdir at a writable file system',
+                   errno.EACCES: 'make --logdir writable for this user or choose another'}
 
 
 def run() -> None:
