@@ -175,3 +175,19 @@ def test_lost_worker_error_names_the_task():
         # Other failures are not a lost worker.
         assert cluster.lost_worker_error(c, tf.errors.InternalError(None, None, 'x')) is None
         assert cluster.lost_worker_error(c, ValueError('x')) is None
+
+
+def test_step_deadline_is_armed_by_the_first_step_and_names_the_workers():
+    import time
+    c = cluster.Cluster({'worker': ('127.0.0.1:1', '127.0.0.1:2')})
+    beat = [None]
+    watchdog = cluster.Watchdog(c, heartbeat=lambda: beat[0], step_timeout=30)
+    assert watchdog._stalled_step() is None  # the first step (tracing) has no deadline
+    beat[0] = (7, time.monotonic() - 29)
+    assert watchdog._stalled_step() is None
+    beat[0] = (7, time.monotonic() - 31)
+    assert watchdog._stalled_step() == (
+        'step 8 has not finished 30 s after step 7, though every worker accepts connections: '
+        'one may be frozen (stopped, swapping or a hung device) among task 0 (127.0.0.1:1), '
+        'task 1 (127.0.0.1:2); restart the workers and this trainer (it resumes from the last '
+        'checkpoint), or raise trainer.step_timeout_seconds if a step really takes this long')

@@ -198,6 +198,43 @@ def test_lost_worker_fails_fast_and_rerun_resumes(tmp_path, data_dir, workers):
     assert checkpoints.step_of(checkpoints.latest(train_dir)) == last + 2
 
 
+def test_frozen_worker_ends_the_step_at_its_deadline(tmp_path, data_dir, workers):
+    """SIGSTOP: the worker's kernel still accepts connections, so only the step deadline
+    (trainer.step_timeout_seconds) can tell; the trainer names the workers and exits 1."""
+    logdir = str(tmp_path / 'run')
+    train_dir = os.path.join(logdir, 'train')
+    cmd = [*th.command(th.FAST, logdir, data_dir, *th.fast_flags(100000, 2)),
+           f'--cluster_spec={workers.spec}', '--gin_bindings=trainer.step_timeout_seconds=8']
+    proc = subprocess.Popen(cmd, env=th.env(), cwd=str(tmp_path), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    frozen = workers.procs[1]
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and proc.poll() is None:
+            path = checkpoints.latest(train_dir) if os.path.isdir(train_dir) else None
+            if path and checkpoints.step_of(path) >= 2:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        frozen.send_signal(signal.SIGSTOP)
+        stopped_at = time.time()
+        _, stderr = proc.communicate(timeout=120)
+        failed_after = time.time() - stopped_at
+    finally:
+        _stop(proc)
+        frozen.send_signal(signal.SIGCONT)
+        _stop(frozen)
+        workers.start(1)
+    assert proc.returncode == 1, stderr[-3000:]
+    assert 8 <= failed_after < 60, failed_after
+    error = [line for line in stderr.splitlines() if line.startswith('error: ')]
+    assert len(error) == 1 and ' s after step ' in error[0] and (
+        f'task 0 ({workers.addresses[0]}), task 1 ({workers.addresses[1]})' in error[0]) and (
+        error[0].endswith('or raise trainer.step_timeout_seconds if a step really takes this '
+                          'long')), stderr[-3000:]
+    checkpoints.check_readable(checkpoints.latest(train_dir))
+
+
 def test_more_cells_than_cluster_devices(tmp_path, data_dir, workers):
     result = trainer(str(tmp_path), 'run', data_dir, '--job=trainer',
                      th.overrides(**{'task.pipeline.balance': [1, 1, 1, 1, 1]}),

@@ -32,7 +32,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 WORKER = 'worker'
 CHIEF = 'chief'
@@ -309,15 +309,25 @@ class Watchdog:
     probes every worker's port and, `grace_seconds` after one stops accepting
     connections, prints the one-line error and exits 1. Exiting at any point keeps
     the previous checkpoint: CheckpointManager lists a checkpoint only after its
-    files are complete. Not covered: a worker that is frozen but still accepts
-    connections (SIGSTOP; its kernel completes TCP handshakes).
+    files are complete.
+
+    A worker that is frozen but still accepts connections (SIGSTOP, a hung device;
+    its kernel completes TCP handshakes) passes the probe, and gRPC waits on it
+    forever. So, given `heartbeat` (the trainer's (last step, when it finished)),
+    the watchdog also ends a step that has not finished `step_timeout` seconds
+    after the previous one. It is armed after the first step, whose tracing may
+    take minutes.
     """
 
     def __init__(self, cluster: Cluster, interval_seconds: float = 2.0,
-                 grace_seconds: float = 20.0):
+                 grace_seconds: float = 20.0,
+                 heartbeat: Optional[Callable[[], Optional[tuple[int, float]]]] = None,
+                 step_timeout: float = 600.0):
         self.cluster = cluster
         self.interval = interval_seconds
         self.grace = grace_seconds
+        self.heartbeat = heartbeat
+        self.step_timeout = step_timeout
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name='worker-watchdog', daemon=True)
 
@@ -336,6 +346,10 @@ class Watchdog:
     def _watch(self) -> None:
         down_since: Optional[float] = None
         while not self._stop.wait(self.interval):
+            stalled = self._stalled_step()
+            if stalled is not None and not self._stop.is_set():
+                print(f'error: {stalled}', file=sys.stderr, flush=True)
+                os._exit(1)
             down = unreachable_workers(self.cluster, timeout=self.interval)
             if not down:
                 down_since = None
@@ -344,3 +358,15 @@ class Watchdog:
             if time.monotonic() - down_since >= self.grace and not self._stop.is_set():
                 print(f'error: {_lost(self.cluster, down)}', file=sys.stderr, flush=True)
                 os._exit(1)  # the main thread is blocked inside TensorFlow; nothing to save
+
+    def _stalled_step(self) -> Optional[str]:
+        """The error for a step past its deadline, or None."""
+        beat = self.heartbeat() if self.heartbeat is not None else None
+        if beat is None or time.monotonic() - beat[1] < self.step_timeout:
+            return None
+        workers = ', '.join(f'task {i} ({a})' for i, a in enumerate(self.cluster.workers))
+        return (f'step {beat[0] + 1} has not finished {self.step_timeout:.0f} s after step '
+                f'{beat[0]}, though every worker accepts connections: one may be frozen '
+                f'(stopped, swapping or a hung device) among {workers}; restart the workers '
+                'and this trainer (it resumes from the last checkpoint), or raise '
+                'trainer.step_timeout_seconds if a step really takes this long')

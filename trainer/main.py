@@ -245,7 +245,10 @@ def main(argv) -> int:
                for item in built if item[0] != 'trainer']
     for thread in threads:
         thread.start()
-    watchdog = cluster_lib.Watchdog(cluster) if cluster else contextlib.nullcontext()
+    trainers = [runner for job, runner in built if job == 'trainer']
+    watchdog = cluster_lib.Watchdog(
+        cluster, heartbeat=(lambda: trainers[0].heartbeat) if trainers else None,
+        step_timeout=options.step_timeout_seconds) if cluster else contextlib.nullcontext()
     try:
         with watchdog:
             for job, runner in built:

@@ -52,12 +52,16 @@ class RuntimeOptions:
     eval_poll_max_seconds: float = 30.0
     eval_idle_timeout_seconds: Optional[float] = None  # None: evalers wait for the last step
     pipeline_trace_step: Optional[int] = None  # record the timeline of this step (1 = first)
+    # Across processes: how long a step (or a save) may go without finishing before the
+    # trainer gives up on a worker that accepts connections but does not answer.
+    step_timeout_seconds: float = 600.0
 
     def __post_init__(self):
         for name in ('max_steps', 'save_interval_steps', 'summary_interval_steps',
                      'save_max_to_keep', 'pipeline_trace_step'):
             _check_positive_int(f'trainer.{name}', getattr(self, name), allow_none=True)
-        for name in ('eval_poll_max_seconds', 'eval_idle_timeout_seconds'):
+        for name in ('eval_poll_max_seconds', 'eval_idle_timeout_seconds',
+                     'step_timeout_seconds'):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or
                                       not isinstance(value, (int, float)) or value <= 0):
@@ -142,6 +146,9 @@ class Trainer:
         self._stop_signal: Optional[int] = None
         self._restored: Optional[str] = None
         self._saved_this_run = False
+        # (last finished step, when it or a later save finished), None before the first
+        # step: what the cluster watchdog reads to tell a frozen worker from a slow step.
+        self.heartbeat: Optional[tuple[int, float]] = None
         self._recorder: Optional[timeline.Recorder] = None
 
     def restore_latest(self) -> int:
@@ -238,6 +245,7 @@ class Trainer:
             if not (math.isfinite(loss) and math.isfinite(norm)):
                 self._non_finite(f'loss is {loss} and gradient norm {norm} at step {step}')
             step += 1
+            self.heartbeat = (step, time.monotonic())
             progress.step_done(step, time.time())
             if step % self.summary_interval == 0 or step == self.max_steps:
                 self._report(writer, progress, step, loss, norm, float(lr))
@@ -306,6 +314,8 @@ class Trainer:
                 f'space there and restart, which resumes from '
                 f'{os.path.basename(last) if last else "step 0"}') from None
         logging.info('saved %s', path)
+        if self.heartbeat is not None:
+            self.heartbeat = (self.heartbeat[0], time.monotonic())  # a slow save is progress
         if not self._saved_this_run:
             # From now on the checkpoints are this run's: params.txt must describe them.
             experiment.write_params(os.path.join(self.train_dir, experiment.PARAMS_FILE),
