@@ -99,3 +99,25 @@ def test_one_bfloat16_layer_in_a_float32_pipeline():
     _, got = _train(body, None, tape=False)
     np.testing.assert_allclose(got, reference, rtol=0.02)
     assert got != reference  # fc1 did round
+
+
+def test_fprop_dtype_is_honoured_in_a_sequential_and_refused_where_it_would_be_ignored():
+    from tfpipe import layers
+    from tfpipe.base_layer import BaseLayer
+
+    fc = layers.Dense.Params().Set(name='fc', input_dim=4, output_dim=4, fprop_dtype=tf.bfloat16)
+    seq = layers.Sequential.Params().Set(name='seq', body=[fc]).Instantiate()
+    assert seq(tf.ones([2, 4])).dtype == tf.bfloat16
+
+    class Wrapper(BaseLayer):  # calls its child's FProp itself, as composite layers do
+        def __init__(self, params, parent=None):
+            super().__init__(params, parent)
+            self.CreateChild('inner', fc)
+
+        def FProp(self, theta, x):
+            return self.inner.FProp(theta['inner'], x)
+
+    with pytest.raises(ValueError, match=r"^w/inner: fprop_dtype=tf.bfloat16 would be ignored: "
+                                         r"Wrapper calls its children itself; set fprop_dtype "
+                                         r"on w or on a layer of a pipeline body or Sequential"):
+        Wrapper.Params().Set(name='w').Instantiate()

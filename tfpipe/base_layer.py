@@ -51,6 +51,11 @@ class BaseLayer(tf.Module):
     # entries pass through untouched. See `apply_layer`.
     NESTED_ACTIVATIONS = False
 
+    # Whether this layer runs its children through `apply_layer`, which honours each
+    # child's own fprop_dtype (sequences do; a composite that calls child.FProp itself
+    # does not, so a child's fprop_dtype there is refused rather than ignored).
+    APPLIES_CHILD_DTYPES = False
+
     @classmethod
     def Params(cls) -> InstantiableParams:
         p = InstantiableParams(cls)
@@ -131,6 +136,11 @@ class BaseLayer(tf.Module):
         parallel replicas build their mirrored copies of the pipeline's layers
         this way: one checkpointed copy, R identical ones in memory.
         """
+        if params.fprop_dtype is not None and not self.APPLIES_CHILD_DTYPES:
+            raise ValueError(
+                f'{self.path}/{name}: fprop_dtype={params.fprop_dtype!r} would be ignored: '
+                f'{type(self).__name__} calls its children itself; set fprop_dtype on '
+                f'{self.path} or on a layer of a pipeline body or Sequential')
         p = params.Copy()
         p.name = name
         if p.random_seed is None:

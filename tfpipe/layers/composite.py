@@ -10,6 +10,7 @@ class Sequential(BaseLayer):
     """Applies `body` in order; the unpartitioned twin of a PipeliningLayer."""
 
     NESTED_ACTIVATIONS = True
+    APPLIES_CHILD_DTYPES = True
 
     @classmethod
     def Params(cls):

@@ -74,6 +74,7 @@ class PipeliningLayer(BaseLayer):
     """Runs `body` as K cells on K devices with M micro-batches (GPipe)."""
 
     NESTED_ACTIVATIONS = True
+    APPLIES_CHILD_DTYPES = True  # the cells run the body through apply_layer
 
     @classmethod
     def Params(cls):
