@@ -63,3 +63,20 @@ def test_budget_parsing_and_its_error():
     assert t1.parse_bytes('128MiB') == 128 * 1024 ** 2
     with pytest.raises(Exception, match='write e.g. 1GiB'):
         t1.parse_bytes('lots')
+
+
+def test_a_child_that_aborts_on_a_null_allocation_counts_as_out_of_memory(monkeypatch):
+    # oneDNN kernels abort instead of raising when the capped allocator returns null.
+    def fake_run(cmd, **kwargs):
+        assert kwargs['env']['TF_CPU_ALLOCATOR_USE_BFC'] == 'true'
+        assert kwargs['env']['TF_CPU_BFC_MEM_LIMIT_IN_MB'] == '64'
+        stderr = ("F0000 mkl_util.h:1420] 'tensor' Must be non NULL" if 'oom' in cmd[-1]
+                  else 'Segmentation fault')
+        return t1.subprocess.CompletedProcess(cmd, -6, stdout='', stderr=stderr)
+
+    monkeypatch.setattr(t1.subprocess, 'run', fake_run)
+    oom = t1.run_probe(t1.ProbeSpec('dense', 1, 'naive', 8, 8, optimizer='oom',
+                                    cap_bytes=64 * 1024 ** 2))
+    assert oom['oom'] and not t1.fits(oom, budget=1 << 40)
+    other = t1.run_probe(t1.ProbeSpec('dense', 1, 'naive', 8, 8, cap_bytes=64 * 1024 ** 2))
+    assert other == {'error': 'Segmentation fault'}
