@@ -13,13 +13,13 @@ bytes of the second step (after a warm-up step that traces), read with
 tf.config.experimental.get_memory_info. A probe fits when that peak is within the budget;
 an out-of-memory error counts as "does not fit" (the allocator is capped at a multiple of
 the budget, TF_CPU_BFC_MEM_LIMIT_IN_MB, so an oversized probe cannot exhaust the shared
-machine). The size (AmoebaNet filters, or Dense layers) is searched by doubling, then
-bisection, per configuration.
+machine). The size (AmoebaNet filters, or Dense layers) is searched per configuration by
+doubling, then by narrowing the bracket with interpolated bisection (see `search`).
 
 Run (from the repository root):
-    PYTHONPATH=. python benchmarks/table1_benchmark.py                  # full, 1 GiB
+    PYTHONPATH=. python benchmarks/table1_benchmark.py                  # full, 256 MiB
     PYTHONPATH=. python benchmarks/table1_benchmark.py --quick          # 128 MiB smoke run
-    PYTHONPATH=. python benchmarks/table1_benchmark.py --budget=512MiB --models=dense
+    PYTHONPATH=. python benchmarks/table1_benchmark.py --budget=1GiB --models=amoebanet
 """
 from __future__ import annotations
 
