@@ -387,6 +387,9 @@ def limits(model: str, naive: dict, pipe1: dict, budget: int) -> list[str]:
                f"Pipeline-1 keeps {rest['Pipeline-1'] / scaled:.2f} of them (M=8: 0.125 for one "
                f'micro-batch, plus every micro-batch\'s input and the backward\'s temporaries); '
                f'paper, naive: 6.26 GB activations : 1.05 GB parameters = 6.0:1')
+    out.append(f"of Pipeline-1's rest, up to one more gradient set ({mib(4 * pipe1['params'])}) "
+               "can be a micro-batch's weight gradients on their way into the sums "
+               "(pipeline_benchmark.py's accumulation bound, row 4)")
     per_param = (pipe1['resident'] + 4 * pipe1['params']) / pipe1['params']
     out.append(f'ceiling with no activations at all: {budget / per_param / 1e6:.2f}M parameters '
                f"= {budget / per_param / naive['params']:.2f}x naive, at {per_param:.1f} B/param")
