@@ -1,0 +1,82 @@
+"""benchmarks/table1_benchmark.py: its probe measures the trainer's step in a subprocess,
+and its search finds the largest size under a budget."""
+import concurrent.futures
+import importlib.util
+import os
+import sys
+
+import pytest
+
+from tests import trainer_helpers as th
+
+
+def load_benchmark():
+    path = os.path.join(th.REPO, 'benchmarks', 'table1_benchmark.py')
+    spec = importlib.util.spec_from_file_location('table1_benchmark', path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+t1 = load_benchmark()
+
+
+def test_probe_reports_a_peak_and_pipeline1_peaks_below_naive_on_activations():
+    # 4 x Dense(32) at batch 2048: a layer's activations (2048 x 32 floats) are 64 times
+    # its weights, so keeping one micro-batch of 8 must lower the peak.
+    specs = [t1.ProbeSpec('dense', 4, config, batch=2048, width=32, optimizer='momentum',
+                          cap_bytes=1024 ** 3) for config in ('naive', 'pipeline1')]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        naive, pipe1 = pool.map(lambda s: t1.run_probe(s, timeout=120), specs)
+    for r in (naive, pipe1):
+        assert 'error' not in r, r
+        assert not r['oom'], r
+        assert r['params'] == 4 * (32 * 32 + 32)
+        assert r['peak'] > r['resident'] > 0
+    assert pipe1['peak'] < naive['peak'], (naive, pipe1)
+    assert t1.fits(pipe1, budget=pipe1['peak']) and not t1.fits(pipe1, pipe1['peak'] - 1)
+
+
+@pytest.mark.parametrize('limit', [1, 5, 37, 64, 100, 1000])
+@pytest.mark.parametrize('start', [1, 16, 200])
+def test_search_brackets_the_largest_fitting_size(limit, start):
+    budget = 10 * limit + 3  # peak(size) = 10 * size: sizes up to `limit` fit
+
+    def probe(size):
+        return dict(params=size, peak=10 * size, resident=size, oom=size > 4 * limit)
+
+    res = t1.search(probe, start, budget, resolution=0.1)
+    assert res['size'] <= limit  # only fitting sizes are reported
+    assert res['first_miss']['size'] > limit
+    assert res['first_miss']['size'] <= max(res['size'] + 1, res['size'] * 1.1)
+
+
+def test_search_reports_nothing_when_size_one_does_not_fit():
+    res = t1.search(lambda size: dict(params=size, peak=size + 100, resident=1, oom=False),
+                    8, budget=50, resolution=0.1)
+    assert res == {'probes': 4}  # 8, 4, 2, 1
+
+
+def test_budget_parsing_and_its_error():
+    assert t1.parse_bytes('1GiB') == 1024 ** 3
+    assert t1.parse_bytes('128MiB') == 128 * 1024 ** 2
+    with pytest.raises(Exception, match='write e.g. 1GiB'):
+        t1.parse_bytes('lots')
+
+
+def test_a_child_that_aborts_on_a_null_allocation_counts_as_out_of_memory(monkeypatch):
+    # oneDNN kernels abort instead of raising when the capped allocator returns null.
+    def fake_run(cmd, **kwargs):
+        assert kwargs['env']['TF_CPU_ALLOCATOR_USE_BFC'] == 'true'
+        assert kwargs['env']['TF_CPU_BFC_MEM_LIMIT_IN_MB'] == '64'
+        stderr = ("F0000 mkl_util.h:1420] 'tensor' Must be non NULL" if 'oom' in cmd[-1]
+                  else 'Segmentation fault')
+        return t1.subprocess.CompletedProcess(cmd, -6, stdout='', stderr=stderr)
+
+    monkeypatch.setattr(t1.subprocess, 'run', fake_run)
+    oom = t1.run_probe(t1.ProbeSpec('dense', 1, 'naive', 8, 8, optimizer='oom',
+                                    cap_bytes=64 * 1024 ** 2))
+    assert oom['oom'] and not t1.fits(oom, budget=1 << 40)
+    other = t1.run_probe(t1.ProbeSpec('dense', 1, 'naive', 8, 8, cap_bytes=64 * 1024 ** 2))
+    assert other == {'error': 'Segmentation fault'}
