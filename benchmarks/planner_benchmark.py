@@ -7,8 +7,11 @@ Sections:
 - threads: the trainer's steps/s for the default model (a subprocess per setting, settings
   interleaved over rounds): tfpipe's default vs TensorFlow's default vs pinned settings;
 - predict: for the models in params/ whose data is generated here and a Dense stack, the
-  planner's predicted step time vs the measured trainer step, over a small grid of (K, M), and
-  the planner's recommendation vs the fastest measured configuration;
+  planner's predicted step time vs the measured trainer step, over a grid of (K, M) plus the
+  recommendation (rounds interleaved across configurations), the fraction within 25%, and
+  the recommendation vs the fastest measured configuration. The planner is calibrated as
+  inspect_pipeline does: on measured steps of the model's configured pipeline, which is not
+  one of the grid's configurations unless it happens to be;
 - table2: the shape of GPipe's Table 2 (normalised throughput over K and M) simulated from
   profiled AmoebaNet and Transformer bodies under an accelerator device profile.
 """
@@ -36,7 +39,8 @@ THREAD_SETTINGS = {  # name -> trainer flags
 }
 PREDICT_MODELS = ('image.shapes.SmallConvPipe', 'image.shapes.AmoebaNetPipe',
                   'mt.reverse.TransformerPipe', 'dense_stack')
-GRID = ((1, 1), (2, 2), (2, 4), (4, 4), (4, 8))
+GRID = ((1, 1), (1, 4), (2, 2), (2, 4), (2, 8), (4, 4), (4, 8))
+TOLERANCE = 0.25
 
 
 def parse_args():
@@ -88,34 +92,21 @@ def model_params(name: str, data_dir: str):
     from trainer import experiment
     if name != 'dense_stack':
         params = experiment.load_params(name)
-    else:  # the benchmark stack: 8 x Dense(1024) on flattened 16x16x3 images, batch 256
-        params = experiment.load_params('image.shapes.SmallConvPipe')
-        body = [layers.Flatten.Params().Set(name='flat'),
-                layers.Dense.Params().Set(name='fc0', input_dim=768, output_dim=1024,
-                                          activation='relu')]
-        body += [layers.Dense.Params().Set(name=f'fc{i}', input_dim=1024, output_dim=1024,
-                                           activation='relu') for i in range(1, 8)]
-        body += [layers.Dense.Params().Set(name='logits', input_dim=1024, output_dim=4)]
-        params.task.pipeline.body = body
-        params.input.train.batch_size = 256
-    params.input.train.data_dir = data_dir
-    params.task.pipeline.Set(balance=None, num_cells=2, partition_by='params', input_shape=None)
+        params.input.train.data_dir = data_dir
+        return params
+    # The benchmark stack: 16 x Dense(256) on flattened 16x16x3 images, batch 256, configured
+    # as K=2, M=4 (the configuration the planner is calibrated on).
+    params = experiment.load_params('image.shapes.SmallConvPipe')
+    body = [layers.Flatten.Params().Set(name='flat'),
+            layers.Dense.Params().Set(name='fc0', input_dim=768, output_dim=256,
+                                      activation='relu')]
+    body += [layers.Dense.Params().Set(name=f'fc{i}', input_dim=256, output_dim=256,
+                                       activation='relu') for i in range(1, 16)]
+    body += [layers.Dense.Params().Set(name='logits', input_dim=256, output_dim=4)]
+    params.task.pipeline.Set(body=body, balance=None, num_cells=2, partition_by='params',
+                             input_shape=None, num_micro_batches=4)
+    params.input.train.Set(batch_size=256, data_dir=data_dir)
     return params
-
-
-def measure_steps(trainers: dict, rounds: int, steps: int) -> dict:
-    """Median seconds per step of each trainer, rounds interleaved across trainers."""
-    times = {key: [] for key in trainers}
-    for trainer, batch in trainers.values():
-        for _ in range(2):
-            trainer._step(batch)  # noqa: SLF001 - trace and warm up the real step
-    for _ in range(rounds):
-        for key, (trainer, batch) in trainers.items():
-            start = time.perf_counter()
-            for _ in range(steps):
-                trainer._step(batch)[0].numpy()  # noqa: SLF001
-            times[key].append((time.perf_counter() - start) / steps)
-    return {key: statistics.median(v) for key, v in times.items()}
 
 
 def predict_section(args) -> None:
@@ -123,21 +114,32 @@ def predict_section(args) -> None:
     from tfpipe.pipeline import planner
     from trainer import inspect_modes, train_job
 
-    rounds, steps = (2, 3) if args.quick else (3, 8)
+    rounds, steps = (3, 3) if args.quick else (5, 6)
     intra = tf.config.threading.get_intra_op_parallelism_threads()
     device = planner.DeviceProfile(planner.simulator.DeviceModel(
         parallelism=planner.local_parallelism(intra)))
     print(f'\n## predict: planner vs measured trainer step (ms), local device model '
-          f'parallelism={device.model.parallelism:g}, intra_op_threads={intra}')
-    print(f'{"model":<28} {"K":>2} {"M":>2} {"recompute":<9} {"predicted":>9} {"measured":>9} '
-          f'{"pred/meas":>9}')
+          f'parallelism={device.model.parallelism:g}, intra_op_threads={intra}; {rounds} '
+          f'interleaved rounds of {steps} steps per configuration, each round also recording '
+          'steps of the model\'s own configuration, which calibrate the predictions; fastest '
+          'and median step over all rounds')
+    ratios = []
     for name in args.models.split(','):
         params = model_params(name, args.data_dir)
         task = params.task.Instantiate()
         batch_size = params.input.train.batch_size
         profiles = inspect_modes.profile_model(params, task, 32)
-        overhead = inspect_modes.step_overhead(params, task)
-        configs = planner.search(profiles, batch_size, 4, device, step_overhead=overhead)
+        own = inspect_modes.calibration_params(params)
+        own_trainer = train_job.Trainer(own, tempfile.mkdtemp(), train_job.RuntimeOptions())
+        own_batch = next(own_trainer.iterator)
+        inspect_modes.warm_up(own_trainer, own_batch)
+        balance = list(own_trainer.task.pipe.balance)
+        # The recommendation comes from a calibration as inspect_pipeline makes it.
+        first = inspect_modes.fit_calibration(
+            own, profiles, balance,
+            *inspect_modes.timed_steps(own_trainer, own_batch, inspect_modes.CALIBRATION_STEPS),
+            device.model.parallelism)
+        configs = planner.search(profiles, batch_size, 4, device, calibration=first)
         best = configs[0]
         grid = {(k, m, 'always') for k, m in GRID if k <= len(profiles)}
         grid.add((best.num_cells, best.num_micro_batches, best.recompute))
@@ -149,19 +151,53 @@ def predict_section(args) -> None:
         trainers = {}
         for key, c in chosen.items():
             p = params.Copy()
-            p.task.pipeline.Set(num_cells=None, balance=c.balance, num_micro_batches=c.num_micro_batches,
-                                recompute=c.recompute, schedule=c.schedule)
+            p.task.pipeline.Set(num_cells=None, balance=c.balance,
+                                num_micro_batches=c.num_micro_batches, recompute=c.recompute,
+                                schedule=c.schedule)
             trainer = train_job.Trainer(p, tempfile.mkdtemp(), train_job.RuntimeOptions())
-            trainers[key] = (trainer, next(trainer.iterator))
-        measured = measure_steps(trainers, rounds, steps)
-        for key, c in sorted(chosen.items()):
+            batch = next(trainer.iterator)
+            trainer._step(batch)[0].numpy()  # noqa: SLF001 - trace and warm up the real step
+            trainers[key] = (trainer, batch)
+        measured = {key: [] for key in trainers}  # seconds of every step
+        lines, walls, loads = [], [], []
+        for r in range(rounds):
+            keys = list(trainers)
+            keys = keys[r % len(keys):] + keys[:r % len(keys)]  # rotate the order
+            got = inspect_modes.timed_steps(own_trainer, own_batch, steps)
+            lines += got[0]
+            walls += got[1]
+            for key in keys:
+                trainer, batch = trainers[key]
+                for _ in range(steps):
+                    start = time.perf_counter()
+                    trainer._step(batch)[0].numpy()  # noqa: SLF001
+                    measured[key].append(time.perf_counter() - start)
+            loads.append(os.getloadavg()[0])
+        cal = inspect_modes.fit_calibration(own, profiles, balance, lines, walls,
+                                            device.model.parallelism)
+        print(f'{name}: {cal.describe()}')
+        print(f'{"model":<28} {"K":>2} {"M":>2} {"recompute":<11} {"predicted":>9} '
+              f'{"fastest":>9} {"pred/fast":>9} {"median":>9} {"pred/med":>9}  (load average '
+              f'{min(loads):.1f}-{max(loads):.1f})')
+        for key in sorted(chosen):
+            c = chosen[key]
+            predicted = cal.step_overhead + float(planner.simulate(
+                profiles, c.balance, c.num_micro_batches, batch_size,
+                c.recompute, c.schedule, device.model, cal).step_time)
+            fast, med = min(measured[key]), statistics.median(measured[key])
+            ratios.append(predicted / fast)
             mark = ' <- recommended' if c is best else ''
-            print(f'{name:<28} {key[0]:>2} {key[1]:>2} {key[2]:<9} {1e3 * c.step_time:>9.2f} '
-                  f'{1e3 * measured[key]:>9.2f} {c.step_time / measured[key]:>9.2f}{mark}')
-        fastest = min(measured, key=measured.get)
+            print(f'{name:<28} {key[0]:>2} {key[1]:>2} {key[2]:<11} {1e3 * predicted:>9.2f} '
+                  f'{1e3 * fast:>9.2f} {predicted / fast:>9.2f} {1e3 * med:>9.2f} '
+                  f'{predicted / med:>9.2f}{mark}')
+        fastest = {key: min(v) for key, v in measured.items()}
+        quickest = min(fastest, key=fastest.get)
         best_key = (best.num_cells, best.num_micro_batches, best.recompute)
         print(f'{name:<28} recommended/fastest measured: '
-              f'{measured[best_key] / measured[fastest]:.2f}x (fastest {fastest})')
+              f'{fastest[best_key] / fastest[quickest]:.2f}x (fastest {quickest})')
+    within = sum(abs(r - 1) <= TOLERANCE for r in ratios)
+    print(f'predicted/fastest measured over all models: {min(ratios):.2f}-{max(ratios):.2f}, '
+          f'{within}/{len(ratios)} within {TOLERANCE:.0%}')
 
 
 # -- table2 --------------------------------------------------------------------------------

@@ -89,6 +89,22 @@ def test_inspect_pipeline_prints_the_best_and_writes_json(tmp_path, data_dir):
     assert len(report['layers']) == 5
     assert report['best']['num_cells'] <= 2 and report['best']['fits']
     assert report['params_override'] in out.stdout
+    # Planned for local CPUs: calibrated on measured steps of the configured [3, 2], M=2.
+    assert 'costs: measured on 5 steps of K=2 M=2' in out.stdout
+    calibration = report['calibration']
+    assert calibration['source'].startswith('5 steps of K=2 M=2')
+    assert calibration['forward_scale'] > 0 and calibration['backward_scale'] > 0
+    assert calibration['step_overhead'] > 0  # the update and the norm are never free
+
+
+def test_inspect_pipeline_for_other_devices_uses_the_profile_alone(tmp_path, data_dir):
+    logdir = str(tmp_path / 'plan')
+    out = trainer_helpers.run(trainer_helpers.FAST, logdir, data_dir, '--mode=inspect_pipeline',
+                              '--num_devices=2', '--device_profile=speed=4,bandwidth=1e9')
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert 'costs: per-layer compute profiled' in out.stdout
+    with open(os.path.join(logdir, 'inspect_pipeline.json')) as f:
+        assert json.load(f)['calibration']['source'] == 'profiled only'
 
 
 def test_inspect_pipeline_with_no_fitting_config_exits_2_and_writes_nothing(tmp_path, data_dir):
@@ -130,3 +146,63 @@ def test_inspect_model_reports_bytes_per_cell(data_dir, capsys):
         slots_mib = float(line.split('optimizer slots ')[1].split(' MiB')[0])
         assert params_mib > 0 and slots_mib == pytest.approx(2 * params_mib, rel=1e-3)
         assert 'activations per micro-batch' in line
+
+
+def _measured_timeline(layers, balance, m, batch, calibration, parallelism=None):
+    """A timeline as the recorder would measure the simulated step: each task's per-task
+    overhead shows as the device's idle time before its event."""
+    from tfpipe.pipeline.timeline import Event, Label, Timeline
+    costs = planner.cell_costs(layers, balance, m, batch, 'never', calibration)
+    result = simulator.simulate(planner.SCHEDULES['fill_drain'](len(balance), m), costs,
+                                calibration.device(simulator.DeviceModel(
+                                    parallelism=parallelism)))
+    events = [Event(Label(f'CPU:{t.cell}', t.cell, t.micro_batch, t.phase),
+                    float(result.start[t]) + calibration.task_overhead, float(result.end[t]))
+              for t in result.start]
+    return Timeline(events, [f'CPU:{k}' for k in range(len(balance))], m), result
+
+
+def test_calibration_recovers_the_costs_of_a_measured_step():
+    layers = _layers()
+    truth = planner.Calibration(forward_scale=0.5, backward_scale=2.0, task_overhead=1e-4,
+                                latency=3e-4, step_overhead=2e-3)
+    line, result = _measured_timeline(layers, [4, 4], 4, 64, truth)
+    wall = float(result.step_time) + truth.step_overhead
+    fitted = planner.calibrate(layers, [4, 4], 4, 64, 'never', [line, line], [wall, 2 * wall],
+                               None, source='a test step')
+    for field in ('forward_scale', 'backward_scale', 'task_overhead', 'latency',
+                  'step_overhead'):
+        assert getattr(fitted, field) == pytest.approx(getattr(truth, field), rel=1e-6), field
+    assert 'measured on a test step' in fitted.describe()
+    assert 'profiled' in planner.Calibration().describe()
+    # The calibrated planner predicts the measured configuration's step, and more.
+    again = planner.simulate(layers, [4, 4], 4, 64, 'never', 'fill_drain',
+                             simulator.DeviceModel(), fitted)
+    assert float(again.step_time) + fitted.step_overhead == pytest.approx(wall)
+    plain = planner.simulate(layers, [4, 4], 4, 64, 'never', 'fill_drain',
+                             simulator.DeviceModel())
+    assert float(plain.step_time) != pytest.approx(wall)
+
+
+def test_calibration_under_shared_cores_reads_work_not_wall_time():
+    layers = _layers()
+    truth = planner.Calibration(forward_scale=3.0, backward_scale=3.0)
+    line, _ = _measured_timeline(layers, [2, 2, 2, 2], 8, 64, truth, parallelism=2)
+    shared = planner.calibrate(layers, [2, 2, 2, 2], 8, 64, 'never', [line], [1.0], 2,
+                               source='x')
+    naive = planner.calibrate(layers, [2, 2, 2, 2], 8, 64, 'never', [line], [1.0], None,
+                              source='x')
+    assert shared.forward_scale == pytest.approx(3.0, rel=1e-6)
+    assert naive.forward_scale > 3.0  # tasks stretched by sharing look like slower compute
+
+
+def test_search_adds_the_calibrated_step_overhead_and_task_costs():
+    layers = _layers()
+    plain = planner.search(layers, 64, 2, _independent(), cells=[2], micro_batches=[4],
+                           recompute=['never'], schedules=['fill_drain'])[0]
+    cal = planner.Calibration(task_overhead=1e-3, step_overhead=5e-3)
+    calibrated = planner.search(layers, 64, 2, _independent(), cells=[2], micro_batches=[4],
+                                recompute=['never'], schedules=['fill_drain'],
+                                calibration=cal)[0]
+    # 2 * (M + K - 1) tasks on the critical path, each 1 ms longer, plus the step's 5 ms.
+    assert calibrated.step_time == pytest.approx(plain.step_time + 2 * 5 * 1e-3 + 5e-3)

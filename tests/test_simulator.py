@@ -126,3 +126,50 @@ def test_several_cells_per_device_run_in_order_on_that_device():
         spans = sorted((result.start[t], result.end[t]) for t in result.start
                        if t.cell % 2 == d)
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # one task at a time
+
+
+def _events(result, num_devices, gap=0.0):
+    """The simulated tasks as measured timeline events; each task's first `gap` seconds
+    (a per-task overhead) show as idle time before its event, as dispatch does."""
+    from tfpipe.pipeline.timeline import Event, Label
+    return [Event(Label(f'CPU:{t.cell % num_devices}', t.cell, t.micro_batch, t.phase),
+                  float(result.start[t]) + gap, float(result.end[t])) for t in result.start]
+
+
+def test_latency_delays_only_results_that_cross_devices():
+    k, m = 2, 2
+    base = simulator.simulate(schedule.fill_drain(k, m), simulator.unit_costs(k))
+    late = simulator.simulate(schedule.fill_drain(k, m), simulator.unit_costs(k),
+                              simulator.DeviceModel(latency=Fraction(1, 2)))
+    # Fill-drain K=2: the first forward reaches cell 1 and the last backward returns.
+    assert late.step_time == base.step_time + 1
+    same = simulator.simulate(schedule.fill_drain(k, m), simulator.unit_costs(k),
+                              simulator.DeviceModel(latency=Fraction(1, 2)), num_devices=1)
+    assert same.step_time == 2 * m * k  # one device: nothing crosses
+
+
+@pytest.mark.parametrize('parallelism', [None, 1, 2])
+def test_measured_work_takes_out_the_sharing_the_simulator_puts_in(parallelism):
+    k, m = 4, 4
+    costs = [simulator.CellCosts(time={FORWARD: 1.0 + c, BACKWARD: 2.0 + c}) for c in range(k)]
+    result = simulator.simulate(schedule.fill_drain(k, m), costs,
+                                simulator.DeviceModel(parallelism=parallelism))
+    events = _events(result, k)
+    work = simulator.measured_work(events, parallelism)
+    for event, w in zip(events, work):
+        assert w == pytest.approx(costs[event.label.cell].time[event.label.phase])
+    if parallelism == 1:  # the wall time of overlapping tasks is not their work
+        assert any(e.duration > w + 1e-9 for e, w in zip(events, work))
+
+
+def test_measured_gaps_separate_dispatch_from_hand_over():
+    k, m = 3, 4
+    gap, latency = 0.25, 0.5
+    costs = [simulator.CellCosts(time={FORWARD: 1.0 + gap, BACKWARD: 2.0 + gap})
+             for _ in range(k)]
+    result = simulator.simulate(schedule.fill_drain(k, m), costs,
+                                simulator.DeviceModel(latency=latency))
+    local, remote = simulator.measured_gaps(_events(result, k, gap))
+    assert local and remote
+    assert local == pytest.approx([gap] * len(local))
+    assert remote == pytest.approx([gap + latency] * len(remote))

@@ -69,29 +69,74 @@ def inspect_model(params: Params) -> None:
         print(f'{path} {var.shape.as_list()} {var.dtype.name} {var.device}')
 
 
-def step_overhead(params: Params, task) -> float:
-    """Seconds of the optimizer update, which runs after the pipeline in every step.
+CALIBRATION_STEPS = 5
 
-    Timed as its own tf.function, minus the cost of calling an empty one: in the
-    trainer the update shares the step's call.
-    """
-    variables = {p: v for p, v in task.VariablesByPath().items() if v.trainable}
-    optimizer = params.task.train.optimizer.Instantiate()
-    optimizer.CreateSlots(variables)
-    grads = {p: tf.zeros_like(v) for p, v in variables.items()}
-    apply = tf.function(lambda: optimizer.Apply(tf.constant(0.0), grads, variables))
-    noop = tf.function(lambda: tf.constant(0.0))
 
-    def seconds(fn) -> float:
-        fn()
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return float(np.median(times))
+def timed_steps(trainer, batch, steps: int) -> tuple[list, list[float]]:
+    """Timelines of `steps` recorded training steps and wall seconds of as many unrecorded
+    ones, alternating, so both see the same load. `trainer` is warmed up already."""
+    from tfpipe.pipeline import timeline
 
-    return max(seconds(apply) - seconds(noop), 0.0)
+    lines, walls = [], []
+    for _ in range(steps):
+        begin = time.perf_counter()
+        trainer._step(batch)[0].numpy()  # noqa: SLF001 - the trainer's real step
+        walls.append(time.perf_counter() - begin)
+        stamps = trainer._recorded_step(batch)[-1].numpy()  # noqa: SLF001
+        lines.append(timeline.Timeline.from_stamps(trainer._recorder, stamps))  # noqa: SLF001
+    return lines, walls
+
+
+def warm_up(trainer, batch) -> None:
+    """Traces and warms up both the plain and the recorded step."""
+    for _ in range(2):
+        trainer._step(batch)[0].numpy()  # noqa: SLF001
+        trainer._recorded_step(batch)[0].numpy()  # noqa: SLF001
+
+
+def measure_configuration(params: Params, steps: int = CALIBRATION_STEPS
+                          ) -> tuple[list[int], list, list[float]]:
+    """The balance, and `timed_steps` of `params`'s training step (pipeline, loss,
+    gradient norm, update) in a throwaway train dir: the logdir is never touched."""
+    from trainer import train_job
+
+    with tempfile.TemporaryDirectory() as train_dir:
+        trainer = train_job.Trainer(params, train_dir, train_job.RuntimeOptions())
+        batch = next(trainer.iterator)
+        warm_up(trainer, batch)
+        lines, walls = timed_steps(trainer, batch, steps)
+        return list(trainer.task.pipe.balance), lines, walls
+
+
+def calibration_params(params: Params) -> Params:
+    """The model's own pipeline as the planner can play it: one replica, one virtual
+    stage, and fill_drain unless the configured schedule is one the planner searches."""
+    p = params.Copy()
+    pipe = p.task.pipeline
+    pipe.Set(num_replicas=1, virtual_stages=1)
+    if pipe.schedule not in planner.SCHEDULES:
+        pipe.schedule = 'fill_drain'
+    return p
+
+
+def fit_calibration(params: Params, profiles: list[profile.LayerProfile], balance: list[int],
+                    lines: list, walls: list[float],
+                    parallelism: Optional[float]) -> planner.Calibration:
+    """planner.calibrate on measured steps of `params` (as from `calibration_params`)."""
+    pipe = params.task.pipeline
+    return planner.calibrate(
+        profiles, balance, pipe.num_micro_batches, params.input.train.batch_size,
+        pipe.recompute, lines, walls, parallelism,
+        source=f'{len(lines)} steps of K={len(balance)} M={pipe.num_micro_batches} '
+        f'recompute={pipe.recompute} schedule={pipe.schedule}')
+
+
+def calibrate(params: Params, profiles: list[profile.LayerProfile],
+              parallelism: Optional[float]) -> planner.Calibration:
+    """Fits the planner's costs to measured steps of the model's configured pipeline."""
+    measured = calibration_params(params)
+    balance, lines, walls = measure_configuration(measured)
+    return fit_calibration(measured, profiles, balance, lines, walls, parallelism)
 
 
 def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[float],
@@ -99,8 +144,11 @@ def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[f
                      logdir: Optional[str]) -> None:
     """Profiles the body, searches configurations, prints the best and writes JSON.
 
-    A budget no configuration fits is a ValueError (exit 2) raised before the
-    report is written.
+    Planning for this machine's logical CPUs, the costs are first calibrated on
+    measured steps of the model's configured pipeline (`calibrate`); for other
+    devices (`device_profile`) the profile is used as measured here. A budget
+    no configuration fits is a ValueError (exit 2) raised before the report is
+    written.
     """
     if device_profile:
         device = planner.parse_device_profile(device_profile)
@@ -114,12 +162,18 @@ def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[f
     batch_size = params.input.train.batch_size
     max_m = min(max(planner.MICRO_BATCHES), batch_size)
     profiles = profile_model(params, task, max_m)
-    overhead = 0.0 if device_profile else step_overhead(params, task)
-    configs = planner.search(profiles, batch_size, num_devices, device, step_overhead=overhead)
-    best = planner.best_fitting(configs, device.memory)
+    configs = planner.search(profiles, batch_size, num_devices, device)
+    best = planner.best_fitting(configs, device.memory)  # memory needs no calibration
+    calibration = planner.Calibration()
+    if not device_profile:
+        calibration = calibrate(params, profiles, device.model.parallelism)
+        configs = planner.search(profiles, batch_size, num_devices, device,
+                                 calibration=calibration)
+        best = planner.best_fitting(configs, device.memory)
     print(f'{len(profiles)} layers profiled on {task.pipe.devices[0]}, batch {batch_size}; '
           f'{len(configs)} configurations simulated for up to {num_devices} devices'
           + (f', budget {_mib(device.memory)} per device' if device.memory else ''))
+    print(calibration.describe())
     print(planner.format_table(configs))
     print(f'best: K={best.num_cells} M={best.num_micro_batches} recompute={best.recompute} '
           f'schedule={best.schedule}: predicted {1e3 * best.step_time:.2f} ms/step, bubble '
@@ -129,7 +183,8 @@ def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[f
         os.makedirs(logdir, exist_ok=True)
         report = {'batch_size': batch_size, 'num_devices': num_devices,
                   'device_memory': device.memory, 'device_model': dataclasses.asdict(device.model),
-                  'step_overhead': overhead, 'layers': [p.to_json() for p in profiles],
+                  'calibration': dataclasses.asdict(calibration),
+                  'layers': [p.to_json() for p in profiles],
                   'best': best.to_json(), 'params_override': best.params_override(),
                   'configs': [c.to_json() for c in configs]}
         path = os.path.join(logdir, PLAN_FILE)

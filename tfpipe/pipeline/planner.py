@@ -6,13 +6,21 @@ executor would run, so the prediction includes the bubble, imbalance between
 cells, the per-micro-batch overhead of small micro-batches and, for logical
 CPUs, the cores the devices share. Configurations whose predicted peak memory
 on some device exceeds the budget are kept in the report but marked.
+
+Profiles alone mispredict small CPU steps: a layer timed alone pays overheads
+the pipeline does not, timings move with the machine's load, and a step has
+costs no layer has (dispatching each task, handing results between devices,
+the loss, gradient norm and optimizer update). `calibrate` measures them on
+one real step's timeline: `Calibration` scales the profiled compute to what the
+tasks really took and adds the per-task, per-hand-over and per-step costs.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 import re
-from typing import Optional, Sequence
+import statistics
+from typing import Any, Optional, Sequence
 
 from tfpipe.pipeline import partition, schedule, simulator
 from tfpipe.pipeline.cell import RECOMPUTE_POLICIES, recompute_flags
@@ -91,8 +99,46 @@ def parse_device_profile(text: str) -> DeviceProfile:
                                                fields['bandwidth']), fields['memory'])
 
 
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What a measured step adds to the profiles; the defaults leave them as profiled.
+
+    forward_scale / backward_scale: measured over profiled compute of the
+    forward and of the backward (its recompute included) tasks; task_overhead:
+    seconds a device spends between two of its tasks (dispatch, the timeline's
+    own stamps); latency: seconds from a task's end to its result being usable
+    on another device; step_overhead: seconds of the step outside the pipeline
+    (input split, loss, gradient norm, optimizer update, the call itself).
+    `source` says where the figures come from, for the report.
+    """
+
+    forward_scale: float = 1.0
+    backward_scale: float = 1.0
+    task_overhead: float = 0.0
+    latency: float = 0.0
+    step_overhead: float = 0.0
+    source: str = 'profiled only'
+
+    def describe(self) -> str:
+        """Which costs are measured and which profiled, in one line."""
+        if self.source == 'profiled only':
+            return ('costs: per-layer compute profiled; no per-task, hand-over or per-step '
+                    f'costs measured (step overhead {1e3 * self.step_overhead:.2f} ms)')
+        return (f'costs: measured on {self.source}: compute x{self.forward_scale:.2f} forward, '
+                f'x{self.backward_scale:.2f} backward of the profile, per-task overhead '
+                f'{1e3 * self.task_overhead:.3f} ms, hand-over latency '
+                f'{1e3 * self.latency:.3f} ms, step overhead {1e3 * self.step_overhead:.2f} ms '
+                '(input split, loss, norm, update); per-layer shares of a cell and their '
+                'change with micro-batch size: profiled')
+
+    def device(self, model: simulator.DeviceModel) -> simulator.DeviceModel:
+        """`model` with the measured hand-over latency."""
+        return dataclasses.replace(model, latency=self.latency)
+
+
 def cell_costs(profiles: Sequence[LayerProfile], balance: Sequence[int],
-               num_micro_batches: int, batch_size: int, recompute: str) -> list[simulator.CellCosts]:
+               num_micro_batches: int, batch_size: int, recompute: str,
+               calibration: Calibration = Calibration()) -> list[simulator.CellCosts]:
     """Per-micro-batch costs of each cell of one configuration.
 
     Memory (bytes, an estimate from layer inputs and outputs): static = weights,
@@ -105,15 +151,17 @@ def cell_costs(profiles: Sequence[LayerProfile], balance: Sequence[int],
     cells = []
     for (start, stop), recomputes in zip(partition.cell_ranges(balance), flags):
         layers = profiles[start:stop]
-        forward = sum(p.forward(b) for p in layers)
-        backward = sum(p.backward(b) for p in layers)
+        forward = calibration.forward_scale * sum(p.forward(b) for p in layers)
+        backward = calibration.backward_scale * sum(p.backward(b) for p in layers)
         params = sum(p.param_bytes for p in layers)
         activations = b * sum(p.input_bytes_per_example + p.output_bytes_per_example
                               for p in layers)
         cell_input = b * layers[0].input_bytes_per_example
-        time = {FORWARD: forward, BACKWARD: backward}
-        if recomputes:
-            time[simulator.RECOMPUTE] = forward
+        overhead = calibration.task_overhead
+        time = {FORWARD: forward + overhead, BACKWARD: backward + overhead}
+        if recomputes:  # runs inside the backward task, at the backward's rate
+            time[simulator.RECOMPUTE] = forward * (calibration.backward_scale /
+                                                   calibration.forward_scale)
         cells.append(simulator.CellCosts(
             time=time, static_bytes=2 * params + sum(p.slot_bytes for p in layers),
             stash_bytes=cell_input if recomputes else activations,
@@ -122,34 +170,98 @@ def cell_costs(profiles: Sequence[LayerProfile], balance: Sequence[int],
     return cells
 
 
-def _balance(profiles: Sequence[LayerProfile], num_cells: int, micro: float) -> list[int]:
-    costs = [p.forward(micro) + p.backward(micro) for p in profiles]
+def balance_for(profiles: Sequence[LayerProfile], num_cells: int, micro: float,
+                calibration: Calibration = Calibration()) -> list[int]:
+    """The balance the planner uses: solve_balance on calibrated time at micro-batch `micro`."""
+    costs = [calibration.forward_scale * p.forward(micro) +
+             calibration.backward_scale * p.backward(micro) for p in profiles]
     return partition.solve_balance(costs, num_cells)
+
+
+def calibrate(profiles: Sequence[LayerProfile], balance: Sequence[int],
+              num_micro_batches: int, batch_size: int, recompute: str,
+              timelines: Sequence[Any], step_seconds: Sequence[float],
+              parallelism: Optional[float], source: str) -> Calibration:
+    """Fits a Calibration to measured steps of one configuration.
+
+    `timelines` are `timeline.Timeline`s of recorded steps of that configuration
+    and `step_seconds` wall times of the same step unrecorded. On a shared
+    machine other processes' load only ever slows a step down, often by
+    descheduling one task for a whole time slice, so the fit reads typical
+    tasks and the least disturbed step: per cell, the median task (over
+    micro-batches and steps) of its forward and of its backward (recompute
+    included), its work with the contention between the pipeline's own tasks
+    taken out (`parallelism`, as the simulator puts it back), over the profiled
+    work gives the compute scales; the per-task overhead is the median wait of
+    a device between its own tasks; the latency the median extra wait for an
+    input from another device; the step overhead the fastest wall time beyond
+    the shortest span.
+    """
+    profiled = cell_costs(profiles, balance, num_micro_batches, batch_size, recompute)
+    tasks: dict[tuple[int, str], dict[tuple[int, int], float]] = {}  # (cell, F|B) -> work
+    local, remote = [], []
+    for step, line in enumerate(timelines):
+        for event, seconds in zip(line.events, simulator.measured_work(line.events, parallelism)):
+            phase = FORWARD if event.label.phase == FORWARD else BACKWARD  # recompute: in B
+            per_task = tasks.setdefault((event.label.cell, phase), {})
+            key = (step, event.label.micro_batch)
+            per_task[key] = per_task.get(key, 0.0) + seconds
+        gaps = simulator.measured_gaps(line.events)
+        local += gaps[0]
+        remote += gaps[1]
+    scales = {}
+    for phase in (FORWARD, BACKWARD):
+        measured = sum(statistics.median(work.values())
+                       for (_, p), work in tasks.items() if p == phase)
+        expected = sum(c.time[phase] + (c.time.get(simulator.RECOMPUTE, 0.0)
+                                        if phase == BACKWARD else 0.0) for c in profiled)
+        scales[phase] = measured / expected if expected > 0 and measured > 0 else 1.0
+    task_overhead = max(statistics.median(local), 0.0) if local else 0.0
+    latency = max(statistics.median(remote) - task_overhead, 0.0) if remote else 0.0
+    # The simulated pipeline also counts the first task's overhead, which the span does not.
+    pipeline = min(line.span for line in timelines) + task_overhead
+    return Calibration(
+        forward_scale=scales[FORWARD], backward_scale=scales[BACKWARD],
+        task_overhead=task_overhead, latency=latency,
+        step_overhead=max(min(step_seconds) - pipeline, 0.0), source=source)
+
+
+def simulate(profiles: Sequence[LayerProfile], balance: Sequence[int], num_micro_batches: int,
+             batch_size: int, recompute: str, schedule_name: str,
+             device: simulator.DeviceModel,
+             calibration: Calibration = Calibration()) -> simulator.Result:
+    """One configuration's pipeline played by the simulator (without the step overhead)."""
+    costs = cell_costs(profiles, balance, num_micro_batches, batch_size, recompute, calibration)
+    return simulator.simulate(SCHEDULES[schedule_name](len(balance), num_micro_batches), costs,
+                              calibration.device(device))
 
 
 def search(profiles: Sequence[LayerProfile], batch_size: int, num_devices: int,
            device: DeviceProfile, micro_batches: Sequence[int] = MICRO_BATCHES,
            recompute: Sequence[str] = RECOMPUTE_POLICIES,
-           schedules: Sequence[str] = tuple(SCHEDULES), step_overhead: float = 0.0,
+           schedules: Sequence[str] = tuple(SCHEDULES),
+           calibration: Calibration = Calibration(),
            cells: Optional[Sequence[int]] = None) -> list[Config]:
     """Every configuration with K <= num_devices cells, sorted: fitting ones first, then by time.
 
-    Balance comes from partition.solve_balance on the profiled time at the
-    micro-batch size, so cells are balanced by what they will really cost.
+    Balance comes from partition.solve_balance on the (calibrated) profiled
+    time at the micro-batch size, so cells are balanced by what they will
+    really cost. A step's time is the simulated pipeline plus the calibration's
+    step overhead.
     """
     results = []
     ks = cells or range(1, min(num_devices, len(profiles)) + 1)
     for k in ks:
         for m in sorted({min(m, batch_size) for m in micro_batches}):
-            balance = _balance(profiles, k, batch_size / m)
+            balance = balance_for(profiles, k, batch_size / m, calibration)
             for policy in recompute:
                 for name in schedules:
-                    costs = cell_costs(profiles, balance, m, batch_size, policy)
-                    r = simulator.simulate(SCHEDULES[name](k, m), costs, device.model)
+                    r = simulate(profiles, balance, m, batch_size, policy, name, device.model,
+                                 calibration)
                     peak = [float(p) for p in r.peak_bytes]
                     fits = device.memory is None or max(peak) <= device.memory
                     results.append(Config(k, balance, m, policy, name,
-                                          float(r.step_time) + step_overhead,
+                                          float(r.step_time) + calibration.step_overhead,
                                           float(r.bubble), peak, fits))
     # Ties (equal to the microsecond) go to fewer devices, fewer micro-batches, less memory.
     results.sort(key=lambda c: (not c.fits, round(c.step_time, 6), c.num_cells,
@@ -203,7 +315,7 @@ def throughput_table(profiles: Sequence[LayerProfile], batch_size: int,
     out = {}
     for k in ks:
         for m in ms:
-            balance = _balance(profiles, k, batch_size / m)
+            balance = balance_for(profiles, k, batch_size / m)
             costs = cell_costs(profiles, balance, m, batch_size, recompute)
             out[(k, m)] = batch_size / float(
                 simulator.simulate(schedule.fill_drain(k, m), costs, device.model).step_time)

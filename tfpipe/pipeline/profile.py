@@ -66,7 +66,9 @@ def _bytes_per_example(struct: Any) -> float:
     return sum(t.shape.num_elements() * t.dtype.size for t in leaves) / batch
 
 
-def _median_seconds(fn, *args, repeats: int) -> float:
+def _fastest_seconds(fn, *args, repeats: int) -> float:
+    """The fastest of `repeats` calls: other processes' load only slows a call down, so on
+    a shared machine the minimum is the steadiest estimate of the call's own cost."""
     for _ in range(2):  # trace, then warm up
         tf.nest.map_structure(lambda t: t.numpy(), fn(*args))
     times = []
@@ -74,7 +76,7 @@ def _median_seconds(fn, *args, repeats: int) -> float:
         start = time.perf_counter()
         tf.nest.map_structure(lambda t: t.numpy(), fn(*args))
         times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return float(np.min(times))
 
 
 def _call_overhead(x: Any, repeats: int) -> float:
@@ -84,7 +86,7 @@ def _call_overhead(x: Any, repeats: int) -> float:
     one call per layer is not part of a layer's cost and is subtracted.
     """
     noop = tf.function(lambda v: tf.nest.map_structure(tf.identity, v))
-    return _median_seconds(noop, x, repeats=repeats)
+    return _fastest_seconds(noop, x, repeats=repeats)
 
 
 def slot_bytes_of(optimizer: Optional[Params], variables: Sequence[tf.Variable]) -> float:
@@ -120,8 +122,8 @@ def _timings(apply: Callable[[Any, Any], Any], theta: Any, x: Any, sizes: Sequen
     for b in sizes:
         xb = tf.nest.map_structure(lambda t, b=b: t[:b], x)
         call = _call_overhead(xb, repeats)
-        forward = max(_median_seconds(fwd, theta, xb, repeats=repeats) - call, 0.0)
-        both = max(_median_seconds(fwd_bwd, theta, xb, repeats=repeats) - call, 0.0)
+        forward = max(_fastest_seconds(fwd, theta, xb, repeats=repeats) - call, 0.0)
+        both = max(_fastest_seconds(fwd_bwd, theta, xb, repeats=repeats) - call, 0.0)
         f_times.append(forward)
         b_times.append(max(both - forward, 0.0))
     return f_times, b_times

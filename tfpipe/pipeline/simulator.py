@@ -12,13 +12,18 @@ measured from a traced step (a phase the schedule does not run as its own task,
 such as 'recompute', is charged to the backward task that runs it). A device
 model says how fast devices are and whether they really run in parallel:
 logical CPUs of one host share its cores, which `parallelism` captures as
-processor sharing (at most that many tasks progress at full speed at once).
+processor sharing (at most that many tasks progress at full speed at once), and
+a result crossing devices arrives `latency` seconds after its task ends.
+
+`measured_work` and `measured_gaps` run that model backwards on a measured
+timeline: how much work each task did once the sharing of cores is taken out,
+and how long devices waited between tasks. The planner fits its costs to them.
 """
 from __future__ import annotations
 
 import dataclasses
 from fractions import Fraction
-from typing import Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 from tfpipe.pipeline import schedule as schedule_lib
 from tfpipe.pipeline.schedule import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD,
@@ -55,12 +60,15 @@ class DeviceModel:
     speed: relative compute speed (costs are divided by it); parallelism: how
     many tasks progress at full speed at the same time (None: every device is
     independent, as with GPUs/TPUs; logical CPUs of one host share its cores);
-    bandwidth: bytes/s between neighbouring devices (None: free transfers).
+    bandwidth: bytes/s between neighbouring devices (None: free transfers);
+    latency: seconds from the end of a task to its result being usable on
+    another device (a copy's fixed cost and the runtime's hand-over).
     """
 
     speed: float = 1.0
     parallelism: Optional[float] = None
     bandwidth: Optional[float] = None
+    latency: float = 0.0
 
 
 @dataclasses.dataclass
@@ -144,8 +152,10 @@ def simulate(sched: Schedule, cells: list[CellCosts], device: DeviceModel = Devi
             if dep not in end:
                 return None
             link = 0
-            if dep.cell % num_devices != task.cell % num_devices and device.bandwidth:
-                link = cells[min(dep.cell, task.cell)].output_bytes / device.bandwidth
+            if dep.cell % num_devices != task.cell % num_devices:
+                link = device.latency or 0
+                if device.bandwidth:
+                    link = link + cells[min(dep.cell, task.cell)].output_bytes / device.bandwidth
             times.append(end[dep] + link)
         return max(times)
 
@@ -203,3 +213,61 @@ def costs_from_measurements(measured: Mapping[tuple[int, str], Number],
     for (k, phase), value in measured.items():
         cells[k].time[phase] = value
     return cells
+
+
+def measured_work(events: Sequence[Any], parallelism: Optional[float]) -> list[float]:
+    """The work (seconds at full speed) of each measured event under processor sharing.
+
+    `events` have `.start` and `.end` (a `timeline.Timeline`'s events). While n
+    events run at once on a host with `parallelism` P < n, each progresses at
+    P / n of full speed, as `simulate` assumes; this integrates that rate over
+    each event, so work measured under contention can be played again under
+    another contention.
+    """
+    bounds = sorted({t for e in events for t in (e.start, e.end)})
+    work = [0.0] * len(events)
+    for lo, hi in zip(bounds, bounds[1:]):
+        running = [i for i, e in enumerate(events) if e.start <= lo and e.end >= hi]
+        rate = float(_share(parallelism, len(running)))
+        for i in running:
+            work[i] += (hi - lo) * rate
+    return work
+
+
+def measured_gaps(events: Sequence[Any]) -> tuple[list[float], list[float]]:
+    """Idle seconds before each measured task: (after the device's previous task,
+    after an input from another device).
+
+    `events` carry `.label` (device, cell, micro_batch, phase), `.start`, `.end`.
+    A 'recompute' event and the 'backward' that follows it at the same stamp are
+    one task. A gap counts as local when the device's previous task ended after
+    the task's inputs arrived (the device itself was the wait: per-task dispatch
+    cost), else as remote (a hand-over between devices).
+    """
+    tasks = [e for e in events if e.label.phase != BACKWARD or not any(
+        r.label.phase == RECOMPUTE and r.label.cell == e.label.cell
+        and r.label.micro_batch == e.label.micro_batch for r in events)]
+    end: dict[tuple[int, int, str], float] = {}
+    for e in events:
+        phase = BACKWARD if e.label.phase == RECOMPUTE else e.label.phase
+        key = (e.label.cell, e.label.micro_batch, phase)
+        end[key] = max(end.get(key, e.end), e.end)
+    num_cells = 1 + max(e.label.cell for e in events)
+    device_of = {e.label.cell: e.label.device for e in events}
+    local, remote = [], []
+    previous: dict[str, float] = {}
+    for e in sorted(tasks, key=lambda e: e.start):
+        label = e.label
+        phase = BACKWARD if label.phase == RECOMPUTE else label.phase
+        deps = schedule_lib.dependencies(Task(label.cell, label.micro_batch, phase), num_cells)
+        arrivals = [end[(d.cell, d.micro_batch, d.phase)] for d in deps
+                    if device_of[d.cell] != label.device
+                    and (d.cell, d.micro_batch, d.phase) in end]
+        own = previous.get(label.device)
+        if arrivals and (own is None or max(arrivals) > own):
+            remote.append(e.start - max(arrivals))
+        elif own is not None:
+            local.append(e.start - own)
+        previous[label.device] = max(previous.get(label.device, e.end), end[
+            (label.cell, label.micro_batch, phase)])
+    return local, remote
