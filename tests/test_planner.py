@@ -206,3 +206,18 @@ def test_search_adds_the_calibrated_step_overhead_and_task_costs():
                                 calibration=cal)[0]
     # 2 * (M + K - 1) tasks on the critical path, each 1 ms longer, plus the step's 5 ms.
     assert calibrated.step_time == pytest.approx(plain.step_time + 2 * 5 * 1e-3 + 5e-3)
+
+
+def test_calibration_ignores_a_task_another_process_delayed():
+    import dataclasses
+    layers = _layers()
+    truth = planner.Calibration(forward_scale=0.5, backward_scale=2.0)
+    line, result = _measured_timeline(layers, [4, 4], 4, 64, truth)
+    # The first forward of cell 1 lost the core for 50 ms: its stamps bracket the wait.
+    slow = [dataclasses.replace(e, end=e.end + 0.05)
+            if (e.label.cell, e.label.micro_batch, e.label.phase) == (1, 0, 'forward') else e
+            for e in line.events]
+    line.events = slow
+    fitted = planner.calibrate(layers, [4, 4], 4, 64, 'never', [line], [1.0], None, source='x')
+    assert fitted.forward_scale == pytest.approx(0.5, rel=1e-6)
+    assert fitted.backward_scale == pytest.approx(2.0, rel=1e-6)

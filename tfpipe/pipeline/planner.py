@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import statistics
 from typing import Any, Optional, Sequence
 
 from tfpipe.pipeline import partition, schedule, simulator
@@ -151,17 +150,17 @@ def cell_costs(profiles: Sequence[LayerProfile], balance: Sequence[int],
     cells = []
     for (start, stop), recomputes in zip(partition.cell_ranges(balance), flags):
         layers = profiles[start:stop]
-        forward = calibration.forward_scale * sum(p.forward(b) for p in layers)
-        backward = calibration.backward_scale * sum(p.backward(b) for p in layers)
+        forward = sum(p.forward(b) for p in layers)
+        backward = sum(p.backward(b) for p in layers)
         params = sum(p.param_bytes for p in layers)
         activations = b * sum(p.input_bytes_per_example + p.output_bytes_per_example
                               for p in layers)
         cell_input = b * layers[0].input_bytes_per_example
         overhead = calibration.task_overhead
-        time = {FORWARD: forward + overhead, BACKWARD: backward + overhead}
-        if recomputes:  # runs inside the backward task, at the backward's rate
-            time[simulator.RECOMPUTE] = forward * (calibration.backward_scale /
-                                                   calibration.forward_scale)
+        time = {FORWARD: calibration.forward_scale * forward + overhead,
+                BACKWARD: calibration.backward_scale * backward + overhead}
+        if recomputes:  # runs inside the backward task, calibrated with it
+            time[simulator.RECOMPUTE] = calibration.backward_scale * forward
         cells.append(simulator.CellCosts(
             time=time, static_bytes=2 * params + sum(p.slot_bytes for p in layers),
             stash_bytes=cell_input if recomputes else activations,
@@ -178,6 +177,14 @@ def balance_for(profiles: Sequence[LayerProfile], num_cells: int, micro: float,
     return partition.solve_balance(costs, num_cells)
 
 
+def _undisturbed(values: Sequence[float]) -> float:
+    """The lower quartile: a task other processes did not delay. Load only adds time, so
+    the median of a loaded machine is too high; the lower quartile of many tasks still
+    ignores the odd fast outlier."""
+    ordered = sorted(values)
+    return ordered[len(ordered) // 4]
+
+
 def calibrate(profiles: Sequence[LayerProfile], balance: Sequence[int],
               num_micro_batches: int, batch_size: int, recompute: str,
               timelines: Sequence[Any], step_seconds: Sequence[float],
@@ -187,15 +194,14 @@ def calibrate(profiles: Sequence[LayerProfile], balance: Sequence[int],
     `timelines` are `timeline.Timeline`s of recorded steps of that configuration
     and `step_seconds` wall times of the same step unrecorded. On a shared
     machine other processes' load only ever slows a step down, often by
-    descheduling one task for a whole time slice, so the fit reads typical
-    tasks and the least disturbed step: per cell, the median task (over
-    micro-batches and steps) of its forward and of its backward (recompute
-    included), its work with the contention between the pipeline's own tasks
-    taken out (`parallelism`, as the simulator puts it back), over the profiled
-    work gives the compute scales; the per-task overhead is the median wait of
-    a device between its own tasks; the latency the median extra wait for an
-    input from another device; the step overhead the fastest wall time beyond
-    the shortest span.
+    descheduling one task for a whole time slice, so the fit reads undisturbed
+    tasks (`_undisturbed`) and the fastest step: per cell, the forward and the
+    backward task (recompute included) over micro-batches and steps, as work
+    with the contention between the pipeline's own tasks taken out
+    (`parallelism`, as the simulator puts it back), over the profiled work
+    gives the compute scales; the per-task overhead is a device's wait between
+    its own tasks; the latency the extra wait for an input from another device;
+    the step overhead the fastest wall time beyond the shortest span.
     """
     profiled = cell_costs(profiles, balance, num_micro_batches, batch_size, recompute)
     tasks: dict[tuple[int, str], dict[tuple[int, int], float]] = {}  # (cell, F|B) -> work
@@ -211,13 +217,13 @@ def calibrate(profiles: Sequence[LayerProfile], balance: Sequence[int],
         remote += gaps[1]
     scales = {}
     for phase in (FORWARD, BACKWARD):
-        measured = sum(statistics.median(work.values())
+        measured = sum(_undisturbed(list(work.values()))
                        for (_, p), work in tasks.items() if p == phase)
         expected = sum(c.time[phase] + (c.time.get(simulator.RECOMPUTE, 0.0)
                                         if phase == BACKWARD else 0.0) for c in profiled)
         scales[phase] = measured / expected if expected > 0 and measured > 0 else 1.0
-    task_overhead = max(statistics.median(local), 0.0) if local else 0.0
-    latency = max(statistics.median(remote) - task_overhead, 0.0) if remote else 0.0
+    task_overhead = max(_undisturbed(local), 0.0) if local else 0.0
+    latency = max(_undisturbed(remote) - task_overhead, 0.0) if remote else 0.0
     # The simulated pipeline also counts the first task's overhead, which the span does not.
     pipeline = min(line.span for line in timelines) + task_overhead
     return Calibration(
