@@ -11,7 +11,7 @@ Profiles alone mispredict small CPU steps: a layer timed alone pays overheads
 the pipeline does not, timings move with the machine's load, and a step has
 costs no layer has (dispatching each task, handing results between devices,
 the loss, gradient norm and optimizer update). `calibrate` measures them on
-one real step's timeline: `Calibration` scales the profiled compute to what the
+the timelines of a few real steps: `Calibration` scales the profiled compute to what the
 tasks really took and adds the per-task, per-hand-over and per-step costs.
 """
 from __future__ import annotations
@@ -131,8 +131,8 @@ class Calibration:
                 'change with micro-batch size: profiled')
 
     def device(self, model: simulator.DeviceModel) -> simulator.DeviceModel:
-        """`model` with the measured hand-over latency."""
-        return dataclasses.replace(model, latency=self.latency)
+        """`model` with the measured hand-over latency added to its own."""
+        return dataclasses.replace(model, latency=model.latency + self.latency)
 
 
 def cell_costs(profiles: Sequence[LayerProfile], balance: Sequence[int],
