@@ -21,9 +21,16 @@ tf.config.optimizer.set_experimental_options({'disable_meta_optimizer': True})).
 Rounds interleave the variants; each figure is the median over rounds with its
 spread (min-max), and `vs unrolled` is the median of per-round ratios.
 
+`--section=steady` compares steady-state step time side by side in one process:
+`unrolled`, `functions` and `functions+jit` (cell_functions with jit_compile=True,
+each cell function compiled by XLA) on the 16 x Dense(256) stack (K=4, M=8) and on
+the AmoebaNet body of tfpipe/bodies.py (16x16x3 images, batch 32, K=4, M=4),
+interleaving the variants round by round.
+
 Run (from the repository root):
     PYTHONPATH=. python benchmarks/first_step_benchmark.py           # ~15-25 minutes
     PYTHONPATH=. python benchmarks/first_step_benchmark.py --quick   # K=8 M=64 only, ~4 min
+    PYTHONPATH=. python benchmarks/first_step_benchmark.py --section=steady   # ~3 minutes
 """
 from __future__ import annotations
 
@@ -47,6 +54,7 @@ _PASS = re.compile(r'meta_optimizer\.cc:\d+\] ([A-Za-z_]+)[^:]*: Graph size afte
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     ap.add_argument('--quick', action='store_true')
+    ap.add_argument('--section', default='first', choices=['first', 'steady'])
     ap.add_argument('--rounds', type=int, default=None, help='default 2, quick 1')
     ap.add_argument('--variants', default=','.join(VARIANTS),
                     help=f'comma list from {VARIANTS + ("functions_inline",)}, each optionally '
@@ -133,9 +141,79 @@ def spread(values: list[float], scale: float = 1.0, fmt: str = '.2f') -> str:
     return f'{med:{fmt}} [{min(values) * scale:{fmt}}-{max(values) * scale:{fmt}}]'
 
 
+STEADY_VARIANTS = ('unrolled', 'functions', 'functions+jit')
+
+
+def steady_section(rounds: int, calls: int) -> None:
+    """Steady-state step time of each variant, interleaved round by round in one process."""
+    import tensorflow as tf
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(2)
+    import tfpipe
+    from tfpipe import bodies, fprop_context, layers
+    from tfpipe.pipeline import partition
+    tfpipe.configure_logical_cpus(8)
+
+    def dense():
+        body = [layers.Dense.Params().Set(name=f'fc{i}', input_dim=256, output_dim=256,
+                                          activation='relu') for i in range(16)]
+        x = tf.random.stateless_normal([256, 256], seed=[1, 2])
+        t = tf.random.stateless_normal([256, 256], seed=[3, 4])
+        return (body, partition.even_balance(16, 4), 8, x, t,
+                lambda o, y: tf.reduce_mean(tf.square(o - y), axis=-1))
+
+    def amoeba():
+        x = tf.random.stateless_normal([32, 16, 16, 3], seed=[1, 2])
+        t = tf.random.stateless_uniform([32], seed=[3, 4], maxval=4, dtype=tf.int32)
+        return (bodies.amoebanet_body(4), None, 4, x, t,
+                lambda o, y: tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=o))
+
+    for model, make in (('16 x Dense(256), batch 256, K=4 M=8', dense),
+                        ('AmoebaNet body, batch 32, K=4 M=4', amoeba)):
+        body, balance, m, x, t, loss_fn = make()
+        steps = {}
+        for variant in STEADY_VARIANTS:
+            pipe = tfpipe.PipeliningLayer.Params().Set(
+                name='pipe', body=body, balance=balance, num_cells=None if balance else 4,
+                num_micro_batches=m, devices=[f'/CPU:{i}' for i in range(4)],
+                cell_functions=variant != 'unrolled',
+                jit_compile=variant.endswith('jit')).Instantiate()
+
+            def step(pipe=pipe):
+                with fprop_context.training(step=0):
+                    loss, grads = pipe.ForwardBackward(pipe.theta, x, loss_fn, t)
+                for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads)):
+                    v.assign_sub(1e-4 * g)
+                return loss
+            steps[variant] = tf.function(step)
+            t0 = time.perf_counter()
+            float(steps[variant]())
+            print(f'  {model}: {variant} first step {time.perf_counter() - t0:.1f} s',
+                  flush=True)
+        times = {v: [] for v in STEADY_VARIANTS}
+        for r in range(rounds):
+            order = STEADY_VARIANTS[r % 3:] + STEADY_VARIANTS[:r % 3]
+            for v in order:
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    float(steps[v]())
+                times[v].append((time.perf_counter() - t0) / calls)
+        for v in STEADY_VARIANTS:
+            vs = [a / b for a, b in zip(times[v], times['unrolled'])]
+            vf = [a / b for a, b in zip(times[v], times['functions'])]
+            print(f'{model}  {v:14s} steady {spread(times[v], 1e3, ".1f")} ms  vs unrolled '
+                  f'{spread(vs)}x  vs functions {spread(vf)}x  (load '
+                  f'{os.getloadavg()[0]:.2f})', flush=True)
+
+
 def main(args) -> int:
     if args.child:
         child(args.child)
+        return 0
+    if args.section == 'steady':
+        print(f'steady state, {args.rounds or 9} rounds of 5 calls, interleaved; 1-min load '
+              f'average at start {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores', flush=True)
+        steady_section(args.rounds or 9, 5)
         return 0
     grid = GRID['quick' if args.quick else 'full'] if args.grid is None else [
         tuple(int(v) for v in km.split(',')) for km in args.grid.split(';')]

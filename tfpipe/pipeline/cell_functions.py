@@ -54,7 +54,7 @@ class CellFunctions:
         self.cell = cell
         self.training = training
         self.boundary = boundary
-        self._layers = {layer.path: layer for layer in cell.layers}
+        self._layers: dict[str, Any] = {}  # path -> a layer that recorded statistics
         attributes = {'_noinline': True} if no_inline and not jit_compile else None
         options = dict(autograph=False, jit_compile=jit_compile or None,
                        experimental_attributes=attributes)
@@ -70,6 +70,8 @@ class CellFunctions:
         sink = fprop_context.BatchStatsSink()
         with tf.device(self.cell.device), self._context(offset, step, sink):
             y = self.cell.forward(theta, x)
+        # Layers may be nested (a BatchNorm inside a composite): learnt while tracing.
+        self._layers.update((layer.path, layer) for layer, _ in sink.records.values())
         return y, {layer.path: stats for layer, stats in sink.records.values()}
 
     def _backward(self, theta: dict, x: Any, dy: list, offset: tf.Tensor, step: Any,
