@@ -22,9 +22,10 @@ has one node per task, and grappler and the placer see each cell's function
 once instead of K*M copies. Inlined calls would save only the Python tracing.
 `jit_compile=True` compiles each cell function with XLA (never inlined).
 
-Embedding gradients summed inside a backward function lose their static table
-shape at the call boundary, so from a cell's second micro-batch on they are summed
-dense (same values, the memory of accumulate.py's dense path).
+A recomputing cell's backward function also adds its weight gradients into the
+cell's running sum (passed in, zeros at first, and returned), which keeps those adds
+out of the step's graph; embedding gradients are therefore summed dense there (same
+values, the memory of accumulate.py's dense path).
 
 Not supported here, so the layer falls back to the unrolled executor for them:
 - split backward (zb_* schedules): the weight part differentiates the tape that
@@ -40,7 +41,6 @@ from typing import Any, Callable, Optional, Sequence
 import tensorflow as tf
 
 from tfpipe import fprop_context
-from tfpipe.pipeline import accumulate
 from tfpipe.pipeline.cell import Cell
 from tfpipe.pipeline.executor import PipelineRun, float_leaves
 
@@ -75,7 +75,7 @@ class CellFunctions:
         return y, {layer.path: stats for layer, stats in sink.records.values()}
 
     def _backward(self, theta: dict, x: Any, dy: list, offset: tf.Tensor, step: Any,
-                  acc: Optional[list]) -> tuple[list, list]:
+                  acc: list) -> tuple[list, list]:
         """Recomputes the forward from `x`, differentiates, and returns (the gradients of
         the boundary's input leaves, the running sum `acc` plus the flat weight gradients):
         summing here keeps those adds out of the step's graph."""
@@ -90,8 +90,7 @@ class CellFunctions:
                                   output_gradients=dy,
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
             dx, dtheta = grads[:len(x_leaves)], grads[len(x_leaves):]
-            acc = acc or [None] * len(dtheta)
-            return dx, [accumulate.add(a, g) for a, g in zip(acc, dtheta)]
+            return dx, [a + tf.convert_to_tensor(g) for a, g in zip(acc, dtheta)]
 
     def record(self, stats: dict, sink: fprop_context.BatchStatsSink) -> None:
         """Puts the statistics a forward call returned into the run's sink."""
@@ -148,8 +147,10 @@ class FunctionalPipelineRun(PipelineRun):
             return super()._gradients(k, m, dy)
         x = self.inputs.pop((k, m))
         offset, step = self._arguments(k, m)
-        dx, acc = self.functions[k].backward(self.thetas[k], x, list(dy), offset, step,
-                                             self.theta_grads[k])
+        acc = self.theta_grads[k]
+        if acc is None:  # zeros, not None: one trace serves the first micro-batch too
+            acc = [tf.zeros_like(t) for t in tf.nest.flatten(self.thetas[k])]
+        dx, acc = self.functions[k].backward(self.thetas[k], x, list(dy), offset, step, acc)
         _, _, x_parts, x_received = self._boundary(k, x, x)  # the input's parts only
         return dx, acc, x_parts, x_received
 
