@@ -5,11 +5,14 @@ step must equal the unrolled executor's step (loss, gradients, updated weights,
 BatchNorm moving statistics), keep every call and every op of cell k on device
 k, and fall back to the unrolled tasks where the functions cannot follow.
 """
+import collections
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from tests import model_zoo as mz
+from tests import test_pipeline_placement as placement
 from tfpipe import fprop_context, layers
 from tfpipe.layers.dropout import stateless_uniform_slice
 from tfpipe.pipeline import trace
@@ -137,6 +140,40 @@ def test_one_call_per_task_on_its_cells_device_and_every_op_inside_placed():
               and '__backward_' not in n.function]
     assert inside and all(n.device for n in inside), [n for n in inside if not n.device][:3]
     assert {trace.device_index(n.device) for n in inside} == {f'CPU:{k}' for k in range(4)}
+
+
+def waits_with_data_edges(concrete):
+    """task scope -> the other task scopes it waits for, through control *or* data edges:
+    TensorFlow drops a control edge to an op that is already a data input, which happens
+    when a backward call consumes the intermediates its forward call returned."""
+    waits = collections.defaultdict(set)
+    for op in concrete.graph.get_operations():
+        for source in list(op.control_inputs) + [t.op for t in op.inputs]:
+            a, b = placement.scope_of(op.name), placement.scope_of(source.name)
+            if a and b and a != b:
+                waits[a].add(b)
+    return waits
+
+
+@pytest.mark.parametrize('recompute', ['always', 'never'])
+def test_1f1b_order_on_each_device_is_kept(recompute):
+    num_micro = 6
+    body = mz.mlp_body()
+    x, y = mz.inputs_for(body)
+    pipe = mz.pipeline(body, 4, num_micro, recompute, schedule='1f1b', cell_functions=True)
+    waits = waits_with_data_edges(_traced_step(pipe, x, y))
+    for k in range(4):
+        for m in range(1, min(4 - k, num_micro)):  # the warm-up forwards, in order
+            assert f'pipe/cell_{k}/forward_{m - 1}' in waits[f'pipe/cell_{k}/forward_{m}']
+        warmup = min(4 - k, num_micro)
+        for i in range(num_micro - warmup):
+            forward = f'pipe/cell_{k}/forward_{warmup + i}'
+            assert f'pipe/cell_{k}/backward_{i}' in waits[forward], (k, i)
+            assert forward in waits[f'pipe/cell_{k}/backward_{i + 1}'], (k, i)
+        for m in range(num_micro):  # the incoming gradient gates the backward
+            source = (f'pipe/cell_{k + 1}/backward_{m}' if k + 1 < 4
+                      else f'pipe/cell_{k}/loss_{m}')
+            assert source in waits[f'pipe/cell_{k}/backward_{m}'], (k, m)
 
 
 def test_split_backward_and_timeline_fall_back_to_unrolled_tasks():
