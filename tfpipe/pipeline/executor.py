@@ -30,6 +30,10 @@ a device and their tasks run in the schedule's order for that device.
 Skip connections that span cells (layers.Stash ... layers.Pop) travel through
 portals (see portals.py): from the stashing cell's forward straight to the
 popping cell's, and their gradients straight back.
+
+A task's computation (`_compute_forward`, `_gradients`) is separate from its
+scheduling (device, control dependencies, portals, recorder): cell_functions.py
+replaces the computation by calls of each cell's traced functions.
 """
 from __future__ import annotations
 
@@ -145,7 +149,7 @@ class PipelineRun:
                                    example_offset=self.offsets[m], batch_stats=sink)
 
     def _forward(self, k: int, m: int) -> None:
-        cell, theta = self.cells[k], self.thetas[k]
+        cell = self.cells[k]
         portal_x = self.portal_inputs.pop((k, m), {})
         with self._scope(k, m, 'forward', inputs=(self.inputs[(k, m)], portal_x)):
             x = portals.give(self.inputs[(k, m)], portal_x)
