@@ -1,7 +1,7 @@
 """Trainer steps/s of the default model under TensorFlow thread-pool settings, side by side.
 
-    PYTHONPATH=. python benchmarks/threads_benchmark.py            # ~5 minutes on 2 cores
-    PYTHONPATH=. python benchmarks/threads_benchmark.py --quick    # ~2 minutes
+    PYTHONPATH=. python benchmarks/threads_benchmark.py            # ~15 minutes on 2 cores
+    PYTHONPATH=. python benchmarks/threads_benchmark.py --quick    # ~5 minutes
     PYTHONPATH=. python benchmarks/threads_benchmark.py --settings=0/0,1/2,2/2 --rounds=12
 
 Thread pools are process-wide and fixed when TensorFlow starts, so each setting gets its own
@@ -11,20 +11,27 @@ it measures tfpipe's current default), builds the trainer's own `Trainer` for
 image.shapes.AmoebaNetPipe (K=4, M=4, recompute, 8 logical CPUs), traces and warms up its step,
 then waits. The parent runs rounds: in each round every child runs `--steps` training steps
 (next batch from the trainer's input, the trainer's `_step`, loss and norm read back, as the
-trainer's loop does) one child at a time, in an order rotated every round, so a slow phase of
-the shared machine hits every setting. Reported per setting: steps/s median and quartiles over
-rounds, process CPU seconds per wall second (cores kept busy), and the per-round ratio of the
-round's best steps/s to this setting's (1.00 = the best of that round), median and quartiles.
+trainer's loop does) one child at a time, in a new random order every round (so no setting
+always follows the same one), so a slow phase of the shared machine hits every setting.
+
+Reported per setting: steps/s median and quartiles over rounds; process CPU seconds per wall
+second (cores kept busy) and per step; the per-round ratio of the round's best steps/s to this
+setting's (1.00 = the best of that round), median and quartiles; and this setting's steps/s
+over TensorFlow's default (0/0) in the same round. `default` is the same setting as one of the
+explicit ones (tfpipe's default: 1/8 on logical CPUs), so the gap between those two rows is the
+noise floor of the run.
 
 The machine is shared: other processes' load steals cores, and a setting with more threads
 loses less of its share to them than one that runs single-threaded ops, so a high load average
-biases the comparison towards more threads. The load average is printed per round.
+biases the comparison towards more threads. The load average is printed per round; CPU seconds
+per step are less sensitive to it.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import random
 import select
 import statistics
 import subprocess
@@ -36,25 +43,29 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = 'image.shapes.AmoebaNetPipe'
 # 'intra/inter' as the trainer's --intra_op_threads / --inter_op_threads; 'default' passes
 # neither (tfpipe's default on logical CPUs); 0 is TensorFlow's own default for that pool.
-DEFAULT_SETTINGS = 'default,0/0,1/1,1/2,2/2,1/4,2/4,1/8'
+DEFAULT_SETTINGS = 'default,0/0,1/2,2/2,1/4,2/4,1/8,1/16'
 READY_TIMEOUT = 900  # seconds for a child to build, trace and warm up on a loaded machine
+# Between two settings' turns: the previous child's idle thread pools stop spinning, so they
+# do not slow down the next one (with a fixed rotation, one setting would always follow the
+# one with the most threads).
+SETTLE_SECONDS = 0.3
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     ap.add_argument('--settings', default=DEFAULT_SETTINGS,
                     help='comma list of intra/inter thread counts, or "default"')
-    ap.add_argument('--rounds', type=int, default=None, help='default 10 (--quick: 4)')
-    ap.add_argument('--steps', type=int, default=None,
-                    help='training steps per setting per round; default 30 (--quick: 15)')
+    ap.add_argument('--rounds', type=int, default=None, help='default 40 (--quick: 10)')
+    ap.add_argument('--steps', type=int, default=5,
+                    help='training steps per setting per round: few, so that the settings '
+                    'are compared within seconds of each other')
     ap.add_argument('--warmup', type=int, default=10, help='steps after tracing, discarded')
     ap.add_argument('--quick', action='store_true')
     ap.add_argument('--num_logical_cpus', type=int, default=8)
     ap.add_argument('--data_dir', default=os.path.expanduser('~/tensorflow_datasets'))
     ap.add_argument('--child', default=None, help='internal: the setting this child measures')
     args = ap.parse_args(argv)
-    args.rounds = args.rounds or (4 if args.quick else 10)
-    args.steps = args.steps or (15 if args.quick else 30)
+    args.rounds = args.rounds or (10 if args.quick else 40)
     return args
 
 
@@ -105,6 +116,7 @@ def child(args) -> None:
         w0, c0 = time.perf_counter(), time.process_time()
         run(steps)
         _say(seconds=time.perf_counter() - w0, cpu=time.process_time() - c0)
+    os._exit(0)  # the parent is gone: skip TensorFlow's teardown, which can take a while
 
 
 _PROTOCOL = sys.stdout
@@ -165,21 +177,25 @@ def parent(args) -> int:
         thread_flags(s)  # refuse a malformed setting before starting anything
     print(f'# threads: trainer steps/s of {MODEL} (K=4, M=4, recompute), '
           f'{args.num_logical_cpus} logical CPUs on {os.cpu_count()} cores; {args.rounds} '
-          f'rounds x {args.steps} steps per setting, order rotated each round', flush=True)
+          f'rounds x {args.steps} steps per setting, order shuffled each round', flush=True)
     children = []
     try:
-        for s in settings:  # one at a time: the first one may generate the dataset
-            c = Child(s, args)
-            children.append(c)
-            ready = c.read(READY_TIMEOUT)
-            print(f'  {s:<8} ready in {ready["seconds"]:.0f} s: TensorFlow reads back '
+        children.append(Child(settings[0], args))  # alone: it may generate the dataset
+        answers = [children[0].read(READY_TIMEOUT)]
+        children += [Child(s, args) for s in settings[1:]]
+        answers += [c.read(READY_TIMEOUT) for c in children[1:]]
+        for c, ready in zip(children, answers):
+            print(f'  {c.setting:<8} ready in {ready["seconds"]:.0f} s: TensorFlow reads back '
                   f'intra={ready["intra"]} inter={ready["inter"]}', flush=True)
         rates = {s: [] for s in settings}
         cores = {s: [] for s in settings}
         loads = []
+        shuffle = random.Random(0)
         for r in range(args.rounds):
-            order = children[r % len(children):] + children[:r % len(children)]
+            order = list(children)
+            shuffle.shuffle(order)
             for c in order:
+                time.sleep(SETTLE_SECONDS)
                 out = c.steps(args.steps, READY_TIMEOUT)
                 rates[c.setting].append(args.steps / out['seconds'])
                 cores[c.setting].append(out['cpu'] / out['seconds'])
@@ -198,17 +214,26 @@ def report(settings: list[str], rates: dict, cores: dict, loads: list[float]) ->
     rounds = len(loads)
     ratios = {s: [max(rates[t][r] for t in settings) / rates[s][r] for r in range(rounds)]
               for s in settings}
-    print(f'\n{"setting":<9} {"steps/s median [q1, q3]":<26} {"cores":>5}  '
-          f'{"best/this per round: median [q1, q3]":<36} {"rounds best":>11}')
+    base = '0/0' if '0/0' in settings else None
+    print(f'\n{"setting":<8} {"steps/s median [q1, q3]":<24} {"cores":>5} {"CPU s/step":>10}  '
+          f'{"best/this per round [q1, q3]":<28} {"best":>4}' +
+          ('  this/TF default per round [q1, q3]' if base else ''))
     for s in sorted(settings, key=lambda s: statistics.median(ratios[s])):
         q1, med, q3 = quartiles(rates[s])
         r1, rmed, r3 = quartiles(ratios[s])
         wins = sum(1 for v in ratios[s] if v == 1.0)
-        print(f'{s:<9} {med:6.2f} [{q1:5.2f}, {q3:5.2f}]{"":<8} {statistics.median(cores[s]):5.2f}'
-              f'  {rmed:5.3f} [{r1:5.3f}, {r3:5.3f}]{"":<19} {wins:>11}')
+        cpu = statistics.median(c / r for c, r in zip(cores[s], rates[s]))
+        line = (f'{s:<8} {med:6.2f} [{q1:5.2f}, {q3:5.2f}]{"":<6} '
+                f'{statistics.median(cores[s]):5.2f} {cpu:10.3f}  '
+                f'{rmed:5.3f} [{r1:5.3f}, {r3:5.3f}]{"":<8} {wins:>4}')
+        if base:
+            b1, bmed, b3 = quartiles([rates[s][r] / rates[base][r] for r in range(rounds)])
+            line += f'  {bmed:5.3f} [{b1:5.3f}, {b3:5.3f}]'
+        print(line)
     print(f'load average per round: {" ".join(f"{v:.1f}" for v in loads)} (median '
           f'{statistics.median(loads):.1f}) on {os.cpu_count()} cores; a high load favours '
-          'settings with more threads (they keep a larger share of the contended cores)')
+          'settings with more threads (they keep a larger share of the contended cores); '
+          'CPU s/step (process CPU time per step) is less sensitive to that')
 
 
 def main() -> int:

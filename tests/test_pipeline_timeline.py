@@ -167,6 +167,9 @@ def test_every_replica_is_a_device_of_the_timeline():
     assert sorted(e.replica for e in line.events) == [0] * (3 * 2 * M) + [1] * (3 * 2 * M)
     assert line.theoretical_bubble() == pytest.approx(1 / (M + 1))
     assert set(line.latency()) == set(line.devices) | {'overall'}
+    tracks = [e['args']['name'] for e in line.chrome_trace()['traceEvents']
+              if e['ph'] == 'M' and e['name'] == 'thread_name']
+    assert tracks == line.devices
 
 
 CPU = '/job:localhost/replica:0/task:0/device:CPU:'
