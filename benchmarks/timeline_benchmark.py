@@ -63,16 +63,14 @@ ARGS = parse_args()
 import tensorflow as tf  # noqa: E402  (after the environment is set)
 
 tf.get_logger().setLevel('ERROR')
-# Single-threaded ops and two inter-op threads (as pipeline_benchmark.py): the two devices of
-# K=2 each get a core of this 2-core host and really run at the same time.
-tf.config.threading.set_intra_op_parallelism_threads(ARGS.intra_op_threads)
-tf.config.threading.set_inter_op_parallelism_threads(ARGS.inter_op_threads)
 
 import tfpipe  # noqa: E402
 from tfpipe import fprop_context, layers  # noqa: E402
-from tfpipe.pipeline import partition, schedule, timeline  # noqa: E402
+from tfpipe.pipeline import partition, timeline  # noqa: E402
 
-tfpipe.configure_logical_cpus(8)
+# Single-threaded ops and two inter-op threads (as pipeline_benchmark.py): the two devices of
+# K=2 each get a core of this 2-core host and really run at the same time.
+tfpipe.configure_logical_cpus(8, ARGS.intra_op_threads, ARGS.inter_op_threads)
 
 
 def build(num_layers: int, width: int, batch: int, k: int, m: int, record: bool = False,
@@ -224,8 +222,9 @@ def main(args) -> int:
         _print_table(['section', 'variant', 'measured', 'reference', 'diff', 'verdict',
                       'detail'], rows)
     print(f'note: 1-min load average {load:.2f} at start, {os.getloadavg()[0]:.2f} at end on '
-          f'{os.cpu_count()} cores; intra_op={ARGS.intra_op_threads}, '
-          f'inter_op={ARGS.inter_op_threads} threads, 8 logical CPUs')
+          f'{os.cpu_count()} cores; intra_op='
+          f'{tf.config.threading.get_intra_op_parallelism_threads()}, inter_op='
+          f'{tf.config.threading.get_inter_op_parallelism_threads()} threads, 8 logical CPUs')
     return 0
 
 

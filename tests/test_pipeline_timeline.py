@@ -11,7 +11,7 @@ from PIL import Image
 from tests import model_zoo as mz
 from tests import trainer_helpers as th
 from tfpipe import fprop_context
-from tfpipe.pipeline import gantt, timeline
+from tfpipe.pipeline import gantt, schedule, timeline
 
 M = 3
 LR = 0.1
@@ -175,8 +175,8 @@ def test_every_replica_is_a_device_of_the_timeline():
 CPU = '/job:localhost/replica:0/task:0/device:CPU:'
 
 
-def _event(cell, micro_batch, phase, start, end):
-    label = timeline.Label(CPU + str(cell), cell, micro_batch, phase)
+def _event(cell, micro_batch, phase, start, end, devices=2):
+    label = timeline.Label(CPU + str(cell % devices), cell, micro_batch, phase)
     return timeline.Event(label, start, end)
 
 
@@ -200,6 +200,33 @@ def test_measured_costs_and_latency_explain_the_bubble():
     assert latency[CPU + '0'] == pytest.approx(0.25 / 13.75)
     assert latency[CPU + '1'] == pytest.approx(0.5 / 13.75)
     assert latency['overall'] == pytest.approx(0.375 / 13.75)
+
+
+@pytest.mark.parametrize('name, devices, m, v', [
+    ('fill_drain', 3, 4, 1), ('1f1b', 3, 4, 1), ('interleaved_1f1b', 2, 4, 2),
+    ('zb_h1', 2, 4, 1), ('zb_h2', 3, 6, 1)])
+def test_unit_theory_is_the_schedules_idle_fraction(name, devices, m, v):
+    """A timeline whose tasks take one tick each, at the schedule's own ticks: theory,
+    measurement and the measured-cost model agree, with no latency."""
+    ticks = SCHEDULE_BUILDERS[name](devices, m, v)
+    events = [_event(task.cell, task.micro_batch, task.phase, t, t + 1, devices)
+              for t, tick in enumerate(ticks) for task in tick]
+    line = timeline.Timeline(events, [CPU + str(d) for d in range(devices)], m)
+    idle = schedule.idle_slots(ticks, devices) / (len(ticks) * devices)
+    assert line.num_devices == devices and line.num_cells == devices * v
+    assert line.theoretical_bubble() == pytest.approx(idle)
+    assert line.bubble()['overall'] == pytest.approx(idle)
+    assert line.modelled_bubble() == pytest.approx(idle)
+    assert line.latency()['overall'] == 0
+
+
+SCHEDULE_BUILDERS = {
+    'fill_drain': lambda k, m, v: schedule.fill_drain(k, m),
+    '1f1b': lambda k, m, v: schedule.one_f_one_b(k, m),
+    'interleaved_1f1b': schedule.interleaved_one_f_one_b,
+    'zb_h1': lambda k, m, v: schedule.zb_h1(k, m),
+    'zb_h2': lambda k, m, v: schedule.zb_h2(k, m),
+}
 
 
 def test_stamps_of_another_step_are_rejected(recorded):

@@ -10,7 +10,7 @@ _PROBE = '''
 import sys
 from absl import flags
 import tensorflow as tf
-if sys.argv[1] == '--fake_gpu':  # the trainer's GPU branch, on a machine without GPUs
+if sys.argv[1:2] == ['--fake_gpu']:  # the trainer's GPU branch, on a machine without GPUs
     sys.argv.pop(1)
     physical = tf.config.list_physical_devices
     tf.config.list_physical_devices = lambda kind=None: (
@@ -27,6 +27,9 @@ _LIBRARY_PROBE = '''
 import sys
 import tensorflow as tf
 import tfpipe
+if sys.argv[1:2] == ['--inter_set_before']:  # a program that sized a pool itself keeps it
+    tf.config.threading.set_inter_op_parallelism_threads(int(sys.argv.pop(2)))
+    sys.argv.pop(1)
 tfpipe.configure_logical_cpus(3, *[None if a == 'None' else int(a) for a in sys.argv[1:]])
 print(tf.config.threading.get_intra_op_parallelism_threads(),
       tf.config.threading.get_inter_op_parallelism_threads(),
@@ -74,6 +77,8 @@ def test_the_library_takes_the_same_default_on_logical_cpus():
     assert _run(_LIBRARY_PROBE) == [devices.DEFAULT_INTRA_OP_THREADS,
                                     devices.DEFAULT_INTER_OP_THREADS, 3]
     assert _run(_LIBRARY_PROBE, '0', 'None') == [0, devices.DEFAULT_INTER_OP_THREADS, 3]
+    assert _run(_LIBRARY_PROBE, '--inter_set_before', '5') == [
+        devices.DEFAULT_INTRA_OP_THREADS, 5, 3]
 
 
 def test_gpus_keep_tensorflows_default():

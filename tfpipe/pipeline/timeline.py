@@ -267,6 +267,7 @@ class Timeline:
         themselves, which no schedule theory counts. 'overall' is the mean. The rest of
         a device's idle time is spent waiting for other devices."""
         span = self.span
+        device_of = {(e.replica, e.label.cell): e.label.device for e in self.events}
         waits = {d: 0.0 for d in self.devices}
         for replica, orders in self._orders().items():
             ends = {task: end for order in orders for task, _, end in order}
@@ -274,16 +275,11 @@ class Timeline:
                 free = 0.0
                 for task, start, end in order:
                     deps = [ends[dep] for dep in schedule.dependencies(task, self.num_cells)]
-                    waits[self._device_of(replica, task.cell)] += max(
-                        0.0, start - max([free] + deps))
+                    waits[device_of[(replica, task.cell)]] += max(0.0, start - max([free] + deps))
                     free = end
         fractions = {d: w / span if span > 0 else 0.0 for d, w in waits.items()}
         fractions['overall'] = float(np.mean(list(fractions.values())))
         return fractions
-
-    def _device_of(self, replica: int, cell: int) -> str:
-        return next(e.label.device for e in self.events
-                    if e.replica == replica and e.label.cell == cell)
 
     def _orders(self) -> dict[int, list[list[tuple[schedule.Task, float, float]]]]:
         """Per replica, per device (indexed by the device's first cell): the schedule's
