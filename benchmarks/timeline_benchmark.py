@@ -160,10 +160,11 @@ def section_bubble(args) -> None:
           f'{args.rounds} rounds; load average per round: ' + ' '.join(f'{v:.1f}' for v in loads))
     print('   unit: the schedule on unit costs ((K-1)/(M+K-1), interleaved (K-1)/(vM+K-1)); '
           'costs: the same schedule on the measured per-phase medians, no time between '
-          'tasks; latency: idle after a task could start; quiet: median of the quarter of '
+          'tasks; latency: idle after a task could start; overlap x: a task\'s time while '
+          'the other device computes over its time alone; quiet: median of the quarter of '
           'rounds with the shortest span')
     header = ['variant', 'all rounds [q1, q3]', 'quiet', 'unit', 'quiet/unit', 'costs',
-              'quiet/costs', 'latency', 'span ms', 'F/R/B ms per cell (quiet)']
+              'quiet/costs', 'latency', 'overlap x', 'span ms', 'F/R/B ms per cell (quiet)']
     rows = []
     for name, (k, m, v, sched) in variants.items():
         measured = [line.bubble()['overall'] for line in lines[name]]
@@ -183,8 +184,27 @@ def section_bubble(args) -> None:
         rows.append([f'{name} {sched}', f'{med:.3f} [{q1:.3f}, {q3:.3f}]', f'{bubble:.3f}',
                      f'{unit:.3f}', f'{bubble / unit:.2f}', f'{modelled:.3f}',
                      f'{bubble / modelled:.2f}', f'{latency:.3f}',
+                     f'{_overlap_slowdown(lines[name]):.2f}',
                      f'{1e3 * statistics.median(line.span for line in quiet):.0f}', phases])
     _print_table(header, rows)
+
+
+def _overlap_slowdown(lines: list) -> float:
+    """Median over (cell, phase) of: a task's duration while another device computes over
+    its duration while every other device idles. 1 for independent devices; logical CPUs
+    share the host's cores (and, here, other processes' load)."""
+    alone, overlapped = {}, {}
+    for line in lines:
+        for e in line.events:
+            shared = sum(max(0.0, min(e.end, o.end) - max(e.start, o.start))
+                         for o in line.events if o.label.device != e.label.device)
+            share = shared / e.duration if e.duration > 0 else 0.0
+            target = alone if share < 0.1 else overlapped if share > 0.9 else None
+            if target is not None:
+                target.setdefault((e.label.cell, e.label.phase), []).append(e.duration)
+    ratios = [statistics.median(overlapped[key]) / statistics.median(alone[key])
+              for key in alone if key in overlapped]
+    return statistics.median(ratios) if ratios else float('nan')
 
 
 def _print_table(header: list, rows: list) -> None:
