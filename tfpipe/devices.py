@@ -24,7 +24,7 @@ LOCAL_JOBS = ('localhost', 'chief')  # the trainer's own job: TF's default, or t
 # On logical CPUs: single-threaded ops, many of them at once. benchmarks/threads_benchmark.py
 # (trainer steps/s of the default model, K=4 on 8 logical CPUs of a 2-core host) measured
 # intra=1/inter=8 fastest, at the least CPU time per step, and TensorFlow's own default
-# (0/0: intra 2, inter 2 here) about 1.4x slower. GPUs keep TensorFlow's default.
+# (0/0, sized from the core count) about 1.4x slower. GPUs keep TensorFlow's default.
 DEFAULT_INTRA_OP_THREADS = 1
 DEFAULT_INTER_OP_THREADS = 8
 _THREAD_ENV = ('TF_NUM_INTRAOP_THREADS', 'TF_NUM_INTEROP_THREADS')
