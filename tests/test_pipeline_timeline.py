@@ -11,7 +11,7 @@ from PIL import Image
 from tests import model_zoo as mz
 from tests import trainer_helpers as th
 from tfpipe import fprop_context
-from tfpipe.pipeline import gantt, timeline
+from tfpipe.pipeline import gantt, schedule, timeline
 
 M = 3
 LR = 0.1
@@ -140,6 +140,95 @@ def test_chrome_trace_and_png_files(recorded, tmp_path):
             assert colors & set(gantt.COLORS[phase]), (row, phase)
 
 
+def _recorded_line(pipe, x, y):
+    (_, stamps), recorder = sgd_step(pipe, x, y, record=True)
+    return timeline.Timeline.from_stamps(recorder, stamps.numpy())
+
+
+def test_theory_of_virtual_stages_counts_devices_not_cells():
+    """Interleaved 1F1B, K=2 devices x v=2: (K-1)/(vM+K-1), not the formula with 4 cells."""
+    body = mz.mlp_body(dropout=False)
+    x, y = mz.inputs_for(body)
+    pipe = mz.pipeline(body, 4, 4, schedule='interleaved_1f1b', virtual_stages=2)
+    line = _recorded_line(pipe, x, y)
+    assert line.num_cells == 4 and line.num_devices == 2 and len(line.devices) == 2
+    assert line.theoretical_bubble() == pytest.approx(1 / (2 * 4 + 1))
+    assert 0 <= line.latency()['overall'] <= line.bubble()['overall']
+    assert 'K=2, 4 cells' in line.summary()
+
+
+def test_every_replica_is_a_device_of_the_timeline():
+    body = mz.mlp_body(dropout=False)
+    x, y = mz.inputs_for(body)
+    pipe = mz.pipeline(body, 2, M, num_replicas=2)
+    line = _recorded_line(pipe, x, y)
+    assert line.devices == [pipe.replica_devices[r][k] for r in range(2) for k in range(2)]
+    assert line.num_devices == 2
+    assert sorted(e.replica for e in line.events) == [0] * (3 * 2 * M) + [1] * (3 * 2 * M)
+    assert line.theoretical_bubble() == pytest.approx(1 / (M + 1))
+    assert set(line.latency()) == set(line.devices) | {'overall'}
+    tracks = [e['args']['name'] for e in line.chrome_trace()['traceEvents']
+              if e['ph'] == 'M' and e['name'] == 'thread_name']
+    assert tracks == line.devices
+
+
+CPU = '/job:localhost/replica:0/task:0/device:CPU:'
+
+
+def _event(cell, micro_batch, phase, start, end, devices=2):
+    label = timeline.Label(CPU + str(cell % devices), cell, micro_batch, phase)
+    return timeline.Event(label, start, end)
+
+
+def test_measured_costs_and_latency_explain_the_bubble():
+    """K=2, M=2 fill-drain by hand: cell 0 F=1 B=2, cell 1 F=2 B=1+2 (recompute, backward);
+    device 1 starts F0 0.5 after its input is ready and device 0 starts B0 0.25 late."""
+    events = [_event(0, 0, 'forward', 0, 1), _event(0, 1, 'forward', 1, 2),
+              _event(1, 0, 'forward', 1.5, 3.5), _event(1, 1, 'forward', 3.5, 5.5),
+              _event(1, 1, 'recompute', 5.5, 6.5), _event(1, 1, 'backward', 6.5, 8.5),
+              _event(1, 0, 'recompute', 8.5, 9.5), _event(1, 0, 'backward', 9.5, 11.5),
+              _event(0, 1, 'backward', 8.5, 10.5), _event(0, 0, 'backward', 11.75, 13.75)]
+    line = timeline.Timeline(events, [CPU + '0', CPU + '1'], 2)
+    assert line.span == 13.75
+    assert line.bubble()['overall'] == pytest.approx(1 - 16 / 27.5)
+    assert line.theoretical_bubble() == pytest.approx(1 / 3)
+    assert line.phase_costs() == {(0, 'backward'): 2, (0, 'forward'): 1, (1, 'backward'): 2,
+                                  (1, 'forward'): 2, (1, 'recompute'): 1}
+    # Without the late starts: d1 F0 1-3, F1 3-5, B1 5-8, B0 8-11; d0 B1 8-10, B0 11-13.
+    assert line.modelled_bubble() == pytest.approx(1 - 16 / 26)
+    latency = line.latency()
+    assert latency[CPU + '0'] == pytest.approx(0.25 / 13.75)
+    assert latency[CPU + '1'] == pytest.approx(0.5 / 13.75)
+    assert latency['overall'] == pytest.approx(0.375 / 13.75)
+
+
+@pytest.mark.parametrize('name, devices, m, v', [
+    ('fill_drain', 3, 4, 1), ('1f1b', 3, 4, 1), ('interleaved_1f1b', 2, 4, 2),
+    ('zb_h1', 2, 4, 1), ('zb_h2', 3, 6, 1)])
+def test_unit_theory_is_the_schedules_idle_fraction(name, devices, m, v):
+    """A timeline whose tasks take one tick each, at the schedule's own ticks: theory,
+    measurement and the measured-cost model agree, with no latency."""
+    ticks = SCHEDULE_BUILDERS[name](devices, m, v)
+    events = [_event(task.cell, task.micro_batch, task.phase, t, t + 1, devices)
+              for t, tick in enumerate(ticks) for task in tick]
+    line = timeline.Timeline(events, [CPU + str(d) for d in range(devices)], m)
+    idle = schedule.idle_slots(ticks, devices) / (len(ticks) * devices)
+    assert line.num_devices == devices and line.num_cells == devices * v
+    assert line.theoretical_bubble() == pytest.approx(idle)
+    assert line.bubble()['overall'] == pytest.approx(idle)
+    assert line.modelled_bubble() == pytest.approx(idle)
+    assert line.latency()['overall'] == 0
+
+
+SCHEDULE_BUILDERS = {
+    'fill_drain': lambda k, m, v: schedule.fill_drain(k, m),
+    '1f1b': lambda k, m, v: schedule.one_f_one_b(k, m),
+    'interleaved_1f1b': schedule.interleaved_one_f_one_b,
+    'zb_h1': lambda k, m, v: schedule.zb_h1(k, m),
+    'zb_h2': lambda k, m, v: schedule.zb_h2(k, m),
+}
+
+
 def test_stamps_of_another_step_are_rejected(recorded):
     recorder = timeline.Recorder()
     with pytest.raises(ValueError, match='recorder.stamps'):
@@ -163,7 +252,8 @@ def test_trainer_writes_the_timeline_of_the_requested_step(tmp_path, data_dir):
         if name.startswith('events.out'):
             for event in tf.compat.v1.train.summary_iterator(os.path.join(train_dir, name)):
                 tags |= {v.tag for v in event.summary.value if event.step == 2}
-    assert {'pipeline/bubble_measured', 'pipeline/bubble_theoretical'} <= tags
+    assert {'pipeline/bubble_measured', 'pipeline/bubble_theoretical',
+            'pipeline/bubble_modelled', 'pipeline/latency'} <= tags
 
 
 @pytest.mark.parametrize('step', ['0', '3'])

@@ -9,24 +9,46 @@ from tests import trainer_helpers
 _PROBE = '''
 import sys
 from absl import flags
+import tensorflow as tf
+if sys.argv[1:2] == ['--fake_gpu']:  # the trainer's GPU branch, on a machine without GPUs
+    sys.argv.pop(1)
+    physical = tf.config.list_physical_devices
+    tf.config.list_physical_devices = lambda kind=None: (
+        ['fake GPU'] if kind == 'GPU' else physical(kind))
 from trainer import main
 flags.FLAGS(['trainer'] + sys.argv[1:])
 main._configure_devices()
+print(tf.config.threading.get_intra_op_parallelism_threads(),
+      tf.config.threading.get_inter_op_parallelism_threads(),
+      len(tf.config.list_logical_devices('CPU')))
+'''
+
+_LIBRARY_PROBE = '''
+import sys
 import tensorflow as tf
+import tfpipe
+if sys.argv[1:2] == ['--inter_set_before']:  # a program that sized a pool itself keeps it
+    tf.config.threading.set_inter_op_parallelism_threads(int(sys.argv.pop(2)))
+    sys.argv.pop(1)
+tfpipe.configure_logical_cpus(3, *[None if a == 'None' else int(a) for a in sys.argv[1:]])
 print(tf.config.threading.get_intra_op_parallelism_threads(),
       tf.config.threading.get_inter_op_parallelism_threads(),
       len(tf.config.list_logical_devices('CPU')))
 '''
 
 
-def _probe(*flags, extra_env=None):
+def _run(code, *args, extra_env=None):
     env = trainer_helpers.env()
     env.update(extra_env or {})
-    out = subprocess.run([sys.executable, '-c', _PROBE, '--run_locally=cpu',
-                          '--num_logical_cpus=3', *flags], env=env, cwd=trainer_helpers.REPO,
+    out = subprocess.run([sys.executable, '-c', code, *args], env=env, cwd=trainer_helpers.REPO,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return [int(v) for v in out.stdout.split()[-3:]]
+
+
+def _probe(*flags, extra_env=None):
+    return _run(_PROBE, '--run_locally=cpu', '--num_logical_cpus=3', *flags,
+                extra_env=extra_env)
 
 
 def test_thread_flags_reach_tensorflow():
@@ -40,6 +62,27 @@ def test_the_default_is_tfpipes_and_the_environment_wins():
     assert _probe(extra_env={'TF_NUM_INTRAOP_THREADS': '1', 'TF_NUM_INTEROP_THREADS': '1'}
                   )[:2] == [0, 0]
     assert _probe('--intra_op_threads=2', extra_env={'TF_NUM_INTRAOP_THREADS': '1'})[0] == 2
+
+
+def test_zero_flags_restore_tensorflows_own_default():
+    """tfpipe's default on logical CPUs is not TensorFlow's; 0 gives TensorFlow's back."""
+    from tfpipe import devices
+    assert (devices.DEFAULT_INTRA_OP_THREADS, devices.DEFAULT_INTER_OP_THREADS) != (0, 0)
+    assert _probe('--intra_op_threads=0', '--inter_op_threads=0') == [0, 0, 3]
+    assert _probe('--inter_op_threads=0') == [devices.DEFAULT_INTRA_OP_THREADS, 0, 3]
+
+
+def test_the_library_takes_the_same_default_on_logical_cpus():
+    from tfpipe import devices
+    assert _run(_LIBRARY_PROBE) == [devices.DEFAULT_INTRA_OP_THREADS,
+                                    devices.DEFAULT_INTER_OP_THREADS, 3]
+    assert _run(_LIBRARY_PROBE, '0', 'None') == [0, devices.DEFAULT_INTER_OP_THREADS, 3]
+    assert _run(_LIBRARY_PROBE, '--inter_set_before', '5') == [
+        devices.DEFAULT_INTRA_OP_THREADS, 5, 3]
+
+
+def test_gpus_keep_tensorflows_default():
+    assert _run(_PROBE, '--fake_gpu', '--run_locally=gpu', '--inter_op_threads=3')[:2] == [0, 3]
 
 
 def test_bad_thread_counts_name_the_fix():

@@ -21,10 +21,12 @@ import tensorflow as tf
 
 LOCAL_JOBS = ('localhost', 'chief')  # the trainer's own job: TF's default, or the listed chief
 
-# Measured with benchmarks/planner_benchmark.py (trainer steps/s of the default model on
-# 8 logical CPUs of a 2-core host): see its threads rows.
-DEFAULT_INTRA_OP_THREADS = 0
-DEFAULT_INTER_OP_THREADS = 0
+# On logical CPUs: single-threaded ops, many of them at once. benchmarks/threads_benchmark.py
+# (trainer steps/s of the default model, K=4 on 8 logical CPUs of a 2-core host) measured
+# intra=1/inter=8 fastest, at the least CPU time per step, and TensorFlow's own default
+# (0/0, sized from the core count) about 1.4x slower. GPUs keep TensorFlow's default.
+DEFAULT_INTRA_OP_THREADS = 1
+DEFAULT_INTER_OP_THREADS = 8
 _THREAD_ENV = ('TF_NUM_INTRAOP_THREADS', 'TF_NUM_INTEROP_THREADS')
 
 
@@ -58,19 +60,22 @@ def configure_logical_cpus(count: int, intra_op_threads: Optional[int] = None,
 
     Thread pools: None takes tfpipe's default for logical CPUs
     (DEFAULT_INTRA_OP_THREADS / DEFAULT_INTER_OP_THREADS, the fastest setting
-    measured for the trainer) unless TF_NUM_INTRAOP_THREADS /
-    TF_NUM_INTEROP_THREADS are set, which then win; 0 keeps TensorFlow's
-    default. Logical CPUs share the host's cores, so single-threaded ops let
-    two cells really overlap instead of each grabbing every core.
+    measured for the trainer) unless the program already sized that pool
+    (tf.config.threading) or TF_NUM_INTRAOP_THREADS / TF_NUM_INTEROP_THREADS
+    are set, which then win; 0 keeps TensorFlow's default. Logical CPUs share
+    the host's cores, so single-threaded ops let the cells really overlap
+    instead of each op being split over every core.
 
     Must run before TensorFlow initialises its runtime (before the first op,
     variable or device listing); afterwards it fails with a message saying so.
     """
     defaults = (DEFAULT_INTRA_OP_THREADS, DEFAULT_INTER_OP_THREADS)
-    threads = [0 if value is None and os.environ.get(env) else
-               default if value is None else value
-               for value, default, env in zip((intra_op_threads, inter_op_threads),
-                                              defaults, _THREAD_ENV)]
+    current = (tf.config.threading.get_intra_op_parallelism_threads(),
+               tf.config.threading.get_inter_op_parallelism_threads())
+    threads = [value if value is not None else
+               0 if os.environ.get(env) or now else default
+               for value, default, now, env in zip((intra_op_threads, inter_op_threads),
+                                                   defaults, current, _THREAD_ENV)]
     configure_threads(*threads)
     cpus = tf.config.list_physical_devices('CPU')
     try:

@@ -23,13 +23,23 @@ from tfpipe.base_layer import BaseLayer, LayerMeta
 _PHILOX = tf.random.Algorithm.PHILOX.value
 
 
-def stateless_uniform_slice(key: int, step: tf.Tensor, first_element: int,
+def stateless_uniform_slice(key: int, step: tf.Tensor, first_element: int | tf.Tensor,
                             num_elements: int) -> tf.Tensor:
     """Float32 uniforms [first_element, first_element + num_elements) of stream (key, step).
 
     Always float32, whatever the activation dtype: float64 would draw two 32-bit
     values per element and break the element-to-counter arithmetic.
+    `first_element` may be an int64 tensor (one traced cell function serves every
+    micro-batch, see pipeline/cell_functions.py): then three spare values are drawn
+    so that the shape stays static (XLA needs it) and the slice start is dynamic.
     """
+    if isinstance(first_element, tf.Tensor):
+        first_element = tf.cast(first_element, tf.int64)
+        counter = tf.stack([tf.cast(first_element // 4, tf.uint64), tf.cast(step, tf.uint64)])
+        values = tf.raw_ops.StatelessRandomUniformV2(
+            shape=[num_elements + 3], key=tf.constant([key], tf.uint64), counter=counter,
+            alg=_PHILOX, dtype=tf.float32)
+        return tf.slice(values, tf.reshape(first_element % 4, [1]), [num_elements])
     skip = first_element % 4
     counter = tf.stack([tf.constant(first_element // 4, tf.uint64),
                         tf.cast(step, tf.uint64)])

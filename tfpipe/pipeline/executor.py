@@ -30,6 +30,10 @@ a device and their tasks run in the schedule's order for that device.
 Skip connections that span cells (layers.Stash ... layers.Pop) travel through
 portals (see portals.py): from the stashing cell's forward straight to the
 popping cell's, and their gradients straight back.
+
+A task's computation (`_compute_forward`, `_gradients`) is separate from its
+scheduling (device, control dependencies, portals, recorder): cell_functions.py
+replaces the computation by calls of each cell's traced functions.
 """
 from __future__ import annotations
 
@@ -145,23 +149,13 @@ class PipelineRun:
                                    example_offset=self.offsets[m], batch_stats=sink)
 
     def _forward(self, k: int, m: int) -> None:
-        cell, theta = self.cells[k], self.thetas[k]
+        cell = self.cells[k]
         portal_x = self.portal_inputs.pop((k, m), {})
         with self._scope(k, m, 'forward', inputs=(self.inputs[(k, m)], portal_x)):
             x = portals.give(self.inputs[(k, m)], portal_x)
             x = tf.nest.map_structure(tf.identity, x)  # on this device: the copy
             self.inputs[(k, m)] = x
-            with self._context(m, self.sinks[k]):
-                if cell.recompute or not self.context.training:
-                    y = cell.forward(theta, x)
-                else:
-                    tape = tf.GradientTape(watch_accessed_variables=False,
-                                           persistent=self.split_backward)
-                    with tape:
-                        tape.watch(float_leaves(x) + tf.nest.flatten(theta))
-                        outs = cell.forward_layers(theta, x)
-                    y = outs[-1]
-                    self.tapes[(k, m)] = (tape, x, outs)
+            y = self._compute_forward(k, m, x)
             if not (cell.recompute and self.context.training):
                 del self.inputs[(k, m)]  # only a recomputing cell needs its input again
         self._last[cell.device] = tf.nest.flatten(y)
@@ -181,18 +175,27 @@ class PipelineRun:
                 self.output_grads[(k, m)] = grads
         self._end(k, m, self._last[cell.device] + list(grads or []))  # the loss: forward
 
-    def _backward(self, k: int, m: int) -> None:
+    def _compute_forward(self, k: int, m: int, x: Any) -> Any:
+        """F(k, m)'s computation (under its device and scope): the cell's output, with a
+        tape kept for the backward unless the cell recomputes."""
         cell, theta = self.cells[k], self.thetas[k]
+        with self._context(m, self.sinks[k]):
+            if cell.recompute or not self.context.training:
+                return cell.forward(theta, x)
+            tape = tf.GradientTape(watch_accessed_variables=False,
+                                   persistent=self.split_backward)
+            with tape:
+                tape.watch(float_leaves(x) + tf.nest.flatten(theta))
+                outs = cell.forward_layers(theta, x)
+            self.tapes[(k, m)] = (tape, x, outs)
+            return outs[-1]
+
+    def _backward(self, k: int, m: int) -> None:
+        cell = self.cells[k]
         dy = self._incoming_grads(k, m)
         with self._scope(k, m, 'backward', extra_deps=dy, inputs=(dy, self._saved(k, m)),
                          recorded_phase=RECOMPUTE if cell.recompute else None):
-            tape, x, outs = self._tape_of(k, m)
-            x_leaves, y_leaves, x_parts, x_received = self._boundary(k, x, outs[-1])
-            with self._after_recompute(k, m, BACKWARD, outs):
-                grads = tape.gradient(y_leaves, x_leaves + tf.nest.flatten(theta),
-                                      output_gradients=dy,
-                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            dx, dtheta = grads[:len(x_leaves)], grads[len(x_leaves):]
+            dx, dtheta, x_parts, x_received = self._gradients(k, m, dy)
             self._accumulate(k, dtheta)
         self._last[cell.device] = tf.nest.flatten(list(self.theta_grads[k]) + list(dx),
                                                   expand_composites=True)
@@ -243,6 +246,17 @@ class PipelineRun:
 
     # -- Backward helpers ----------------------------------------------------------------
 
+    def _gradients(self, k: int, m: int, dy: list) -> tuple[list, list, list, dict]:
+        """B(k, m)'s computation: (input gradients, flat weight gradients) and the
+        input's parts for `_pass_input_grads`, recomputing first if the cell does."""
+        tape, x, outs = self._tape_of(k, m)
+        x_leaves, y_leaves, x_parts, x_received = self._boundary(k, x, outs[-1])
+        with self._after_recompute(k, m, BACKWARD, outs):
+            grads = tape.gradient(y_leaves, x_leaves + tf.nest.flatten(self.thetas[k]),
+                                  output_gradients=dy,
+                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return grads[:len(x_leaves)], grads[len(x_leaves):], x_parts, x_received
+
     def _saved(self, k: int, m: int) -> Any:
         """What a backward task starts from besides dy: the input it recomputes from, or
         the forward's recorded tape outputs (the timeline's start waits for them)."""
@@ -291,7 +305,10 @@ class PipelineRun:
     def _accumulate(self, k: int, dtheta: list) -> None:
         """Adds one micro-batch's weight gradients into cell k's sums (dense at the end)."""
         acc = self.theta_grads[k] or [None] * len(dtheta)
-        acc = [accumulate.add(a, g) for a, g in zip(acc, dtheta)]
+        self._store_sum(k, [accumulate.add(a, g) for a, g in zip(acc, dtheta)])
+
+    def _store_sum(self, k: int, acc: list) -> None:
+        """Cell k's running sum after one more micro-batch (made dense after its last)."""
         self._backwards_done[k] += 1
         if self._backwards_done[k] == len(self.outputs):  # the cell's last micro-batch
             acc = [tf.convert_to_tensor(a) for a in acc]

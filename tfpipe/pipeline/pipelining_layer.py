@@ -39,6 +39,7 @@ from tfpipe import fprop_context
 from tfpipe.base_layer import BaseLayer, body_meta
 from tfpipe.pipeline import costs, microbatch, partition, replicas, schedule, ties, timeline
 from tfpipe.pipeline.cell import RECOMPUTE_POLICIES, Cell, recompute_flags
+from tfpipe.pipeline.cell_functions import FunctionalPipelineRun
 from tfpipe.pipeline.executor import PipelineRun, float_leaves, is_differentiable
 
 
@@ -105,6 +106,12 @@ class PipeliningLayer(BaseLayer):
                  'split into input and weight parts). FProp in training mode (under an outer '
                  'tape) runs only schedules whose forwards come first (fill_drain); the others '
                  'need ForwardBackward.')
+        p.Define('cell_functions', False, 'Trace each cell\'s forward and backward once as '
+                 'functions called per micro-batch (cell_functions.py) instead of unrolling '
+                 'every task into the step\'s graph: a faster first step at large K*M. Split '
+                 'backward (zb_*) and RecordTimeline fall back to the unrolled tasks.')
+        p.Define('jit_compile', False, 'With cell_functions: compile each cell function with '
+                 'XLA (jit_compile=True).')
         return p
 
     def __init__(self, params, parent=None):
@@ -248,9 +255,21 @@ class PipeliningLayer(BaseLayer):
     def _Runs(self, thetas: list[list[dict]], micro: list, offsets: list[int],
               groups: list[range], ctx, **kwargs) -> list[PipelineRun]:
         """One PipelineRun per replica over its group of micro-batches."""
-        return [PipelineRun(cells, cell_thetas, [micro[m] for m in group],
-                            [offsets[m] for m in group], ctx, recorder=self._recorder, **kwargs)
+        return [self._NewRun(cells, cell_thetas, [micro[m] for m in group],
+                             [offsets[m] for m in group], ctx, **kwargs)
                 for cells, cell_thetas, group in zip(self.replica_cells, thetas, groups)]
+
+    def _NewRun(self, *args, split_backward: bool = False, **kwargs) -> PipelineRun:
+        """A run over one replica's micro-batches: cell functions when asked for and
+        supported (see cell_functions.py for what falls back), else unrolled tasks."""
+        p = self.params
+        if p.jit_compile and not p.cell_functions:
+            raise ValueError(f'{self.path}: jit_compile=True compiles the cell functions; set '
+                             'cell_functions=True as well, or jit_compile=False')
+        if p.cell_functions and not split_backward and self._recorder is None:
+            return FunctionalPipelineRun(*args, jit_compile=p.jit_compile, **kwargs)
+        return PipelineRun(*args, split_backward=split_backward, recorder=self._recorder,
+                           **kwargs)
 
     def _ReadThetas(self, theta: dict | list) -> list[list[dict]]:
         """Each replica's per-cell thetas, read on the replica's devices.
@@ -440,11 +459,10 @@ class PipeliningLayer(BaseLayer):
             return on_output
 
         ticks = [self._Ticks(self.params.schedule, len(group)) for group in groups]
-        runs = [PipelineRun(cells, cell_thetas, [micro[m] for m in group],
-                            [offsets[m] for m in group], ctx, on_output=on_output_of(group),
-                            recorder=self._recorder,
-                            split_backward=schedule.phases_of(t) != (schedule.FORWARD,
-                                                                     schedule.BACKWARD))
+        runs = [self._NewRun(cells, cell_thetas, [micro[m] for m in group],
+                             [offsets[m] for m in group], ctx, on_output=on_output_of(group),
+                             split_backward=schedule.phases_of(t) != (schedule.FORWARD,
+                                                                      schedule.BACKWARD))
                 for cells, cell_thetas, group, t in zip(self.replica_cells, thetas, groups,
                                                         ticks)]
         for run, run_ticks in zip(runs, ticks):

@@ -1,0 +1,222 @@
+"""PipeliningLayer(cell_functions=True, jit_compile=...): per-cell traced functions.
+
+Each cell's forward and backward are traced once and called per micro-batch; the
+step must equal the unrolled executor's step (loss, gradients, updated weights,
+BatchNorm moving statistics), keep every call and every op of cell k on device
+k, and fall back to the unrolled tasks where the functions cannot follow.
+"""
+import collections
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests import model_zoo as mz
+from tests import test_pipeline_placement as placement
+from tfpipe import fprop_context, layers
+from tfpipe.layers.dropout import stateless_uniform_slice
+from tfpipe.pipeline import trace
+
+STEP = 7
+CALL_OPS = ('StatefulPartitionedCall', 'PartitionedCall')
+
+
+def body_with_dropout_and_batch_norm():
+    """Dense, Dropout and BatchNorm in every cell of a K=4 cut."""
+    body = []
+    for i in range(4):
+        body += [layers.Dense.Params().Set(name=f'fc{i}', input_dim=12 if i == 0 else 16,
+                                           output_dim=16, activation='relu'),
+                 layers.Dropout.Params().Set(name=f'drop{i}', keep_prob=0.8),
+                 layers.BatchNorm.Params().Set(name=f'bn{i}', dim=16, decay=0.9)]
+    body.append(layers.Dense.Params().Set(name='logits', input_dim=16, output_dim=5))
+    for p in body:
+        p.dtype = tf.float64
+    return body
+
+
+def trainer_step(pipe, x, y):
+    """One SGD step through ForwardBackward: loss, grads, weights and BN statistics after."""
+    loss, grads = mz.sgd_step_forward_backward(pipe, x, y, STEP)
+    after = {path: v.numpy() for path, v in pipe.VariablesByPath().items()}
+    return loss, grads, after
+
+
+def assert_same_step(actual, expected, rtol=1e-10):
+    np.testing.assert_allclose(actual[0], expected[0], rtol=rtol)
+    assert len(actual[1]) == len(expected[1])
+    for i, (a, e) in enumerate(zip(actual[1], expected[1])):
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=1e-12, err_msg=f'grad {i}')
+    assert sorted(actual[2]) == sorted(expected[2])
+    for path in expected[2]:
+        np.testing.assert_allclose(actual[2][path], expected[2][path], rtol=rtol, atol=1e-12,
+                                   err_msg=path)
+
+
+@pytest.mark.parametrize('num_cells', [2, 4])
+@pytest.mark.parametrize('num_micro_batches', [1, 3])
+@pytest.mark.parametrize('recompute', ['always', 'except_last', 'never'])
+def test_forward_backward_equals_unrolled(num_cells, num_micro_batches, recompute):
+    body = body_with_dropout_and_batch_norm()
+    x, y = mz.inputs_for(body)
+    expected = trainer_step(mz.pipeline(body, num_cells, num_micro_batches, recompute), x, y)
+    pipe = mz.pipeline(body, num_cells, num_micro_batches, recompute, cell_functions=True)
+    assert_same_step(trainer_step(pipe, x, y), expected)
+
+
+def test_fprop_under_tape_and_eval_equal_unrolled():
+    body = body_with_dropout_and_batch_norm()
+    x, y = mz.inputs_for(body)
+    results = []
+    for cell_functions in (False, True):
+        pipe = mz.pipeline(body, 4, 3, 'except_last', cell_functions=cell_functions)
+        out, loss, grads = mz.sgd_step_tape(pipe, x, y, STEP)
+        with fprop_context.evaluation():
+            evaluated = tf.function(pipe.FProp)(pipe.theta, x).numpy()
+        results.append((out, loss, grads, evaluated))
+    (out0, loss0, grads0, eval0), (out1, loss1, grads1, eval1) = results
+    np.testing.assert_allclose(out1, out0, rtol=1e-10)
+    np.testing.assert_allclose(loss1, loss0, rtol=1e-10)
+    for a, e in zip(grads1, grads0):
+        np.testing.assert_allclose(a, e, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(eval1, eval0, rtol=1e-10)
+
+
+def test_skips_bfloat16_and_replicas_equal_unrolled():
+    body = [layers.Dense.Params().Set(name='fc0', input_dim=12, output_dim=16),
+            layers.Stash.Params().Set(name='stash', key='skip'),
+            layers.Dense.Params().Set(name='fc1', input_dim=16, output_dim=16,
+                                      activation='relu'),
+            layers.Dense.Params().Set(name='fc2', input_dim=16, output_dim=16,
+                                      activation='relu'),
+            layers.Pop.Params().Set(name='pop', key='skip'),
+            layers.Dense.Params().Set(name='logits', input_dim=16, output_dim=5)]
+    x, y = mz.inputs_for(body, dtype=tf.float32)
+    for extra in ({}, {'fprop_dtype': tf.bfloat16}, {'num_replicas': 2}):
+        expected = trainer_step(mz.pipeline(body, 3, 2, **extra), x, y)
+        got = trainer_step(mz.pipeline(body, 3, 2, cell_functions=True, **extra),
+                           x, y)
+        assert_same_step(got, expected, rtol=1e-5)
+
+
+def test_batch_norm_nested_in_a_composite_layer_records_its_statistics():
+    block = layers.Sequential.Params().Set(name='block', body=[
+        layers.Dense.Params().Set(name='fc', input_dim=12, output_dim=16, activation='relu'),
+        layers.BatchNorm.Params().Set(name='bn', dim=16, decay=0.9)])
+    body = [block, layers.Dense.Params().Set(name='logits', input_dim=16, output_dim=5)]
+    for p in body + block.body:
+        p.dtype = tf.float64
+    x, y = mz.inputs_for(mz.mlp_body())  # 12 features
+    expected = trainer_step(mz.pipeline(body, 2, 3), x, y)
+    got = trainer_step(mz.pipeline(body, 2, 3, cell_functions=True), x, y)
+    assert_same_step(got, expected)
+    assert not np.allclose(got[2]['pipe/block/bn/moving_mean'], 0.0)  # updated
+
+
+def _traced_step(pipe, x, y):
+    @tf.function
+    def step():
+        with fprop_context.training(step=STEP):
+            return pipe.ForwardBackward(pipe.theta, x, mz.loss_fn, y)
+    return step.get_concrete_function()
+
+
+def test_one_call_per_task_on_its_cells_device_and_every_op_inside_placed():
+    body = body_with_dropout_and_batch_norm()
+    x, y = mz.inputs_for(body)
+    pipe = mz.pipeline(body, 4, 3, 'except_last', cell_functions=True)
+    concrete = _traced_step(pipe, x, y)
+    calls = [op for op in concrete.graph.get_operations() if op.type in CALL_OPS]
+    # Forward of every (cell, micro-batch); backward calls of the 3 recomputing cells; the
+    # last cell's backward is the function's own gradient (one call per micro-batch).
+    assert len(calls) == 4 * 3 + 3 * 3 + 3
+    for op in calls:
+        cell = trace.cell_of_node(op.name)
+        assert trace.device_index(op.device) == f'CPU:{cell}', op.name
+    # Every op the cell functions hold is placed explicitly. The gradient functions that
+    # TensorFlow derives for a non-recomputing cell ('__backward_...') are placed by the
+    # runtime on their call's device, checked above.
+    inside = [n for n in trace.nodes(concrete) if n.function and n.op not in trace.PLUMBING_OPS
+              and '__backward_' not in n.function]
+    assert inside and all(n.device for n in inside), [n for n in inside if not n.device][:3]
+    assert {trace.device_index(n.device) for n in inside} == {f'CPU:{k}' for k in range(4)}
+
+
+def waits_with_data_edges(concrete):
+    """task scope -> the other task scopes it waits for, through control *or* data edges:
+    TensorFlow drops a control edge to an op that is already a data input, which happens
+    when a backward call consumes the intermediates its forward call returned."""
+    waits = collections.defaultdict(set)
+    for op in concrete.graph.get_operations():
+        for source in list(op.control_inputs) + [t.op for t in op.inputs]:
+            a, b = placement.scope_of(op.name), placement.scope_of(source.name)
+            if a and b and a != b:
+                waits[a].add(b)
+    return waits
+
+
+@pytest.mark.parametrize('recompute', ['always', 'never'])
+def test_1f1b_order_on_each_device_is_kept(recompute):
+    num_micro = 6
+    body = mz.mlp_body()
+    x, y = mz.inputs_for(body)
+    pipe = mz.pipeline(body, 4, num_micro, recompute, schedule='1f1b', cell_functions=True)
+    waits = waits_with_data_edges(_traced_step(pipe, x, y))
+    for k in range(4):
+        for m in range(1, min(4 - k, num_micro)):  # the warm-up forwards, in order
+            assert f'pipe/cell_{k}/forward_{m - 1}' in waits[f'pipe/cell_{k}/forward_{m}']
+        warmup = min(4 - k, num_micro)
+        for i in range(num_micro - warmup):
+            forward = f'pipe/cell_{k}/forward_{warmup + i}'
+            assert f'pipe/cell_{k}/backward_{i}' in waits[forward], (k, i)
+            assert forward in waits[f'pipe/cell_{k}/backward_{i + 1}'], (k, i)
+        for m in range(num_micro):  # the incoming gradient gates the backward
+            source = (f'pipe/cell_{k + 1}/backward_{m}' if k + 1 < 4
+                      else f'pipe/cell_{k}/loss_{m}')
+            assert source in waits[f'pipe/cell_{k}/backward_{m}'], (k, m)
+
+
+def test_split_backward_and_timeline_fall_back_to_unrolled_tasks():
+    body = mz.mlp_body()
+    x, y = mz.inputs_for(body)
+    pipe = mz.pipeline(body, 2, 2, schedule='zb_h1', cell_functions=True)
+    ops = _traced_step(pipe, x, y).graph.get_operations()
+    assert not [op for op in ops if op.type in CALL_OPS]
+    expected = trainer_step(mz.pipeline(body, 2, 2, schedule='zb_h1'), x, y)
+    assert_same_step(trainer_step(pipe, x, y), expected)
+
+    pipe = mz.pipeline(body, 2, 2, cell_functions=True)
+
+    @tf.function
+    def recorded():
+        with fprop_context.training(step=STEP), pipe.RecordTimeline() as recorder:
+            pipe.ForwardBackward(pipe.theta, x, mz.loss_fn, y)
+        return recorder.stamps()
+    graph = recorded.get_concrete_function().graph
+    assert not [op for op in graph.get_operations() if op.type in CALL_OPS]
+
+
+def test_jit_compile_equals_unrolled_within_float_tolerance():
+    # Without dropout: XLA's kernel of the stateless random op draws another stream.
+    body = mz.mlp_body(dtype=tf.float32, dropout=False)
+    x, y = mz.inputs_for(body, dtype=tf.float32)
+    expected = trainer_step(mz.pipeline(body, 2, 3, 'except_last'), x, y)
+    got = trainer_step(mz.pipeline(body, 2, 3, 'except_last', cell_functions=True,
+                                   jit_compile=True), x, y)
+    assert_same_step(got, expected, rtol=1e-4)
+
+
+def test_jit_compile_without_cell_functions_is_refused():
+    body = mz.mlp_body()
+    x, y = mz.inputs_for(body)
+    pipe = mz.pipeline(body, 2, 2, jit_compile=True)
+    with pytest.raises(ValueError, match='set cell_functions=True'):
+        trainer_step(pipe, x, y)
+
+
+@pytest.mark.parametrize('first', [0, 5, 22])
+def test_dropout_stream_from_a_tensor_offset_equals_the_int_offset(first):
+    expected = stateless_uniform_slice(123, tf.constant(4), first, 37)
+    got = tf.function(lambda o: stateless_uniform_slice(123, tf.constant(4), o, 37))(
+        tf.constant(first, tf.int64))
+    np.testing.assert_array_equal(got.numpy(), expected.numpy())

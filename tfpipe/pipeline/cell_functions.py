@@ -1,0 +1,173 @@
+"""Each cell's forward and backward traced once, as functions called per micro-batch.
+
+The unrolled executor (executor.PipelineRun) builds the ops of every (cell,
+micro-batch, phase) task into the step's graph, so Python tracing, grappler and
+placement all grow with K*M. `FunctionalPipelineRun` instead traces, per cell,
+one `tf.function` for the forward and one for the recomputing backward; every
+task is a call of that function, placed on the cell's device and chained by the
+same control dependencies as before, so the schedule's per-device order holds.
+
+What changes per micro-batch is passed as tensors, so one trace serves them all:
+the example offset (Dropout's mask depends on the global example index) and the
+step. BatchNorm's micro-batch statistics cannot escape a function through the
+context's sink, so the forward function returns them and they are recorded into
+the run's sink outside. A recomputing cell keeps only its input and its backward
+function recomputes the forward under a tape of its own (statistics discarded),
+then differentiates; a cell that does not recompute is called under the run's
+tape, so TensorFlow keeps the function's intermediates for the backward. Every
+op inside a function is placed on the cell's device explicitly.
+
+`no_inline=True` (the default) keeps the calls as calls: the step's graph then
+has one node per task, and grappler and the placer see each cell's function
+once instead of K*M copies. Inlined calls would save only the Python tracing.
+`jit_compile=True` compiles each cell function with XLA (never inlined).
+
+A recomputing cell's backward function also adds its weight gradients into the
+cell's running sum (passed in, zeros at first, and returned), which keeps those adds
+out of the step's graph; embedding gradients are therefore summed dense there (same
+values, the memory of accumulate.py's dense path).
+
+Not supported here, so the layer falls back to the unrolled executor for them:
+- split backward (zb_* schedules): the weight part differentiates the tape that
+  the input part recorded, and a tape cannot outlive a function call;
+- a timeline recorder: it stamps the end of a recompute inside the backward,
+  which a single call cannot expose.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional, Sequence
+
+import tensorflow as tf
+
+from tfpipe import fprop_context
+from tfpipe.pipeline.cell import Cell
+from tfpipe.pipeline.executor import PipelineRun, float_leaves
+
+
+class CellFunctions:
+    """The traced forward and recomputing backward of one cell."""
+
+    def __init__(self, cell: Cell, training: bool, boundary: Callable[[Any, Any], tuple],
+                 no_inline: bool = True, jit_compile: bool = False):
+        """boundary(x, y): the leaves to differentiate (PipelineRun._boundary of the cell)."""
+        self.cell = cell
+        self.training = training
+        self.boundary = boundary
+        self._layers: dict[str, Any] = {}  # path -> a layer that recorded statistics
+        attributes = {'_noinline': True} if no_inline and not jit_compile else None
+        options = dict(autograph=False, jit_compile=jit_compile or None,
+                       experimental_attributes=attributes)
+        self.forward = tf.function(self._forward, **options)
+        self.backward = tf.function(self._backward, **options)
+
+    def _context(self, offset: tf.Tensor, step: Any, sink: fprop_context.BatchStatsSink):
+        return fprop_context.scope(training=self.training, step=step, example_offset=offset,
+                                   batch_stats=sink)
+
+    def _forward(self, theta: dict, x: Any, offset: tf.Tensor, step: Any) -> tuple[Any, dict]:
+        """(the cell's output, {layer path: [(count, mean, variance), ...]})."""
+        sink = fprop_context.BatchStatsSink()
+        with tf.device(self.cell.device), self._context(offset, step, sink):
+            y = self.cell.forward(theta, x)
+        # Layers may be nested (a BatchNorm inside a composite): learnt while tracing.
+        self._layers.update((layer.path, layer) for layer, _ in sink.records.values())
+        return y, {layer.path: stats for layer, stats in sink.records.values()}
+
+    def _backward(self, theta: dict, x: Any, dy: list, offset: tf.Tensor, step: Any,
+                  acc: list) -> tuple[list, list]:
+        """Recomputes the forward from `x`, differentiates, and returns (the gradients of
+        the boundary's input leaves, the running sum `acc` plus the flat weight gradients):
+        summing here keeps those adds out of the step's graph."""
+        with tf.device(self.cell.device):
+            with tf.GradientTape(watch_accessed_variables=False) as tape:
+                tape.watch(float_leaves(x) + tf.nest.flatten(theta))
+                sink = fprop_context.BatchStatsSink(discard=True)
+                with self._context(offset, step, sink):
+                    y = self.cell.forward(theta, x)
+            x_leaves, y_leaves, _, _ = self.boundary(x, y)
+            grads = tape.gradient(y_leaves, x_leaves + tf.nest.flatten(theta),
+                                  output_gradients=dy,
+                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            dx, dtheta = grads[:len(x_leaves)], grads[len(x_leaves):]
+            return dx, [a + tf.convert_to_tensor(g) for a, g in zip(acc, dtheta)]
+
+    def record(self, stats: dict, sink: fprop_context.BatchStatsSink) -> None:
+        """Puts the statistics a forward call returned into the run's sink."""
+        for path, entries in stats.items():
+            for count, mean, variance in entries:
+                sink.record(self._layers[path], count, mean, variance)
+
+
+class FunctionalPipelineRun(PipelineRun):
+    """A PipelineRun whose tasks call each cell's traced functions."""
+
+    def __init__(self, cells: Sequence[Cell], thetas: Sequence[dict], micro_inputs: Sequence,
+                 offsets: Sequence[int], context: fprop_context.FPropContext,
+                 jit_compile: bool = False, **kwargs):
+        if kwargs.get('split_backward') or kwargs.get('recorder') is not None:
+            raise ValueError('cell functions do not support a split backward or a timeline '
+                             'recorder: use PipelineRun for them')
+        super().__init__(cells, thetas, micro_inputs, offsets, context, **kwargs)
+        self.functions = [CellFunctions(cell, context.training,
+                                        functools.partial(self._boundary, k),
+                                        jit_compile=jit_compile)
+                          for k, cell in enumerate(self.cells)]
+        self._offset_tensors: dict[tuple[str, int], tf.Tensor] = {}
+        self._step: Optional[tf.Tensor] = None
+
+    def _arguments(self, k: int, m: int) -> tuple[tf.Tensor, Optional[tf.Tensor]]:
+        """Micro-batch m's example offset and the step, as tensors on cell k's device."""
+        key = (self.cells[k].device, m)
+        if key not in self._offset_tensors:
+            self._offset_tensors[key] = _opaque(tf.constant(self.offsets[m], tf.int64))
+        step = self.context.step
+        if step is not None and not isinstance(step, tf.Tensor):
+            if self._step is None:
+                self._step = _opaque(tf.convert_to_tensor(step))
+            step = self._step
+        return self._offset_tensors[key], step
+
+    def _compute_forward(self, k: int, m: int, x: Any) -> Any:
+        cell, theta, functions = self.cells[k], self.thetas[k], self.functions[k]
+        offset, step = self._arguments(k, m)
+        if cell.recompute or not self.context.training:
+            y, stats = functions.forward(theta, x, offset, step)
+        else:
+            tape = tf.GradientTape(watch_accessed_variables=False)
+            with tape:
+                tape.watch(float_leaves(x) + tf.nest.flatten(theta))
+                y, stats = functions.forward(theta, x, offset, step)
+            self.tapes[(k, m)] = (tape, x, [y])
+        functions.record(stats, self.sinks[k])
+        return y
+
+    def _gradients(self, k: int, m: int, dy: list) -> tuple[list, list, list, dict]:
+        if not self.cells[k].recompute:
+            return super()._gradients(k, m, dy)
+        x = self.inputs.pop((k, m))
+        offset, step = self._arguments(k, m)
+        acc = self.theta_grads[k]
+        if acc is None:  # zeros, not None: one trace serves the first micro-batch too
+            acc = [tf.zeros_like(t) for t in tf.nest.flatten(self.thetas[k])]
+        dx, acc = self.functions[k].backward(self.thetas[k], x, list(dy), offset, step, acc)
+        _, _, x_parts, x_received = self._boundary(k, x, x)  # the input's parts only
+        return dx, acc, x_parts, x_received
+
+    def _accumulate(self, k: int, dtheta: list) -> None:
+        if self.cells[k].recompute:  # the backward function returned the new running sum
+            self._store_sum(k, dtheta)
+        else:
+            super()._accumulate(k, dtheta)
+
+
+def _opaque(value: tf.Tensor) -> tf.Tensor:
+    """`value`, hidden from grappler's constant propagation.
+
+    Grappler's function optimizer specialises a function call per distinct constant
+    input: constant offsets would give every (cell, micro-batch) its own copy of the
+    cell's function, and optimising and placing those copies costs more than the
+    unrolled graph. A PlaceholderWithDefault is never treated as a constant.
+    """
+    with tf.control_dependencies(None):
+        return tf.raw_ops.PlaceholderWithDefault(input=value, shape=value.shape)
