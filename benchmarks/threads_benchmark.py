@@ -18,8 +18,8 @@ Reported per setting: steps/s median and quartiles over rounds; process CPU seco
 second (cores kept busy) and per step; the per-round ratio of the round's best steps/s to this
 setting's (1.00 = the best of that round), median and quartiles; and this setting's steps/s
 over TensorFlow's default (0/0) in the same round. `default` is the same setting as one of the
-explicit ones (tfpipe's default: 1/8 on logical CPUs), so the gap between those two rows is the
-noise floor of the run.
+explicit ones (tfpipe's default: `devices.default_threads`, 1/2 on a 2-core host), so the gap
+between those two rows is the noise floor of the run.
 
 The machine is shared: other processes' load steals cores, and a setting with more threads
 loses less of its share to them than one that runs single-threaded ops, so a high load average

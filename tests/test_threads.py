@@ -57,7 +57,7 @@ def test_thread_flags_reach_tensorflow():
 
 def test_the_default_is_tfpipes_and_the_environment_wins():
     from tfpipe import devices
-    assert _probe() == [devices.DEFAULT_INTRA_OP_THREADS, devices.DEFAULT_INTER_OP_THREADS, 3]
+    assert _probe() == [*devices.default_threads(3), 3]
     # TF_NUM_*_THREADS are read by TensorFlow itself: tfpipe leaves the config unset.
     assert _probe(extra_env={'TF_NUM_INTRAOP_THREADS': '1', 'TF_NUM_INTEROP_THREADS': '1'}
                   )[:2] == [0, 0]
@@ -67,22 +67,31 @@ def test_the_default_is_tfpipes_and_the_environment_wins():
 def test_zero_flags_restore_tensorflows_own_default():
     """tfpipe's default on logical CPUs is not TensorFlow's; 0 gives TensorFlow's back."""
     from tfpipe import devices
-    assert (devices.DEFAULT_INTRA_OP_THREADS, devices.DEFAULT_INTER_OP_THREADS) != (0, 0)
+    assert 0 not in devices.default_threads(3)
     assert _probe('--intra_op_threads=0', '--inter_op_threads=0') == [0, 0, 3]
-    assert _probe('--inter_op_threads=0') == [devices.DEFAULT_INTRA_OP_THREADS, 0, 3]
+    assert _probe('--inter_op_threads=0') == [devices.default_threads(3)[0], 0, 3]
 
 
 def test_the_library_takes_the_same_default_on_logical_cpus():
     from tfpipe import devices
-    assert _run(_LIBRARY_PROBE) == [devices.DEFAULT_INTRA_OP_THREADS,
-                                    devices.DEFAULT_INTER_OP_THREADS, 3]
-    assert _run(_LIBRARY_PROBE, '0', 'None') == [0, devices.DEFAULT_INTER_OP_THREADS, 3]
+    assert _run(_LIBRARY_PROBE) == [*devices.default_threads(3), 3]
+    assert _run(_LIBRARY_PROBE, '0', 'None') == [0, devices.default_threads(3)[1], 3]
     assert _run(_LIBRARY_PROBE, '--inter_set_before', '5') == [
-        devices.DEFAULT_INTRA_OP_THREADS, 5, 3]
+        devices.default_threads(3)[0], 5, 3]
 
 
 def test_gpus_keep_tensorflows_default():
     assert _run(_PROBE, '--fake_gpu', '--run_locally=gpu', '--inter_op_threads=3')[:2] == [0, 3]
+
+
+def test_default_threads_share_the_cores_among_logical_cpus(monkeypatch):
+    import os
+    from tfpipe import devices
+    monkeypatch.setattr(os, 'sched_getaffinity', lambda pid: set(range(32)))
+    assert devices.default_threads(8) == (4, 32)
+    assert devices.default_threads(64) == (1, 32)
+    monkeypatch.setattr(os, 'sched_getaffinity', lambda pid: {0})
+    assert devices.default_threads(8) == (1, 2)
 
 
 def test_bad_thread_counts_name_the_fix():

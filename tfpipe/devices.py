@@ -21,13 +21,27 @@ import tensorflow as tf
 
 LOCAL_JOBS = ('localhost', 'chief')  # the trainer's own job: TF's default, or the listed chief
 
-# On logical CPUs: single-threaded ops, many of them at once. benchmarks/threads_benchmark.py
-# (trainer steps/s of the default model, K=4 on 8 logical CPUs of a 2-core host) measured
-# intra=1/inter=8 fastest, at the least CPU time per step, and TensorFlow's own default
-# (0/0, sized from the core count) about 1.4x slower. GPUs keep TensorFlow's default.
-DEFAULT_INTRA_OP_THREADS = 1
-DEFAULT_INTER_OP_THREADS = 8
 _THREAD_ENV = ('TF_NUM_INTRAOP_THREADS', 'TF_NUM_INTEROP_THREADS')
+
+
+def default_threads(num_logical_cpus: int) -> tuple[int, int]:
+    """tfpipe's (intra, inter) thread pools on `num_logical_cpus` logical CPUs.
+
+    Logical CPUs share the host's cores, and TensorFlow's default splits every op
+    over all of them, so the cells' ops queue behind each other instead of
+    overlapping. tfpipe gives each logical CPU its share of the cores per op, and
+    one inter-op thread per core (at least 2) so that that many ops run at once.
+    benchmarks/threads_benchmark.py (trainer steps/s of the default model, K=4 on 8
+    logical CPUs of a 2-core host, i.e. 1/2 here) measured this fastest on an
+    otherwise idle machine, 1.9x TensorFlow's default; under heavy load from
+    other processes more inter-op threads won (1/8), because they take a larger
+    share of contended cores. GPUs keep TensorFlow's default.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, num_logical_cpus)), max(2, cores)
 
 
 def configure_threads(intra_op_threads: int, inter_op_threads: int) -> None:
@@ -59,8 +73,7 @@ def configure_logical_cpus(count: int, intra_op_threads: Optional[int] = None,
     """Splits the host CPU into `count` logical devices and sizes the thread pools.
 
     Thread pools: None takes tfpipe's default for logical CPUs
-    (DEFAULT_INTRA_OP_THREADS / DEFAULT_INTER_OP_THREADS, the fastest setting
-    measured for the trainer) unless the program already sized that pool
+    (`default_threads`, the fastest setting measured for the trainer) unless the program already sized that pool
     (tf.config.threading) or TF_NUM_INTRAOP_THREADS / TF_NUM_INTEROP_THREADS
     are set, which then win; 0 keeps TensorFlow's default. Logical CPUs share
     the host's cores, so single-threaded ops let the cells really overlap
@@ -69,7 +82,7 @@ def configure_logical_cpus(count: int, intra_op_threads: Optional[int] = None,
     Must run before TensorFlow initialises its runtime (before the first op,
     variable or device listing); afterwards it fails with a message saying so.
     """
-    defaults = (DEFAULT_INTRA_OP_THREADS, DEFAULT_INTER_OP_THREADS)
+    defaults = default_threads(count)
     current = (tf.config.threading.get_intra_op_parallelism_threads(),
                tf.config.threading.get_inter_op_parallelism_threads())
     threads = [value if value is not None else
