@@ -22,3 +22,31 @@ def data_dir(tmp_path_factory):
     datasets.prepare('tfpipe_shapes', path)
     datasets.prepare('tfpipe_reverse', path)
     return path
+
+
+# Trainer runs that several test modules start from, each run once per session
+# (a trainer process costs ~10 s on 2 cores). Tests copy them before writing.
+
+@pytest.fixture(scope='session')
+def trained_2_steps(tmp_path_factory, data_dir):
+    """SmallConvPipe trained 2 steps, checkpoint at step 2."""
+    from tests import trainer_helpers as th
+    return th.train_once(tmp_path_factory.mktemp('trained_2_steps'), data_dir,
+                         *th.fast_flags(2, 2))
+
+
+@pytest.fixture(scope='session')
+def trained_4_steps(tmp_path_factory, data_dir):
+    """SmallConvPipe trained 4 steps, checkpoints at steps 2 and 4, loss logged each step."""
+    from tests import trainer_helpers as th
+    return th.train_once(tmp_path_factory.mktemp('trained_4_steps'), data_dir,
+                         *th.fast_flags(4, 2))
+
+
+@pytest.fixture(scope='session')
+def trained_4_steps_two_replicas(tmp_path_factory, data_dir):
+    """As trained_4_steps with R=2 replicas x K=2 cells (M=2 each) on 4 logical CPUs."""
+    from tests import trainer_helpers as th
+    return th.train_once(tmp_path_factory.mktemp('trained_4_steps_r2'), data_dir,
+                         *th.fast_flags(4, 2),
+                         th.overrides(**{'task.pipeline.num_replicas': 2}))

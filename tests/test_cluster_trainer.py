@@ -111,18 +111,29 @@ def assert_same_run(expected_dir, actual_dir) -> None:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-7, err_msg=name)
 
 
-@pytest.mark.parametrize('balance', [[3, 2], [1, 1, 1, 2]], ids=['K2', 'K4'])
-def test_cluster_run_equals_single_process_run(tmp_path, data_dir, workers, balance):
-    flags = [*th.fast_flags(STEPS, 2), th.overrides(**{'task.pipeline.balance': balance})]
+def single_process_run(request, tmp_path, data_dir, flags, balance) -> str:
+    """The train dir of `flags` on local CPUs; the model's own balance is a shared run."""
+    if balance == [3, 2]:
+        shared = request.getfixturevalue('trained_4_steps')  # the same flags
+        with open(os.path.join(shared.logdir, 'train', 'params.txt')) as f:
+            assert f'task.pipeline.balance : {balance}\n' in f.read()
+        return os.path.join(shared.logdir, 'train')
     local = trainer(str(tmp_path), 'local', data_dir, *flags)
     assert local.returncode == 0, local.stderr[-3000:]
+    return str(tmp_path / 'local' / 'train')
+
+
+@pytest.mark.parametrize('balance', [[3, 2], [1, 1, 1, 2]], ids=['K2', 'K4'])
+def test_cluster_run_equals_single_process_run(request, tmp_path, data_dir, workers, balance):
+    flags = [*th.fast_flags(STEPS, 2), th.overrides(**{'task.pipeline.balance': balance})]
+    local_train_dir = single_process_run(request, tmp_path, data_dir, flags, balance)
     # A relative logdir, and workers in another cwd: the checkpoint files are written
     # by the trainer process (a worker writing its shard would miss this directory).
     # K=4 also names the trainer's own address (job chief), as runs across hosts must.
     spec = workers.spec + (f'@chief=127.0.0.1:{free_port()}' if len(balance) == 4 else '')
     remote = trainer(str(tmp_path), 'remote', data_dir, *flags, spec=spec)
     assert remote.returncode == 0, remote.stderr[-3000:]
-    assert_same_run(tmp_path / 'local' / 'train', tmp_path / 'remote' / 'train')
+    assert_same_run(local_train_dir, tmp_path / 'remote' / 'train')
     if len(balance) == 4:  # each check once, to keep the module short
         inspect = trainer(str(tmp_path), 'remote', data_dir, '--mode=inspect_model',
                           th.overrides(**{'task.pipeline.balance': balance}), spec=workers.spec)
@@ -138,15 +149,16 @@ def test_cluster_run_equals_single_process_run(tmp_path, data_dir, workers, bala
     assert os.path.exists(tmp_path / 'remote' / 'eval_dev' / f'score-{STEPS}.txt')
 
 
-def test_replicas_across_processes_equal_replicas_in_one_process(tmp_path, data_dir, workers):
+def test_replicas_across_processes_equal_replicas_in_one_process(
+        tmp_path, data_dir, workers, trained_4_steps_two_replicas):
     """R=2 x K=2: one replica per worker, each cell's gradients all-reduced across the
-    two processes by TF's collective ops, equals the same layout on 4 local CPUs."""
+    two processes by TF's collective ops, equals the same layout on 4 local CPUs (the
+    session's shared run of these flags)."""
     flags = [*th.fast_flags(STEPS, 2), th.overrides(**{'task.pipeline.num_replicas': 2})]
-    local = trainer(str(tmp_path), 'local', data_dir, *flags)
-    assert local.returncode == 0, local.stderr[-3000:]
     remote = trainer(str(tmp_path), 'remote', data_dir, *flags, spec=workers.spec)
     assert remote.returncode == 0, remote.stderr[-3000:]
-    assert_same_run(tmp_path / 'local' / 'train', tmp_path / 'remote' / 'train')
+    assert_same_run(os.path.join(trained_4_steps_two_replicas.logdir, 'train'),
+                    tmp_path / 'remote' / 'train')
     inspect = trainer(str(tmp_path), 'remote', data_dir, '--mode=inspect_model',
                       th.overrides(**{'task.pipeline.num_replicas': 2}), spec=workers.spec)
     assert inspect.returncode == 0, inspect.stderr[-3000:]

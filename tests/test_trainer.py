@@ -12,13 +12,12 @@ from tests import trainer_helpers as th
 from tfpipe import checkpoints
 
 
-def test_train_then_evaler_and_decoder(tmp_path, data_dir):
-    logdir = str(tmp_path / 'run')
-    result = th.run(th.FAST, logdir, data_dir, *th.fast_flags(4, 2))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert 'step 4/4' in result.stderr and 'steps/s' in result.stderr and 'ETA' in result.stderr
-    first = next(line for line in result.stderr.splitlines() if 'step 1/4' in line)
+def test_train_then_evaler_and_decoder(tmp_path, data_dir, trained_4_steps):
+    stderr = trained_4_steps.stderr
+    assert 'step 4/4' in stderr and 'steps/s' in stderr and 'ETA' in stderr
+    first = next(line for line in stderr.splitlines() if 'step 1/4' in line)
     assert 'first step' in first and 'steps/s' not in first  # tracing is not a step rate
+    logdir = trained_4_steps.copy_to(tmp_path / 'run')
     train_dir = os.path.join(logdir, 'train')
     assert checkpoints.step_of(checkpoints.latest(train_dir)) == 4
     with open(os.path.join(train_dir, 'params.txt')) as f:
@@ -76,11 +75,9 @@ def test_kill_9_then_resume_equals_uninterrupted_run(tmp_path, data_dir):
                                    err_msg=name)
 
 
-def test_resume_with_another_balance_restores_the_values(tmp_path, data_dir):
-    logdir = str(tmp_path / 'run')
+def test_resume_with_another_balance_restores_the_values(tmp_path, data_dir, trained_2_steps):
+    logdir = trained_2_steps.copy_to(tmp_path / 'run')
     train_dir = os.path.join(logdir, 'train')
-    result = th.run(th.FAST, logdir, data_dir, *th.fast_flags(2, 2))
-    assert result.returncode == 0, result.stderr[-3000:]
     saved = th.model_values(checkpoints.latest(train_dir))
     # Learning rate 0: the step-3 checkpoint must hold exactly the restored values. A
     # restore that fell back to initial weights (or lost a layer) would differ.
@@ -117,10 +114,9 @@ def test_signal_saves_and_exits_zero(tmp_path, data_dir, sig):
 
 @pytest.mark.parametrize('learning_rate', [1e30, 1e39])  # NaN loss; weights overflowing
 def test_non_finite_training_stops_and_keeps_the_last_good_checkpoint(tmp_path, data_dir,
+                                                                      trained_2_steps,
                                                                       learning_rate):
-    logdir = str(tmp_path / 'run')
-    result = th.run(th.FAST, logdir, data_dir, *th.fast_flags(2, 2))
-    assert result.returncode == 0, result.stderr[-3000:]
+    logdir = trained_2_steps.copy_to(tmp_path / 'run')
     result = th.run(th.FAST, logdir, data_dir, *th.fast_flags(50, 1),
                     th.overrides(**{'task.train.learning_rate': learning_rate}))
     assert result.returncode == 1
@@ -182,10 +178,8 @@ def test_default_jobs_run_trainer_evaler_and_decoder_in_one_process(tmp_path, da
     assert {'loss', 'learning_rate', 'grad_norm', 'examples_per_sec', 'steps_per_sec'} <= tags
 
 
-def test_evaler_reads_only_checkpoints_listed_as_complete(tmp_path, data_dir):
-    logdir = str(tmp_path / 'run')
-    result = th.run(th.FAST, logdir, data_dir, *th.fast_flags(2, 2))
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_evaler_reads_only_checkpoints_listed_as_complete(tmp_path, data_dir, trained_2_steps):
+    logdir = trained_2_steps.copy_to(tmp_path / 'run')
     train_dir = os.path.join(logdir, 'train')
     # A checkpoint being written: data files exist, the state file does not list it yet.
     for suffix in ('.index', '.data-00000-of-00001'):
@@ -198,10 +192,9 @@ def test_evaler_reads_only_checkpoints_listed_as_complete(tmp_path, data_dir):
     assert not os.path.exists(os.path.join(logdir, 'eval_dev', 'score-9.txt'))
 
 
-def test_a_checkpoint_moved_away_falls_back_to_the_previous_one(tmp_path, data_dir):
-    logdir = str(tmp_path / 'run')
-    result = th.run(th.FAST, logdir, data_dir, *th.fast_flags(4, 2))
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_a_checkpoint_moved_away_falls_back_to_the_previous_one(tmp_path, data_dir,
+                                                                trained_4_steps):
+    logdir = trained_4_steps.copy_to(tmp_path / 'run')
     train_dir = os.path.join(logdir, 'train')
     for path in glob.glob(os.path.join(train_dir, 'ckpt-4.*')):
         os.rename(path, str(tmp_path / os.path.basename(path)))
@@ -210,10 +203,8 @@ def test_a_checkpoint_moved_away_falls_back_to_the_previous_one(tmp_path, data_d
     assert 'ckpt-2 at step 2' in result.stderr and 'trained steps 2..6' in result.stderr
 
 
-def test_standalone_evaler_stops_at_the_trainers_last_step(tmp_path, data_dir):
-    logdir = str(tmp_path / 'run')
-    result = th.run(th.FAST, logdir, data_dir, *th.fast_flags(2, 2))
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_standalone_evaler_stops_at_the_trainers_last_step(tmp_path, data_dir, trained_2_steps):
+    logdir = trained_2_steps.copy_to(tmp_path / 'run')
     result = th.run(th.FAST, logdir, data_dir, '--job=evaler_dev', timeout=120,
                     *[th.overrides(**{'task.eval.samples_per_summary': 32})])
     assert result.returncode == 0, result.stderr[-3000:]

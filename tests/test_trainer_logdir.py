@@ -156,11 +156,10 @@ def test_garbled_state_file_without_checkpoints_is_a_fresh_start(tmp_path):
 # --- 19: train/params.txt describes the checkpoints ---------------------------------------
 
 
-def test_params_txt_keeps_describing_the_checkpoints_after_a_dead_attempt(tmp_path, data_dir):
-    logdir = str(tmp_path / 'run')
+def test_params_txt_keeps_describing_the_checkpoints_after_a_dead_attempt(tmp_path, data_dir,
+                                                                          trained_2_steps):
+    logdir = trained_2_steps.copy_to(tmp_path / 'run')
     train_dir = os.path.join(logdir, 'train')
-    result = th.run(th.FAST, logdir, data_dir, *th.fast_flags(2, 2))
-    assert result.returncode == 0, result.stderr[-3000:]
     with open(os.path.join(train_dir, 'params.txt')) as f:
         of_checkpoints = f.read()
     assert 'task.train.learning_rate : 0.01\n' in of_checkpoints

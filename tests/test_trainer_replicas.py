@@ -39,16 +39,14 @@ def _assert_same_run(a, b):
 
 
 def test_two_replicas_train_like_one_pipeline_and_checkpoints_move_between_them(
-        tmp_path, data_dir):
+        tmp_path, data_dir, trained_4_steps_two_replicas):
     one = str(tmp_path / 'one')  # R=1, M=4
     result = th.run(th.FAST, one, data_dir, *_flags(STEPS, **{
         'task.pipeline.num_micro_batches': 4}))
     assert result.returncode == 0, result.stderr[-3000:]
 
-    two = str(tmp_path / 'two')  # R=2 x K=2, M=2 per replica
-    result = th.run(th.FAST, two, data_dir, *_flags(STEPS, **{
-        'task.pipeline.num_replicas': 2}))
-    assert result.returncode == 0, result.stderr[-3000:]
+    # R=2 x K=2, M=2 per replica: the session's run of _flags(STEPS, num_replicas=2).
+    two = trained_4_steps_two_replicas.logdir
     _assert_same_run(two, one)
     assert _final(two).keys() == _final(one).keys()  # one copy of each variable
 

@@ -1,7 +1,9 @@
 """Running the trainer binary in a subprocess, on data generated once per session."""
 from __future__ import annotations
 
+import dataclasses
 import os
+import shutil
 import subprocess
 import sys
 from typing import Sequence
@@ -34,6 +36,30 @@ def run(model: str, logdir: str, data_dir: str, *flags: str,
 def start(model: str, logdir: str, data_dir: str, *flags: str) -> subprocess.Popen:
     return subprocess.Popen(command(model, logdir, data_dir, *flags), env=env(), cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainedRun:
+    """A finished trainer run that several tests start from (a session fixture).
+
+    Each trainer process costs seconds of TensorFlow import and tracing, so tests that
+    begin with the same run share it. They must not change `logdir`: a test that writes
+    to it (resumes, evaluates, corrupts a file) works on `copy_to(...)` instead.
+    """
+    logdir: str
+    stderr: str
+
+    def copy_to(self, directory) -> str:
+        shutil.copytree(self.logdir, str(directory))
+        return str(directory)
+
+
+def train_once(directory, data_dir: str, *flags: str) -> TrainedRun:
+    """Runs the FAST model's trainer in `directory`/run with `flags`; it must succeed."""
+    logdir = os.path.join(str(directory), 'run')
+    result = run(FAST, logdir, data_dir, *flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return TrainedRun(logdir, result.stderr)
 
 
 def error_line(result: subprocess.CompletedProcess) -> str:
