@@ -68,6 +68,12 @@ class RuntimeOptions:
                 raise ValueError(f'trainer.{name}={value!r} must be a positive number of seconds')
 
 
+# Errors of a save that point at a lost peer (checkpoint I/O runs on the trainer, but the
+# values come from the workers), not at the trainer's disk.
+_LOST_PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
+                     tf.errors.CancelledError)
+
+
 def _check_positive_int(name: str, value, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -307,6 +313,8 @@ class Trainer:
             path = self.manager.save(checkpoint_number=step, options=checkpoints.io_options())
         except (OSError, tf.errors.OpError) as e:  # a full disk, a quota, a lost mount
             self._remove_partial_save(step)
+            if isinstance(e, _LOST_PEER_ERRORS):
+                raise  # a worker died during the save: the cluster watchdog names it
             last = checkpoints.latest(self.train_dir)  # from disk: the state file may be older
             raise checkpoints.CheckpointError(
                 f'saving checkpoint ckpt-{step} in {self.train_dir} failed '
