@@ -268,6 +268,29 @@ def test_full_disk_at_start_is_one_line_and_leaves_no_temporary_file(small_disk,
                 and not f.endswith('job.lock')], left
 
 
+def test_a_save_that_loses_a_worker_is_not_reported_as_a_full_disk(tmp_path, data_dir,
+                                                                    monkeypatch):
+    """Checkpoint values come from the workers: a connection reset during the save must
+    reach the cluster watchdog (lost worker, exit 1), not become 'free space there'."""
+    import model_registry
+    params = model_registry.get_params(th.FAST)
+    for _, input_params in params.input.IterParams():
+        if input_params is not None:
+            input_params.data_dir = data_dir
+    train_dir = str(tmp_path / 'train')
+    trainer = train_job.Trainer(params, train_dir, train_job.RuntimeOptions(
+        max_steps=1, save_interval_steps=1))
+    assert trainer.run() == 1
+
+    def reset(**kwargs):
+        raise tf.errors.UnavailableError(None, None, 'recvmsg: Connection reset by peer')
+
+    monkeypatch.setattr(trainer.manager, 'save', reset)
+    with pytest.raises(tf.errors.UnavailableError):
+        trainer.save(2)
+    assert checkpoints.latest(train_dir) == os.path.join(train_dir, 'ckpt-1')
+
+
 def test_a_failed_write_keeps_the_old_file(small_disk):
     from trainer import logdir_access
     path = os.path.join(small_disk, 'score-1.txt')
