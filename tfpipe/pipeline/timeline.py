@@ -172,6 +172,10 @@ class Event:
     start: float  # seconds, relative to the timeline's origin
     end: float
     replica: int = 0  # data-parallel replica: its pipeline's tasks depend on each other only
+    # Position in the recorder's labels: the order the tasks were built in, which is each
+    # device's execution order (the executor chains a device's tasks in build order).
+    # Start stamps can tie or swap by a microsecond; the build order cannot.
+    built: int = 0
 
     @property
     def duration(self) -> float:
@@ -208,10 +212,10 @@ class Timeline:
         # phase) belongs to replica n.
         seen: dict[tuple[int, int, str], int] = {}
         events = []
-        for label, (s, e) in zip(recorder.labels, stamps):
+        for built, (label, (s, e)) in enumerate(zip(recorder.labels, stamps)):
             key = (label.cell, label.micro_batch, label.phase)
             seen[key] = seen.get(key, -1) + 1
-            events.append(Event(label, float(s - origin), float(e - origin), seen[key]))
+            events.append(Event(label, float(s - origin), float(e - origin), seen[key], built))
         devices = sorted({(e.replica, e.label.cell, e.label.device) for e in events})
         num_micro_batches = 1 + max(label.micro_batch for label in recorder.labels)
         return cls(events, [d for _, _, d in devices], num_micro_batches, origin)
@@ -286,7 +290,7 @@ class Timeline:
         tasks in the order they ran, as (task, start, end). A recompute event is part of
         the backward task that follows it on its device."""
         by_device: dict[tuple[int, str], list[Event]] = {}
-        for e in self.events:  # sorted by start
+        for e in sorted(self.events, key=lambda e: (e.built, e.start)):
             by_device.setdefault((e.replica, e.label.device), []).append(e)
         orders: dict[int, dict[int, list]] = {}
         for (replica, _), events in by_device.items():
