@@ -80,6 +80,26 @@ def trainer(cwd: str, logdir: str, data_dir: str, *flags: str, spec: str = None,
                           capture_output=True, text=True, timeout=timeout)
 
 
+def start_long_run(cwd: str, logdir: str, data_dir: str, spec: str,
+                   *flags: str) -> subprocess.Popen:
+    """A cluster trainer that would run for ever (the caller stops it by PID)."""
+    cmd = [*th.command(th.FAST, logdir, data_dir, *th.fast_flags(100000, 2)),
+           f'--cluster_spec={spec}', *flags]
+    return subprocess.Popen(cmd, env=th.env(), cwd=cwd, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_checkpoint(proc: subprocess.Popen, train_dir: str, step: int) -> None:
+    """Returns once `proc` has saved a checkpoint of `step` or later, still running."""
+    deadline = time.time() + 180
+    while time.time() < deadline and proc.poll() is None:
+        path = checkpoints.latest(train_dir) if os.path.isdir(train_dir) else None
+        if path and checkpoints.step_of(path) >= step:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.stderr.read()[-3000:]
+
+
 def losses(train_dir: str) -> dict[int, float]:
     """The loss summary at every step, from the trainer's event files."""
     out = {}
@@ -171,18 +191,9 @@ def test_replicas_across_processes_equal_replicas_in_one_process(
 def test_lost_worker_fails_fast_and_rerun_resumes(tmp_path, data_dir, workers):
     logdir = str(tmp_path / 'run')
     train_dir = os.path.join(logdir, 'train')
-    cmd = [*th.command(th.FAST, logdir, data_dir, *th.fast_flags(100000, 2)),
-           f'--cluster_spec={workers.spec}']
-    proc = subprocess.Popen(cmd, env=th.env(), cwd=str(tmp_path), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = start_long_run(str(tmp_path), logdir, data_dir, workers.spec)
     try:
-        deadline = time.time() + 180
-        while time.time() < deadline and proc.poll() is None:
-            path = checkpoints.latest(train_dir) if os.path.isdir(train_dir) else None
-            if path and checkpoints.step_of(path) >= 4:
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        wait_for_checkpoint(proc, train_dir, 4)
         workers.procs[1].kill()  # SIGKILL, at whatever point the step is
         workers.procs[1].wait()
         killed_at = time.time()
@@ -215,19 +226,11 @@ def test_frozen_worker_ends_the_step_at_its_deadline(tmp_path, data_dir, workers
     (trainer.step_timeout_seconds) can tell; the trainer names the workers and exits 1."""
     logdir = str(tmp_path / 'run')
     train_dir = os.path.join(logdir, 'train')
-    cmd = [*th.command(th.FAST, logdir, data_dir, *th.fast_flags(100000, 2)),
-           f'--cluster_spec={workers.spec}', '--gin_bindings=trainer.step_timeout_seconds=8']
-    proc = subprocess.Popen(cmd, env=th.env(), cwd=str(tmp_path), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = start_long_run(str(tmp_path), logdir, data_dir, workers.spec,
+                          '--gin_bindings=trainer.step_timeout_seconds=8')
     frozen = workers.procs[1]
     try:
-        deadline = time.time() + 180
-        while time.time() < deadline and proc.poll() is None:
-            path = checkpoints.latest(train_dir) if os.path.isdir(train_dir) else None
-            if path and checkpoints.step_of(path) >= 2:
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        wait_for_checkpoint(proc, train_dir, 2)
         frozen.send_signal(signal.SIGSTOP)
         stopped_at = time.time()
         _, stderr = proc.communicate(timeout=120)

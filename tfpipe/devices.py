@@ -72,10 +72,10 @@ def configure_logical_cpus(count: int, intra_op_threads: Optional[int] = None,
                            inter_op_threads: Optional[int] = None) -> None:
     """Splits the host CPU into `count` logical devices and sizes the thread pools.
 
-    Thread pools: None takes tfpipe's default for logical CPUs
-    (`default_threads`, the fastest setting measured for the trainer) unless the program already sized that pool
-    (tf.config.threading) or TF_NUM_INTRAOP_THREADS / TF_NUM_INTEROP_THREADS
-    are set, which then win; 0 keeps TensorFlow's default. Logical CPUs share
+    Thread pools: None takes tfpipe's default for logical CPUs (`default_threads`,
+    the fastest setting measured for the trainer) unless the program already sized
+    that pool (tf.config.threading) or TF_NUM_INTRAOP_THREADS /
+    TF_NUM_INTEROP_THREADS are set, which then win; 0 keeps TensorFlow's default. Logical CPUs share
     the host's cores, so single-threaded ops let the cells really overlap
     instead of each op being split over every core.
 

@@ -32,6 +32,14 @@ def recompute_flags(policy: str, num_cells: int) -> list[bool]:
     return [True] * (num_cells - 1) + [False]
 
 
+def cell_dtypes(k: int, num_cells: int, pipeline_params: Any) -> tuple[Any, Any]:
+    """(compute dtype, output dtype) of cell k: with a fprop_dtype (the pipeline's or a
+    body layer's), the last cell casts the pipeline's output back to float32."""
+    p = pipeline_params
+    mixed = p.fprop_dtype is not None or any(lp.fprop_dtype is not None for lp in p.body)
+    return p.fprop_dtype, (tf.float32 if mixed and k == num_cells - 1 else None)
+
+
 def _read(value: Any) -> tf.Tensor:
     # read_value() takes the enclosing device scope; tf.identity(variable) leaves
     # the ReadVariableOp unplaced in the traced graph.

@@ -38,7 +38,7 @@ from tfpipe import devices as devices_lib
 from tfpipe import fprop_context
 from tfpipe.base_layer import BaseLayer, body_meta
 from tfpipe.pipeline import costs, microbatch, partition, replicas, schedule, ties, timeline
-from tfpipe.pipeline.cell import RECOMPUTE_POLICIES, Cell, recompute_flags
+from tfpipe.pipeline.cell import RECOMPUTE_POLICIES, Cell, cell_dtypes, recompute_flags
 from tfpipe.pipeline.cell_functions import FunctionalPipelineRun
 from tfpipe.pipeline.executor import PipelineRun, float_leaves, is_differentiable
 
@@ -163,7 +163,7 @@ class PipeliningLayer(BaseLayer):
             raise ValueError(f'{self.path}: {e}') from None
         ties.tie(self.ties, layers)
         self.cells = [Cell(k, self.devices[k % num_devices], layers[k], flags[k],
-                           *replicas.cell_dtypes(k, len(self.balance), p), ties=self.ties)
+                           *cell_dtypes(k, len(self.balance), p), ties=self.ties)
                       for k in range(len(self.balance))]
         self.replica_cells = [self.cells] + [
             replicas.mirror_cells(self, p, self.balance, devices, flags, self.ties)
@@ -201,7 +201,7 @@ class PipeliningLayer(BaseLayer):
 
     # -- Replicas ------------------------------------------------------------------------
 
-    def devices_of_cells(self, replica: int) -> list[str]:
+    def CellDevices(self, replica: int) -> list[str]:
         """The device of each cell of one replica (cell j: device j mod K)."""
         return [cell.device for cell in self.replica_cells[replica]]
 
@@ -474,7 +474,7 @@ class PipeliningLayer(BaseLayer):
             grads: dict = {}
             for k, cell_grads in enumerate(self._SumOverReplicas(runs)):
                 grads.update(tf.nest.pack_sequence_as(runs[0].thetas[k], cell_grads))
-            ties.fold(grads, self.ties, self.devices_of_cells(0))
+            ties.fold(grads, self.ties, self.CellDevices(0))
             return loss, {name: grads[name] for name in theta}
         per_replica: list[dict] = [{} for _ in runs]
         for k in range(len(self.cells)):
@@ -484,7 +484,7 @@ class PipeliningLayer(BaseLayer):
                 run.theta_grads[k] = reduced[r]
                 per_replica[r].update(run.theta_grads_of(k))
         for r, replica_grads in enumerate(per_replica):
-            ties.fold(replica_grads, self.ties, self.devices_of_cells(r))
+            ties.fold(replica_grads, self.ties, self.CellDevices(r))
         grads = [{name: g[name] for name in t} for g, t in zip(per_replica, theta)]
         return loss, (grads if self.num_replicas > 1 else grads[0])
 

@@ -35,19 +35,11 @@ from tfpipe import fprop_context
 from tfpipe.base_layer import BaseLayer
 from tfpipe.pipeline import microbatch, partition
 from tfpipe.pipeline import ties as ties_lib
-from tfpipe.pipeline.cell import Cell
+from tfpipe.pipeline.cell import Cell, cell_dtypes
 
 _lock = threading.Lock()
 _group_keys: dict[tuple[str, ...], int] = {}
 _instance_keys = itertools.count(1)
-
-
-def cell_dtypes(k: int, num_cells: int, pipeline_params: Any) -> tuple[Any, Any]:
-    """(compute dtype, output dtype) of cell k: with a fprop_dtype (the pipeline's or a
-    body layer's), the last cell casts the pipeline's output back to float32."""
-    p = pipeline_params
-    mixed = p.fprop_dtype is not None or any(lp.fprop_dtype is not None for lp in p.body)
-    return p.fprop_dtype, (tf.float32 if mixed and k == num_cells - 1 else None)
 
 
 def mirror_cells(pipe: BaseLayer, pipeline_params: Any, balance: Sequence[int],
