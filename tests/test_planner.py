@@ -1,4 +1,5 @@
 """The planner: search, memory budget, device profiles, and the trainer's inspect_pipeline mode."""
+import dataclasses
 import json
 import os
 
@@ -6,7 +7,9 @@ import pytest
 
 from tests import trainer_helpers
 from tfpipe.pipeline import planner, simulator
+from tfpipe.pipeline.calibration import Calibration, MeasuredRun, calibrate
 from tfpipe.pipeline.profile import Affine, LayerProfile
+from tfpipe.pipeline.timeline import Timeline
 
 
 def _layers(n=8, param_bytes=1e6, activation=1e4):
@@ -89,11 +92,15 @@ def test_inspect_pipeline_prints_the_best_and_writes_json(tmp_path, data_dir):
     assert len(report['layers']) == 5
     assert report['best']['num_cells'] <= 2 and report['best']['fits']
     assert report['params_override'] in out.stdout
-    # Planned for local CPUs: calibrated on measured steps of the configured [3, 2], M=2.
-    assert 'costs: measured on 5 steps of K=2 M=2' in out.stdout
+    # Planned for local CPUs: calibrated on measured steps of the configured [3, 2], M=2,
+    # of the same with M=4, which tells the per-call part of compute apart, and of one cell,
+    # which tells how many logical CPUs really run at once.
+    assert 'costs: measured on 5 steps each of K=2 M=2, K=2 M=4, K=1 M=2' in out.stdout
     calibration = report['calibration']
-    assert calibration['source'].startswith('5 steps of K=2 M=2')
+    assert calibration['source'].startswith('5 steps each of K=2 M=2, K=2 M=4, K=1 M=2')
+    assert 1 <= calibration['parallelism'] <= os.cpu_count()
     assert calibration['forward_scale'] > 0 and calibration['backward_scale'] > 0
+    assert calibration['forward_fixed_scale'] > 0 and calibration['backward_fixed_scale'] > 0
     assert calibration['step_overhead'] > 0  # the update and the norm are never free
 
 
@@ -164,17 +171,18 @@ def _measured_timeline(layers, balance, m, batch, calibration, parallelism=None)
 
 def test_calibration_recovers_the_costs_of_a_measured_step():
     layers = _layers()
-    truth = planner.Calibration(forward_scale=0.5, backward_scale=2.0, task_overhead=1e-4,
+    truth = Calibration(forward_scale=0.5, backward_scale=2.0, task_overhead=1e-4,
                                 latency=3e-4, step_overhead=2e-3)
     line, result = _measured_timeline(layers, [4, 4], 4, 64, truth)
     wall = float(result.step_time) + truth.step_overhead
-    fitted = planner.calibrate(layers, [4, 4], 4, 64, 'never', [line, line], [wall, 2 * wall],
-                               None, source='a test step')
+    fitted = calibrate(layers, [MeasuredRun([4, 4], 4, [line, line],
+                                                            [wall, 2 * wall])],
+                               64, 'never', None, source='a test step')
     for field in ('forward_scale', 'backward_scale', 'task_overhead', 'latency',
                   'step_overhead'):
         assert getattr(fitted, field) == pytest.approx(getattr(truth, field), rel=1e-6), field
     assert 'measured on a test step' in fitted.describe()
-    assert 'profiled' in planner.Calibration().describe()
+    assert 'profiled' in Calibration().describe()
     # The calibrated planner predicts the measured configuration's step, and more.
     again = planner.simulate(layers, [4, 4], 4, 64, 'never', 'fill_drain',
                              simulator.DeviceModel(), fitted)
@@ -184,14 +192,78 @@ def test_calibration_recovers_the_costs_of_a_measured_step():
     assert float(plain.step_time) != pytest.approx(wall)
 
 
+def test_two_micro_batch_sizes_tell_per_call_costs_from_per_example_costs():
+    layers = _layers()
+    # The pipeline pays a tenth of the profiled per-call cost in its forward and four
+    # times it in its backward: one micro-batch size cannot see that.
+    truth = Calibration(forward_scale=0.5, backward_scale=2.0, forward_fixed_scale=0.1,
+                                backward_fixed_scale=4.0, task_overhead=1e-4)
+    runs = []
+    for m in (2, 8):
+        line, result = _measured_timeline(layers, [4, 4], m, 64, truth)
+        runs.append(MeasuredRun([4, 4], m, [line], [float(result.step_time) + 1e-3]))
+    fitted = calibrate(layers, runs, 64, 'never', None, source='x')
+    for field in ('forward_scale', 'backward_scale', 'forward_fixed_scale',
+                  'backward_fixed_scale', 'task_overhead'):
+        assert getattr(fitted, field) == pytest.approx(getattr(truth, field), rel=1e-6), field
+    assert fitted.step_overhead == pytest.approx(1e-3, rel=1e-6)
+    # The fit carries to a micro-batch size it never saw; one size alone does not.
+    one = calibrate(layers, runs[:1], 64, 'never', None, source='x')
+    device = simulator.DeviceModel()
+    expected = float(planner.simulate(layers, [2, 6], 32, 64, 'never', 'fill_drain', device,
+                                      truth).step_time)
+    assert float(planner.simulate(layers, [2, 6], 32, 64, 'never', 'fill_drain', device,
+                                  fitted).step_time) == pytest.approx(expected, rel=1e-6)
+    assert float(planner.simulate(layers, [2, 6], 32, 64, 'never', 'fill_drain', device,
+                                  one).step_time) != pytest.approx(expected, rel=0.05)
+
+
+def test_a_one_device_run_measures_how_many_logical_cpus_run_at_once():
+    layers = _layers()
+    # Two cores, but tasks of different devices together only get 1.4 cores' worth.
+    truth = Calibration(forward_scale=0.5, backward_scale=2.0, parallelism=1.4)
+    runs = []
+    for balance in ([2, 2, 2, 2], [8]):
+        line, result = _measured_timeline(layers, balance, 4, 64, truth, parallelism=2)
+        runs.append(MeasuredRun(balance, 4, [line], [float(result.step_time)]))
+    fitted = calibrate(layers, runs, 64, 'never', 2, source='x')
+    assert fitted.parallelism == pytest.approx(1.4, rel=1e-3)
+    device = simulator.DeviceModel(parallelism=2)
+    for balance in ([4, 4], [2, 2, 2, 2]):  # K=2 was never measured
+        expected = planner.simulate(layers, balance, 8, 64, 'never', 'fill_drain', device, truth)
+        got = planner.simulate(layers, balance, 8, 64, 'never', 'fill_drain', device, fitted)
+        assert float(got.step_time) == pytest.approx(float(expected.step_time), rel=1e-3)
+    # Without the one-device run the parallelism stays the device model's.
+    alone = calibrate(layers, runs[:1], 64, 'never', 2, source='x')
+    assert alone.parallelism == 2
+
+
+def test_measured_span_scales_compute_the_tasks_alone_miss():
+    layers = _layers()
+    truth = Calibration(forward_scale=0.5, backward_scale=2.0)
+    line, result = _measured_timeline(layers, [4, 4], 4, 64, truth)
+    # Every task of the step took its time, but the devices also stalled between them in
+    # ways no single task shows (the step lasted 30% longer than its tasks allow): the
+    # fastest step's span is the truth the calibration keeps.
+    stretched = Timeline([dataclasses.replace(e, start=1.3 * e.start, end=1.3 * e.start
+                                              + (e.end - e.start)) for e in line.events],
+                         line.devices, line.num_micro_batches)
+    run = MeasuredRun([4, 4], 4, [stretched], [1.3 * float(result.step_time)])
+    fitted = calibrate(layers, [run], 64, 'never', None, source='x')
+    again = planner.simulate(layers, [4, 4], 4, 64, 'never', 'fill_drain',
+                             simulator.DeviceModel(), fitted)
+    assert float(again.step_time) == pytest.approx(stretched.span + fitted.task_overhead,
+                                                   rel=1e-4)
+    assert fitted.forward_scale / fitted.backward_scale == pytest.approx(0.25, rel=1e-6)
+
+
 def test_calibration_under_shared_cores_reads_work_not_wall_time():
     layers = _layers()
-    truth = planner.Calibration(forward_scale=3.0, backward_scale=3.0)
+    truth = Calibration(forward_scale=3.0, backward_scale=3.0)
     line, _ = _measured_timeline(layers, [2, 2, 2, 2], 8, 64, truth, parallelism=2)
-    shared = planner.calibrate(layers, [2, 2, 2, 2], 8, 64, 'never', [line], [1.0], 2,
-                               source='x')
-    naive = planner.calibrate(layers, [2, 2, 2, 2], 8, 64, 'never', [line], [1.0], None,
-                              source='x')
+    run = MeasuredRun([2, 2, 2, 2], 8, [line], [1.0])
+    shared = calibrate(layers, [run], 64, 'never', 2, source='x')
+    naive = calibrate(layers, [run], 64, 'never', None, source='x')
     assert shared.forward_scale == pytest.approx(3.0, rel=1e-6)
     assert naive.forward_scale > 3.0  # tasks stretched by sharing look like slower compute
 
@@ -200,7 +272,7 @@ def test_search_adds_the_calibrated_step_overhead_and_task_costs():
     layers = _layers()
     plain = planner.search(layers, 64, 2, _independent(), cells=[2], micro_batches=[4],
                            recompute=['never'], schedules=['fill_drain'])[0]
-    cal = planner.Calibration(task_overhead=1e-3, step_overhead=5e-3)
+    cal = Calibration(task_overhead=1e-3, step_overhead=5e-3)
     calibrated = planner.search(layers, 64, 2, _independent(), cells=[2], micro_batches=[4],
                                 recompute=['never'], schedules=['fill_drain'],
                                 calibration=cal)[0]
@@ -209,15 +281,18 @@ def test_search_adds_the_calibrated_step_overhead_and_task_costs():
 
 
 def test_calibration_ignores_a_task_another_process_delayed():
-    import dataclasses
     layers = _layers()
-    truth = planner.Calibration(forward_scale=0.5, backward_scale=2.0)
+    truth = Calibration(forward_scale=0.5, backward_scale=2.0)
     line, result = _measured_timeline(layers, [4, 4], 4, 64, truth)
-    # The first forward of cell 1 lost the core for 50 ms: its stamps bracket the wait.
-    slow = [dataclasses.replace(e, end=e.end + 0.05)
-            if (e.label.cell, e.label.micro_batch, e.label.phase) == (1, 0, 'forward') else e
-            for e in line.events]
-    line.events = slow
-    fitted = planner.calibrate(layers, [4, 4], 4, 64, 'never', [line], [1.0], None, source='x')
+    # In a second step the step's last task, cell 0's backward of micro-batch 0, lost the
+    # core for 50 ms: its stamps bracket the wait.
+    slow = Timeline([dataclasses.replace(e, end=e.end + 0.05)
+                     if (e.label.cell, e.label.micro_batch, e.label.phase) == (0, 0, 'backward')
+                     else e for e in line.events], line.devices, line.num_micro_batches)
+    assert slow.span > line.span + 0.04
+    wall = float(result.step_time)
+    fitted = calibrate(layers, [MeasuredRun([4, 4], 4, [slow, line],
+                                                            [wall + 0.05, wall])],
+                               64, 'never', None, source='x')
     assert fitted.forward_scale == pytest.approx(0.5, rel=1e-6)
     assert fitted.backward_scale == pytest.approx(2.0, rel=1e-6)

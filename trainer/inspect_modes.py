@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from tfpipe.hyperparams import Params
 from tfpipe.pipeline import planner, profile
+from tfpipe.pipeline.calibration import Calibration, MeasuredRun, calibrate
 from tfpipe.pipeline.partition import cell_ranges
 
 PLAN_FILE = 'inspect_pipeline.json'
@@ -95,9 +96,9 @@ def warm_up(trainer, batch) -> None:
 
 
 def measure_configuration(params: Params, steps: int = CALIBRATION_STEPS
-                          ) -> tuple[list[int], list, list[float]]:
-    """The balance, and `timed_steps` of `params`'s training step (pipeline, loss,
-    gradient norm, update) in a throwaway train dir: the logdir is never touched."""
+                          ) -> MeasuredRun:
+    """`timed_steps` of `params`'s training step (pipeline, loss, gradient norm, update) in
+    a throwaway train dir: the logdir is never touched."""
     from trainer import train_job
 
     with tempfile.TemporaryDirectory() as train_dir:
@@ -105,38 +106,60 @@ def measure_configuration(params: Params, steps: int = CALIBRATION_STEPS
         batch = next(trainer.iterator)
         warm_up(trainer, batch)
         lines, walls = timed_steps(trainer, batch, steps)
-        return list(trainer.task.pipe.balance), lines, walls
+        pipe = params.task.pipeline
+        return MeasuredRun(list(trainer.task.pipe.balance), pipe.num_micro_batches,
+                                   lines, walls, pipe.schedule)
 
 
-def calibration_params(params: Params) -> Params:
-    """The model's own pipeline as the planner can play it: one replica, one virtual
-    stage, and fill_drain unless the configured schedule is one the planner searches."""
+def calibration_params(params: Params) -> list[Params]:
+    """The configurations whose measured steps calibrate the planner.
+
+    First the model's own pipeline as the planner can play it (one replica, one
+    virtual stage, and fill_drain unless the configured schedule is one the
+    planner searches); then the same with twice (at the limit half) the
+    micro-batches, which tells the per-call part of compute from the
+    per-example part; then the same on one device (two if it has one), which
+    tells how much logical CPUs really run at once.
+    """
     p = params.Copy()
     pipe = p.task.pipeline
     pipe.Set(num_replicas=1, virtual_stages=1)
     if pipe.schedule not in planner.SCHEDULES:
         pipe.schedule = 'fill_drain'
-    return p
+    runs = [p]
+    limit = min(max(planner.MICRO_BATCHES), p.input.train.batch_size)
+    m = pipe.num_micro_batches
+    other = 2 * m if 2 * m <= limit else m // 2
+    if 1 <= other != m:
+        q = p.Copy()
+        q.task.pipeline.num_micro_batches = other
+        runs.append(q)
+    cells = len(pipe.balance) if pipe.balance else pipe.num_cells
+    if cells > 1 or len(pipe.body) > 1:
+        q = p.Copy()
+        q.task.pipeline.Set(num_cells=1 if cells > 1 else 2, balance=None)
+        runs.append(q)
+    return runs
 
 
-def fit_calibration(params: Params, profiles: list[profile.LayerProfile], balance: list[int],
-                    lines: list, walls: list[float],
-                    parallelism: Optional[float]) -> planner.Calibration:
-    """planner.calibrate on measured steps of `params` (as from `calibration_params`)."""
-    pipe = params.task.pipeline
-    return planner.calibrate(
-        profiles, balance, pipe.num_micro_batches, params.input.train.batch_size,
-        pipe.recompute, lines, walls, parallelism,
-        source=f'{len(lines)} steps of K={len(balance)} M={pipe.num_micro_batches} '
-        f'recompute={pipe.recompute} schedule={pipe.schedule}')
+def fit_calibration(configured: Params, profiles: list[profile.LayerProfile],
+                    runs: list[MeasuredRun],
+                    parallelism: Optional[float]) -> Calibration:
+    """calibration.calibrate on measured runs of `calibration_params(params)`."""
+    pipe = configured.task.pipeline
+    shapes = ', '.join(f'K={len(run.balance)} M={run.num_micro_batches}' for run in runs)
+    return calibrate(
+        profiles, runs, configured.input.train.batch_size, pipe.recompute, parallelism,
+        source=f'{len(runs[0].timelines)} steps each of {shapes} recompute={pipe.recompute} '
+        f'schedule={pipe.schedule}')
 
 
-def calibrate(params: Params, profiles: list[profile.LayerProfile],
-              parallelism: Optional[float]) -> planner.Calibration:
+def calibrate_here(params: Params, profiles: list[profile.LayerProfile],
+                   parallelism: Optional[float]) -> Calibration:
     """Fits the planner's costs to measured steps of the model's configured pipeline."""
     measured = calibration_params(params)
-    balance, lines, walls = measure_configuration(measured)
-    return fit_calibration(measured, profiles, balance, lines, walls, parallelism)
+    runs = [measure_configuration(p) for p in measured]
+    return fit_calibration(measured[0], profiles, runs, parallelism)
 
 
 def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[float],
@@ -145,7 +168,7 @@ def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[f
     """Profiles the body, searches configurations, prints the best and writes JSON.
 
     Planning for this machine's logical CPUs, the costs are first calibrated on
-    measured steps of the model's configured pipeline (`calibrate`); for other
+    measured steps of the model's configured pipeline (`calibrate_here`); for other
     devices (`device_profile`) the profile is used as measured here. A budget
     no configuration fits is a ValueError (exit 2) raised before the report is
     written.
@@ -164,9 +187,9 @@ def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[f
     profiles = profile_model(params, task, max_m)
     configs = planner.search(profiles, batch_size, num_devices, device)
     best = planner.best_fitting(configs, device.memory)  # memory needs no calibration
-    calibration = planner.Calibration()
+    calibration = Calibration()
     if not device_profile:
-        calibration = calibrate(params, profiles, device.model.parallelism)
+        calibration = calibrate_here(params, profiles, device.model.parallelism)
         configs = planner.search(profiles, batch_size, num_devices, device,
                                  calibration=calibration)
         best = planner.best_fitting(configs, device.memory)
