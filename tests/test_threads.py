@@ -98,3 +98,24 @@ def test_bad_thread_counts_name_the_fix():
     from tfpipe import devices
     with pytest.raises(ValueError, match='intra_op_threads=-1 must be an int >= 0'):
         devices.configure_threads(-1, 0)
+
+
+def test_cluster_workers_size_their_pools_like_the_trainer(monkeypatch):
+    import os
+    from tfpipe import cluster
+    monkeypatch.setattr(os, 'sched_getaffinity', lambda pid: set(range(32)))
+    for env in ('TF_NUM_INTRAOP_THREADS', 'TF_NUM_INTEROP_THREADS'):
+        monkeypatch.delenv(env, raising=False)
+
+    def pools(*args):
+        config = cluster.server_config(*args)
+        return config.intra_op_parallelism_threads, config.inter_op_parallelism_threads
+
+    assert pools(8) == (4, 32)  # a worker's 8 logical CPUs share its 32 cores
+    assert pools(8, 3, 5) == (3, 5)  # the worker's own --intra/--inter_op_threads win
+    assert pools(8, 0, 0) == (0, 0)  # 0: TensorFlow's default
+    assert pools(None) == (0, 0)  # GPUs keep TensorFlow's default
+    monkeypatch.setenv('TF_NUM_INTRAOP_THREADS', '6')
+    assert pools(8) == (0, 32)  # TensorFlow reads the environment itself
+    with pytest.raises(ValueError, match='inter_op_parallelism_threads=-2 must be an int >= 0'):
+        cluster.server_config(8, None, -2)

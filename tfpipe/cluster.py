@@ -210,15 +210,46 @@ def check_port_free(address: str, where: str) -> None:
                                'port in the cluster spec') from None
 
 
-def start_server(cluster: Cluster, num_cpus: Optional[int] = None):
-    """Starts this worker's server; `num_cpus` logical CPUs (and no GPU), or else its GPUs."""
+def server_config(num_cpus: Optional[int] = None, intra_op_threads: Optional[int] = None,
+                  inter_op_threads: Optional[int] = None):
+    """The worker server's ConfigProto: `num_cpus` logical CPUs (and no GPU), or else its GPUs.
+
+    Thread pools as the trainer sizes its own (`devices.configure_logical_cpus`):
+    None takes tfpipe's default on logical CPUs (`devices.default_threads`) unless
+    TF_NUM_INTRAOP_THREADS / TF_NUM_INTEROP_THREADS are set, and TensorFlow's on
+    GPUs; 0 keeps TensorFlow's default. A worker hosts cells like the trainer's
+    own logical CPUs do, so it needs the same pools to run them at the same speed.
+    """
     import tensorflow as tf
-    address = cluster.jobs[cluster.task_type][cluster.task_index]
-    check_port_free(address, f'{cluster.task_type} task {cluster.task_index}')
+    from tfpipe import devices
     config = tf.compat.v1.ConfigProto()
+    defaults = (0, 0)
     if num_cpus is not None:
         config.device_count['CPU'] = num_cpus
         config.device_count['GPU'] = 0
+        defaults = devices.default_threads(num_cpus)
+    for name, value, default, env in (
+            ('intra_op_parallelism_threads', intra_op_threads, defaults[0],
+             'TF_NUM_INTRAOP_THREADS'),
+            ('inter_op_parallelism_threads', inter_op_threads, defaults[1],
+             'TF_NUM_INTEROP_THREADS')):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 0):
+            raise ValueError(f'{name}={value!r} must be an int >= 0 (0: TensorFlow\'s default)')
+        chosen = value if value is not None else 0 if os.environ.get(env) else default
+        if chosen:
+            setattr(config, name, chosen)
+    return config
+
+
+def start_server(cluster: Cluster, num_cpus: Optional[int] = None,
+                 intra_op_threads: Optional[int] = None,
+                 inter_op_threads: Optional[int] = None):
+    """Starts this worker's server with `server_config`."""
+    import tensorflow as tf
+    address = cluster.jobs[cluster.task_type][cluster.task_index]
+    check_port_free(address, f'{cluster.task_type} task {cluster.task_index}')
+    config = server_config(num_cpus, intra_op_threads, inter_op_threads)
     return tf.distribute.Server(cluster.cluster_spec(), job_name=cluster.task_type,
                                 task_index=cluster.task_index, config=config, start=True)
 

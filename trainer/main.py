@@ -157,7 +157,8 @@ def main(argv) -> int:
     cluster = cluster_lib.from_flags(FLAGS.cluster_spec, FLAGS.job, FLAGS.task, os.environ)
     if cluster is not None and cluster.task_type == cluster_lib.WORKER:
         from trainer import worker_job
-        return worker_job.serve(cluster, FLAGS.run_locally, FLAGS.num_logical_cpus)
+        return worker_job.serve(cluster, FLAGS.run_locally, FLAGS.num_logical_cpus,
+                                FLAGS.intra_op_threads, FLAGS.inter_op_threads)
     if not FLAGS.model:
         raise UsageError('--model is required: pick one of --list_models')
     if FLAGS.mode == 'sync' and not FLAGS.logdir:

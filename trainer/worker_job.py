@@ -21,8 +21,9 @@ from absl import logging
 from tfpipe import cluster as cluster_lib
 
 
-def serve(cluster: cluster_lib.Cluster, run_locally: Optional[str],
-          num_logical_cpus: int) -> NoReturn:
+def serve(cluster: cluster_lib.Cluster, run_locally: Optional[str], num_logical_cpus: int,
+          intra_op_threads: Optional[int] = None,
+          inter_op_threads: Optional[int] = None) -> NoReturn:
     """Starts this task's server and blocks until SIGTERM/SIGINT, then exits 0."""
     import tensorflow as tf
     use_cpus = run_locally == 'cpu' or (
@@ -33,7 +34,8 @@ def serve(cluster: cluster_lib.Cluster, run_locally: Optional[str],
     # own join() is a C++ call that would never let the handler run.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: stop.set())
-    server = cluster_lib.start_server(cluster, num_logical_cpus if use_cpus else None)
+    server = cluster_lib.start_server(cluster, num_logical_cpus if use_cpus else None,
+                                      intra_op_threads, inter_op_threads)
     address = cluster.jobs[cluster.task_type][cluster.task_index]
     logging.info('worker task %d serving at %s (%s); stop with SIGTERM or SIGINT',
                  cluster.task_index, address, server.target)
