@@ -1,17 +1,15 @@
-"""Planner and thread-default figures, measured side by side in one run.
+"""Planner figures: predicted vs measured steps, side by side in one run, and Table 2's shape.
 
-    python benchmarks/planner_benchmark.py                  # all sections (~10 min on 2 cores)
+    python benchmarks/planner_benchmark.py                  # both sections (~10 min on 2 cores)
     python benchmarks/planner_benchmark.py --section=predict --quick
 
-Sections:
-- threads: the trainer's steps/s for the default model (a subprocess per setting, settings
-  interleaved over rounds): tfpipe's default vs TensorFlow's default vs pinned settings;
+Sections (the thread-pool default is measured by threads_benchmark.py):
 - predict: for the models in params/ whose data is generated here and a Dense stack, the
   planner's predicted step time vs the measured trainer step, over a grid of (K, M) plus the
   recommendation (rounds interleaved across configurations), the fraction within 25%, and
   the recommendation vs the fastest measured configuration. The planner is calibrated as
-  inspect_pipeline does: on measured steps of the model's configured pipeline, which is not
-  one of the grid's configurations unless it happens to be;
+  inspect_pipeline does: on measured steps of the model's configured pipeline, of the same
+  with twice the micro-batches and of the same on one device;
 - table2: the shape of GPipe's Table 2 (normalised throughput over K and M) simulated from
   profiled AmoebaNet and Transformer bodies under an accelerator device profile.
 """
@@ -19,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,13 +26,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
-THREAD_SETTINGS = {  # name -> trainer flags
-    'tfpipe default': [],
-    'TF default (0/0)': ['--intra_op_threads=0', '--inter_op_threads=0'],
-    'intra=1 inter=2': ['--intra_op_threads=1', '--inter_op_threads=2'],
-    'intra=2 inter=2': ['--intra_op_threads=2', '--inter_op_threads=2'],
-    'intra=1 inter=4': ['--intra_op_threads=1', '--inter_op_threads=4'],
-}
 PREDICT_MODELS = ('image.shapes.SmallConvPipe', 'image.shapes.AmoebaNetPipe',
                   'mt.reverse.TransformerPipe', 'dense_stack')
 GRID = ((1, 1), (1, 4), (2, 2), (2, 4), (2, 8), (4, 4), (4, 8))
@@ -45,7 +34,7 @@ TOLERANCE = 0.25
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument('--section', choices=('all', 'threads', 'predict', 'table2'), default='all')
+    ap.add_argument('--section', choices=('all', 'predict', 'table2'), default='all')
     ap.add_argument('--quick', action='store_true', help='fewer steps and rounds')
     ap.add_argument('--models', default=','.join(PREDICT_MODELS),
                     help='comma list for the predict section')
@@ -54,36 +43,6 @@ def parse_args():
 
 
 # -- threads -------------------------------------------------------------------------------
-
-def trainer_steps_per_sec(flags: list[str], steps: int, data_dir: str) -> float:
-    """Steps/s over the trainer's last logging interval (after tracing and warm-up)."""
-    with tempfile.TemporaryDirectory() as logdir:
-        cmd = [sys.executable, '-m', 'trainer', '--model=image.shapes.AmoebaNetPipe',
-               '--run_locally=cpu', '--job=trainer', f'--logdir={logdir}',
-               f'--max_steps={steps}', f'--tfds_data_dir={data_dir}',
-               f'--gin_bindings=trainer.summary_interval_steps={steps // 3}',
-               '--gin_bindings=trainer.save_interval_steps=100000', *flags]
-        out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
-    rates = re.findall(r'([0-9.]+) steps/s', out.stderr + out.stdout)
-    if out.returncode or not rates:
-        raise RuntimeError(f'trainer failed: {out.stderr[-2000:]}')
-    return float(rates[-1])
-
-
-def threads_section(args) -> None:
-    rounds, steps = (1, 60) if args.quick else (3, 150)
-    results = {name: [] for name in THREAD_SETTINGS}
-    for _ in range(rounds):
-        for name, flags in THREAD_SETTINGS.items():
-            results[name].append(trainer_steps_per_sec(flags, steps, args.data_dir))
-    best = max(results, key=lambda n: statistics.median(results[n]))
-    print(f'\n## threads: trainer steps/s, image.shapes.AmoebaNetPipe, 8 logical CPUs, '
-          f'{os.cpu_count()} cores, median of {rounds} interleaved runs of {steps} steps')
-    for name, values in results.items():
-        med = statistics.median(values)
-        print(f'{name:<18} {med:6.2f} steps/s  ({", ".join(f"{v:.2f}" for v in values)})  '
-              f'best/this {statistics.median(results[best]) / med:.2f}x')
-
 
 # -- predict -------------------------------------------------------------------------------
 
@@ -112,6 +71,7 @@ def model_params(name: str, data_dir: str):
 def predict_section(args) -> None:
     import tensorflow as tf
     from tfpipe.pipeline import planner
+    from tfpipe.pipeline.calibration import MeasuredRun
     from trainer import inspect_modes, train_job
 
     rounds, steps = (3, 3) if args.quick else (5, 6)
@@ -129,16 +89,24 @@ def predict_section(args) -> None:
         task = params.task.Instantiate()
         batch_size = params.input.train.batch_size
         profiles = inspect_modes.profile_model(params, task, 32)
-        own = inspect_modes.calibration_params(params)
-        own_trainer = train_job.Trainer(own, tempfile.mkdtemp(), train_job.RuntimeOptions())
-        own_batch = next(own_trainer.iterator)
-        inspect_modes.warm_up(own_trainer, own_batch)
-        balance = list(own_trainer.task.pipe.balance)
+        owns = inspect_modes.calibration_params(params)
+        own_trainers = []
+        for p in owns:
+            trainer = train_job.Trainer(p, tempfile.mkdtemp(), train_job.RuntimeOptions())
+            batch = next(trainer.iterator)
+            inspect_modes.warm_up(trainer, batch)
+            own_trainers.append((trainer, batch))
+
+        def measured_runs(recorded):
+            return [MeasuredRun(list(t.task.pipe.balance),
+                                        p.task.pipeline.num_micro_batches, lines, walls,
+                                        p.task.pipeline.schedule)
+                    for p, (t, _), (lines, walls) in zip(owns, own_trainers, recorded)]
+
         # The recommendation comes from a calibration as inspect_pipeline makes it.
-        first = inspect_modes.fit_calibration(
-            own, profiles, balance,
-            *inspect_modes.timed_steps(own_trainer, own_batch, inspect_modes.CALIBRATION_STEPS),
-            device.model.parallelism)
+        first = inspect_modes.fit_calibration(owns[0], profiles, measured_runs(
+            [inspect_modes.timed_steps(t, b, inspect_modes.CALIBRATION_STEPS)
+             for t, b in own_trainers]), device.model.parallelism)
         configs = planner.search(profiles, batch_size, 4, device, calibration=first)
         best = configs[0]
         grid = {(k, m, 'always') for k, m in GRID if k <= len(profiles)}
@@ -159,13 +127,15 @@ def predict_section(args) -> None:
             trainer._step(batch)[0].numpy()  # noqa: SLF001 - trace and warm up the real step
             trainers[key] = (trainer, batch)
         measured = {key: [] for key in trainers}  # seconds of every step
-        lines, walls, loads = [], [], []
+        recorded = [([], []) for _ in own_trainers]
+        loads = []
         for r in range(rounds):
             keys = list(trainers)
             keys = keys[r % len(keys):] + keys[:r % len(keys)]  # rotate the order
-            got = inspect_modes.timed_steps(own_trainer, own_batch, steps)
-            lines += got[0]
-            walls += got[1]
+            for (trainer, batch), (lines, walls) in zip(own_trainers, recorded):
+                got = inspect_modes.timed_steps(trainer, batch, steps)
+                lines += got[0]
+                walls += got[1]
             for key in keys:
                 trainer, batch = trainers[key]
                 for _ in range(steps):
@@ -173,7 +143,7 @@ def predict_section(args) -> None:
                     trainer._step(batch)[0].numpy()  # noqa: SLF001
                     measured[key].append(time.perf_counter() - start)
             loads.append(os.getloadavg()[0])
-        cal = inspect_modes.fit_calibration(own, profiles, balance, lines, walls,
+        cal = inspect_modes.fit_calibration(owns[0], profiles, measured_runs(recorded),
                                             device.model.parallelism)
         print(f'{name}: {cal.describe()}')
         print(f'{"model":<28} {"K":>2} {"M":>2} {"recompute":<11} {"predicted":>9} '
@@ -243,11 +213,8 @@ def table2_section(args) -> None:
 
 def main() -> int:
     args = parse_args()
-    if args.section in ('all', 'threads'):
-        threads_section(args)  # subprocesses: before this process starts TensorFlow
-    if args.section in ('all', 'predict', 'table2'):
-        import tfpipe
-        tfpipe.configure_logical_cpus(8)
+    import tfpipe
+    tfpipe.configure_logical_cpus(8)
     if args.section in ('all', 'predict'):
         predict_section(args)
     if args.section in ('all', 'table2'):
