@@ -24,8 +24,10 @@ once instead of K*M copies. Inlined calls would save only the Python tracing.
 
 A recomputing cell's backward function also adds its weight gradients into the
 cell's running sum (passed in, zeros at first, and returned), which keeps those adds
-out of the step's graph; embedding gradients are therefore summed dense there (same
-values, the memory of accumulate.py's dense path).
+out of the step's graph. The exception is a weight the cell only gathers from (an
+embedding table, found in the forward function's graph): its gradient is an
+IndexedSlices, which the function returns as it is, and which is summed outside
+by accumulate.py, sparse while that is smaller, as the unrolled executor does.
 
 Not supported here, so the layer falls back to the unrolled executor for them:
 - split backward (zb_* schedules): the weight part differentiates the tape that
@@ -41,6 +43,7 @@ from typing import Any, Callable, Optional, Sequence
 import tensorflow as tf
 
 from tfpipe import fprop_context
+from tfpipe.pipeline import accumulate
 from tfpipe.pipeline.cell import Cell
 from tfpipe.pipeline.executor import PipelineRun, float_leaves
 
@@ -55,6 +58,9 @@ class CellFunctions:
         self.training = training
         self.boundary = boundary
         self._layers: dict[str, Any] = {}  # path -> a layer that recorded statistics
+        # Per flat theta leaf: only gathered from, so summed sparsely outside (learnt while
+        # tracing the forward, which always runs before the cell's first backward).
+        self.gathered: Optional[tuple[bool, ...]] = None
         attributes = {'_noinline': True} if no_inline and not jit_compile else None
         options = dict(autograph=False, jit_compile=jit_compile or None,
                        experimental_attributes=attributes)
@@ -72,13 +78,15 @@ class CellFunctions:
             y = self.cell.forward(theta, x)
         # Layers may be nested (a BatchNorm inside a composite): learnt while tracing.
         self._layers.update((layer.path, layer) for layer, _ in sink.records.values())
+        self.gathered = tuple(_only_gathered(t) for t in tf.nest.flatten(theta))
         return y, {layer.path: stats for layer, stats in sink.records.values()}
 
     def _backward(self, theta: dict, x: Any, dy: list, offset: tf.Tensor, step: Any,
                   acc: list) -> tuple[list, list]:
         """Recomputes the forward from `x`, differentiates, and returns (the gradients of
         the boundary's input leaves, the running sum `acc` plus the flat weight gradients):
-        summing here keeps those adds out of the step's graph."""
+        summing here keeps those adds out of the step's graph. Where `acc` has None (a
+        gathered weight), the weight's own gradient is returned, IndexedSlices or not."""
         with tf.device(self.cell.device):
             with tf.GradientTape(watch_accessed_variables=False) as tape:
                 tape.watch(float_leaves(x) + tf.nest.flatten(theta))
@@ -90,7 +98,8 @@ class CellFunctions:
                                   output_gradients=dy,
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
             dx, dtheta = grads[:len(x_leaves)], grads[len(x_leaves):]
-            return dx, [a + tf.convert_to_tensor(g) for a, g in zip(acc, dtheta)]
+            return dx, [g if a is None else a + tf.convert_to_tensor(g)
+                        for a, g in zip(acc, dtheta)]
 
     def record(self, stats: dict, sink: fprop_context.BatchStatsSink) -> None:
         """Puts the statistics a forward call returned into the run's sink."""
@@ -147,10 +156,15 @@ class FunctionalPipelineRun(PipelineRun):
             return super()._gradients(k, m, dy)
         x = self.inputs.pop((k, m))
         offset, step = self._arguments(k, m)
-        acc = self.theta_grads[k]
-        if acc is None:  # zeros, not None: one trace serves the first micro-batch too
-            acc = [tf.zeros_like(t) for t in tf.nest.flatten(self.thetas[k])]
-        dx, acc = self.functions[k].backward(self.thetas[k], x, list(dy), offset, step, acc)
+        functions, sums = self.functions[k], self.theta_grads[k]
+        if sums is None:  # zeros, not None: one trace serves the first micro-batch too
+            sums = [None if gathered else tf.zeros_like(t)
+                    for t, gathered in zip(tf.nest.flatten(self.thetas[k]), functions.gathered)]
+        acc = [None if gathered else a for a, gathered in zip(sums, functions.gathered)]
+        dx, out = functions.backward(self.thetas[k], x, list(dy), offset, step, acc)
+        acc = [accumulate.add(s, _static_shape(g, t)) if gathered else g
+               for s, g, t, gathered in zip(sums, out, tf.nest.flatten(self.thetas[k]),
+                                            functions.gathered)]
         _, _, x_parts, x_received = self._boundary(k, x, x)  # the input's parts only
         return dx, acc, x_parts, x_received
 
@@ -159,6 +173,34 @@ class FunctionalPipelineRun(PipelineRun):
             self._store_sum(k, dtheta)
         else:
             super()._accumulate(k, dtheta)
+
+
+# Ops whose gradient passes an IndexedSlices through, and ops that make one.
+_PASS_SLICES = frozenset({'Identity', 'Cast'})
+_GATHERS = frozenset({'GatherV2', 'ResourceGather'})
+
+
+def _only_gathered(t: tf.Tensor) -> bool:
+    """Is `t` used only as the params of gathers (through identities and casts)? Then
+    its gradient is an IndexedSlices. A wrong guess costs memory, never values: the
+    returned gradient is summed by accumulate.add whatever its type."""
+    consumers = t.consumers()
+    for op in consumers:
+        if op.type in _PASS_SLICES:
+            if not all(_only_gathered(out) for out in op.outputs):
+                return False
+        elif op.type not in _GATHERS or op.inputs[0] is not t:
+            return False
+    return bool(consumers)
+
+
+def _static_shape(g: Any, weight: tf.Tensor) -> Any:
+    """A gradient returned by a call, IndexedSlices with the weight's static dense shape
+    (a call's outputs have none), which accumulate.py needs to size the sparse sum."""
+    if not isinstance(g, tf.IndexedSlices):
+        return g
+    return tf.IndexedSlices(g.values, g.indices,
+                            tf.constant(weight.shape.as_list(), g.dense_shape.dtype))
 
 
 def _opaque(value: tf.Tensor) -> tf.Tensor:
