@@ -162,7 +162,7 @@ def test_1f1b_order_on_each_device_is_kept(recompute):
             assert source in waits[f'pipe/cell_{k}/backward_{m}'], (k, m)
 
 
-def test_split_backward_and_timeline_fall_back_to_unrolled_tasks():
+def test_split_backward_falls_back_to_unrolled_tasks():
     body = mz.mlp_body()
     x, y = mz.inputs_for(body)
     pipe = mz.pipeline(body, 2, 2, schedule='zb_h1', cell_functions=True)
@@ -172,15 +172,64 @@ def test_split_backward_and_timeline_fall_back_to_unrolled_tasks():
                             x, y)
     assert_same_step(trainer_step(pipe, x, y), expected)
 
-    pipe = mz.pipeline(body, 2, 2, cell_functions=True)
+
+def _task_ancestors(op):
+    """The ops of `op`'s task scope that it waits for, directly or not."""
+    scope = op.name.rsplit('/', 1)[0] + '/'
+    seen, todo = set(), list(op.control_inputs) + [t.op for t in op.inputs]
+    while todo:
+        a = todo.pop()
+        if a not in seen and a.name.startswith(scope):
+            seen.add(a)
+            todo += list(a.control_inputs) + [t.op for t in a.inputs]
+    return seen
+
+
+@pytest.mark.parametrize('recompute', ['always', 'except_last'])
+def test_timeline_records_the_calls_and_the_recompute_inside_the_backward(recompute):
+    """RecordTimeline keeps the cell functions: every task is still one call, stamped
+    outside, and a recomputing cell's backward function stamps the end of its recompute
+    inside, after the recomputed forward and before any gradient op."""
+    body = mz.mlp_body()
+    x, y = mz.inputs_for(body)
+    pipe = mz.pipeline(body, 2, 2, recompute, cell_functions=True)
 
     @tf.function
     def recorded():
         with fprop_context.training(step=STEP), pipe.RecordTimeline() as recorder:
             pipe.ForwardBackward(pipe.theta, x, mz.loss_fn, y)
         return recorder.stamps()
-    graph = recorded.get_concrete_function().graph
-    assert not [op for op in graph.get_operations() if op.type in CALL_OPS]
+    concrete = recorded.get_concrete_function()
+    calls = [op for op in concrete.graph.get_operations() if op.type in CALL_OPS]
+    assert len(calls) == 2 * 2 * 2  # a forward and a backward call per (cell, micro-batch)
+    for op in calls:  # each call waits for its task's start stamp
+        assert 'Timestamp' in {a.type for a in _task_ancestors(op)}, op.name
+    graph_def = concrete.graph.as_graph_def()
+    stamped = []
+    for fn in graph_def.library.function:
+        nodes = {n.name: n for n in fn.node_def}
+        stamps = [n for n in fn.node_def if n.op == 'Timestamp']
+        if not stamps:
+            continue
+        stamped.append(fn.signature.name)
+        (stamp,) = stamps
+        # It waits for the recomputed output (the cell's last forward op) ...
+        assert stamp.input and all(i.startswith('^') for i in stamp.input)
+        assert {nodes[i[1:]].op for i in stamp.input} <= {'Tanh', 'Identity'}, stamp.input
+        # ... and every gradient op waits for it.
+        after, grown = {stamp.name}, True
+        while grown:
+            grown = False
+            for n in fn.node_def:
+                if n.name not in after and any(i.lstrip('^').split(':')[0] in after
+                                               for i in n.input):
+                    after.add(n.name)
+                    grown = True
+        gradient_ops = [n for n in fn.node_def if n.op in ('MatMul', 'TanhGrad', 'ReluGrad')
+                        and 'gradient' in n.name]
+        assert gradient_ops and all(n.name in after for n in gradient_ops)
+    # Only the recomputing cells' backward functions hold a stamp.
+    assert len(stamped) == sum(cell.recompute for cell in pipe.cells)
 
 
 def test_jit_compile_equals_unrolled_within_float_tolerance():

@@ -113,7 +113,7 @@ class PipeliningLayer(BaseLayer):
                  'K=8, M=64: 5.2 s against 18.4 s unrolled) while the steady step is the same '
                  '(1.02x [0.94-1.21] on a Dense stack, 0.96x [0.80-1.18] on the AmoebaNet body, '
                  'K=4). False: the unrolled executor, every task\'s ops in the step\'s graph. '
-                 'Split backward (zb_*) and RecordTimeline fall back to the unrolled tasks.')
+                 'Split backward (zb_*) falls back to the unrolled tasks.')
         p.Define('jit_compile', False, 'With cell_functions: compile each cell function with '
                  'XLA (jit_compile=True).')
         return p
@@ -270,8 +270,9 @@ class PipeliningLayer(BaseLayer):
         if p.jit_compile and not p.cell_functions:
             raise ValueError(f'{self.path}: jit_compile=True compiles the cell functions; set '
                              'cell_functions=True as well, or jit_compile=False')
-        if p.cell_functions and not split_backward and self._recorder is None:
-            return FunctionalPipelineRun(*args, jit_compile=p.jit_compile, **kwargs)
+        if p.cell_functions and not split_backward:
+            return FunctionalPipelineRun(*args, jit_compile=p.jit_compile,
+                                         recorder=self._recorder, **kwargs)
         return PipelineRun(*args, split_backward=split_backward, recorder=self._recorder,
                            **kwargs)
 
