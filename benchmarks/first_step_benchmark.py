@@ -12,9 +12,9 @@ script measures, for a 16 x Dense(256) stack at batch 256 on 8 logical CPUs, eac
             TF_CPP_VMODULE=meta_optimizer=1), per pass in --detail;
   steady    median of later steps.
 
-Variants: `unrolled` (every task's ops in the step's graph, the default),
-`functions` (PipeliningLayer cell_functions=True: each cell's forward and
-backward traced once and called per micro-batch, calls kept as calls),
+Variants: `unrolled` (PipeliningLayer cell_functions=False: every task's ops in
+the step's graph), `functions` (cell_functions=True, the default: each cell's
+forward and backward traced once and called per micro-batch, calls kept as calls),
 `functions_inline` (the same with the calls inlined by TensorFlow), and any of
 them with grappler's meta optimizer off (`+nometa`,
 tf.config.optimizer.set_experimental_options({'disable_meta_optimizer': True})).

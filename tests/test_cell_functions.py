@@ -1,12 +1,10 @@
-"""PipeliningLayer(cell_functions=True, jit_compile=...): per-cell traced functions.
+"""PipeliningLayer(cell_functions=True, the default; jit_compile=...): per-cell traced functions.
 
 Each cell's forward and backward are traced once and called per micro-batch; the
 step must equal the unrolled executor's step (loss, gradients, updated weights,
 BatchNorm moving statistics), keep every call and every op of cell k on device
 k, and fall back to the unrolled tasks where the functions cannot follow.
 """
-import collections
-
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -59,7 +57,8 @@ def assert_same_step(actual, expected, rtol=1e-10):
 def test_forward_backward_equals_unrolled(num_cells, num_micro_batches, recompute):
     body = body_with_dropout_and_batch_norm()
     x, y = mz.inputs_for(body)
-    expected = trainer_step(mz.pipeline(body, num_cells, num_micro_batches, recompute), x, y)
+    expected = trainer_step(mz.pipeline(body, num_cells, num_micro_batches, recompute,
+                                         cell_functions=False), x, y)
     pipe = mz.pipeline(body, num_cells, num_micro_batches, recompute, cell_functions=True)
     assert_same_step(trainer_step(pipe, x, y), expected)
 
@@ -93,7 +92,7 @@ def test_skips_bfloat16_and_replicas_equal_unrolled():
             layers.Dense.Params().Set(name='logits', input_dim=16, output_dim=5)]
     x, y = mz.inputs_for(body, dtype=tf.float32)
     for extra in ({}, {'fprop_dtype': tf.bfloat16}, {'num_replicas': 2}):
-        expected = trainer_step(mz.pipeline(body, 3, 2, **extra), x, y)
+        expected = trainer_step(mz.pipeline(body, 3, 2, cell_functions=False, **extra), x, y)
         got = trainer_step(mz.pipeline(body, 3, 2, cell_functions=True, **extra),
                            x, y)
         assert_same_step(got, expected, rtol=1e-5)
@@ -107,7 +106,7 @@ def test_batch_norm_nested_in_a_composite_layer_records_its_statistics():
     for p in body + block.body:
         p.dtype = tf.float64
     x, y = mz.inputs_for(mz.mlp_body())  # 12 features
-    expected = trainer_step(mz.pipeline(body, 2, 3), x, y)
+    expected = trainer_step(mz.pipeline(body, 2, 3, cell_functions=False), x, y)
     got = trainer_step(mz.pipeline(body, 2, 3, cell_functions=True), x, y)
     assert_same_step(got, expected)
     assert not np.allclose(got[2]['pipe/block/bn/moving_mean'], 0.0)  # updated
@@ -142,26 +141,13 @@ def test_one_call_per_task_on_its_cells_device_and_every_op_inside_placed():
     assert {trace.device_index(n.device) for n in inside} == {f'CPU:{k}' for k in range(4)}
 
 
-def waits_with_data_edges(concrete):
-    """task scope -> the other task scopes it waits for, through control *or* data edges:
-    TensorFlow drops a control edge to an op that is already a data input, which happens
-    when a backward call consumes the intermediates its forward call returned."""
-    waits = collections.defaultdict(set)
-    for op in concrete.graph.get_operations():
-        for source in list(op.control_inputs) + [t.op for t in op.inputs]:
-            a, b = placement.scope_of(op.name), placement.scope_of(source.name)
-            if a and b and a != b:
-                waits[a].add(b)
-    return waits
-
-
 @pytest.mark.parametrize('recompute', ['always', 'never'])
 def test_1f1b_order_on_each_device_is_kept(recompute):
     num_micro = 6
     body = mz.mlp_body()
     x, y = mz.inputs_for(body)
     pipe = mz.pipeline(body, 4, num_micro, recompute, schedule='1f1b', cell_functions=True)
-    waits = waits_with_data_edges(_traced_step(pipe, x, y))
+    waits = placement.task_waits(_traced_step(pipe, x, y))
     for k in range(4):
         for m in range(1, min(4 - k, num_micro)):  # the warm-up forwards, in order
             assert f'pipe/cell_{k}/forward_{m - 1}' in waits[f'pipe/cell_{k}/forward_{m}']
@@ -176,31 +162,82 @@ def test_1f1b_order_on_each_device_is_kept(recompute):
             assert source in waits[f'pipe/cell_{k}/backward_{m}'], (k, m)
 
 
-def test_split_backward_and_timeline_fall_back_to_unrolled_tasks():
+def test_split_backward_falls_back_to_unrolled_tasks():
     body = mz.mlp_body()
     x, y = mz.inputs_for(body)
     pipe = mz.pipeline(body, 2, 2, schedule='zb_h1', cell_functions=True)
     ops = _traced_step(pipe, x, y).graph.get_operations()
     assert not [op for op in ops if op.type in CALL_OPS]
-    expected = trainer_step(mz.pipeline(body, 2, 2, schedule='zb_h1'), x, y)
+    expected = trainer_step(mz.pipeline(body, 2, 2, schedule='zb_h1', cell_functions=False),
+                            x, y)
     assert_same_step(trainer_step(pipe, x, y), expected)
 
-    pipe = mz.pipeline(body, 2, 2, cell_functions=True)
+
+def _task_ancestors(op):
+    """The ops of `op`'s task scope that it waits for, directly or not."""
+    scope = op.name.rsplit('/', 1)[0] + '/'
+    seen, todo = set(), list(op.control_inputs) + [t.op for t in op.inputs]
+    while todo:
+        a = todo.pop()
+        if a not in seen and a.name.startswith(scope):
+            seen.add(a)
+            todo += list(a.control_inputs) + [t.op for t in a.inputs]
+    return seen
+
+
+@pytest.mark.parametrize('recompute', ['always', 'except_last'])
+def test_timeline_records_the_calls_and_the_recompute_inside_the_backward(recompute):
+    """RecordTimeline keeps the cell functions: every task is still one call, stamped
+    outside, and a recomputing cell's backward function stamps the end of its recompute
+    inside, after the recomputed forward and before any gradient op."""
+    body = mz.mlp_body()
+    x, y = mz.inputs_for(body)
+    pipe = mz.pipeline(body, 2, 2, recompute, cell_functions=True)
 
     @tf.function
     def recorded():
         with fprop_context.training(step=STEP), pipe.RecordTimeline() as recorder:
             pipe.ForwardBackward(pipe.theta, x, mz.loss_fn, y)
         return recorder.stamps()
-    graph = recorded.get_concrete_function().graph
-    assert not [op for op in graph.get_operations() if op.type in CALL_OPS]
+    concrete = recorded.get_concrete_function()
+    calls = [op for op in concrete.graph.get_operations() if op.type in CALL_OPS]
+    assert len(calls) == 2 * 2 * 2  # a forward and a backward call per (cell, micro-batch)
+    for op in calls:  # each call waits for its task's start stamp
+        assert 'Timestamp' in {a.type for a in _task_ancestors(op)}, op.name
+    graph_def = concrete.graph.as_graph_def()
+    stamped = []
+    for fn in graph_def.library.function:
+        nodes = {n.name: n for n in fn.node_def}
+        stamps = [n for n in fn.node_def if n.op == 'Timestamp']
+        if not stamps:
+            continue
+        stamped.append(fn.signature.name)
+        (stamp,) = stamps
+        # It waits for the recomputed output (the cell's last forward op) ...
+        assert stamp.input and all(i.startswith('^') for i in stamp.input)
+        assert {nodes[i[1:]].op for i in stamp.input} <= {'Tanh', 'Identity'}, stamp.input
+        # ... and every gradient op waits for it.
+        after, grown = {stamp.name}, True
+        while grown:
+            grown = False
+            for n in fn.node_def:
+                if n.name not in after and any(i.lstrip('^').split(':')[0] in after
+                                               for i in n.input):
+                    after.add(n.name)
+                    grown = True
+        gradient_ops = [n for n in fn.node_def if n.op in ('MatMul', 'TanhGrad', 'ReluGrad')
+                        and 'gradient' in n.name]
+        assert gradient_ops and all(n.name in after for n in gradient_ops)
+    # Only the recomputing cells' backward functions hold a stamp.
+    assert len(stamped) == sum(cell.recompute for cell in pipe.cells)
 
 
 def test_jit_compile_equals_unrolled_within_float_tolerance():
     # Without dropout: XLA's kernel of the stateless random op draws another stream.
     body = mz.mlp_body(dtype=tf.float32, dropout=False)
     x, y = mz.inputs_for(body, dtype=tf.float32)
-    expected = trainer_step(mz.pipeline(body, 2, 3, 'except_last'), x, y)
+    expected = trainer_step(mz.pipeline(body, 2, 3, 'except_last', cell_functions=False),
+                            x, y)
     got = trainer_step(mz.pipeline(body, 2, 3, 'except_last', cell_functions=True,
                                    jit_compile=True), x, y)
     assert_same_step(got, expected, rtol=1e-4)
@@ -209,7 +246,7 @@ def test_jit_compile_equals_unrolled_within_float_tolerance():
 def test_jit_compile_without_cell_functions_is_refused():
     body = mz.mlp_body()
     x, y = mz.inputs_for(body)
-    pipe = mz.pipeline(body, 2, 2, jit_compile=True)
+    pipe = mz.pipeline(body, 2, 2, jit_compile=True, cell_functions=False)
     with pytest.raises(ValueError, match='set cell_functions=True'):
         trainer_step(pipe, x, y)
 

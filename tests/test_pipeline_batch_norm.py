@@ -4,7 +4,8 @@ Training normalises each micro-batch with its own statistics, so M changes the
 outputs: a pipelined run equals the K=1 run with the same M, whatever K and the
 recompute policy. The moving statistics are updated once per mini-batch, from
 all micro-batches combined, so they equal a full-batch BN update on the inputs
-that BN layer saw. Eval uses the moving statistics.
+that BN layer saw. Eval uses the moving statistics. The training checks run on
+both executors: cell functions (the default) and the unrolled tasks.
 """
 import numpy as np
 import pytest
@@ -17,16 +18,19 @@ from tfpipe.pipeline import microbatch
 
 STEP = 5
 DECAY = 0.9  # model_zoo's BN decay
+EXECUTORS = pytest.mark.parametrize('cell_functions', [True, False],
+                                    ids=['functions', 'unrolled'])
 
 
 def bn_body():
     return mz.conv_body(batch_norm=True)
 
 
-def run_step(num_cells, num_micro_batches, recompute):
+def run_step(num_cells, num_micro_batches, recompute, cell_functions=True):
     body = bn_body()
     x, y = mz.inputs_for(body)
-    pipe = mz.pipeline(body, num_cells, num_micro_batches, recompute)
+    pipe = mz.pipeline(body, num_cells, num_micro_batches, recompute,
+                       cell_functions=cell_functions)
     out, loss, grads = mz.sgd_step_tape(pipe, x, y, STEP)
     stats = {n: (pipe.children[n].moving_mean.numpy(), pipe.children[n].moving_variance.numpy())
              for n in ('bn0', 'bn1')}
@@ -60,11 +64,12 @@ _same_m_reference = {}
 @pytest.mark.parametrize('num_micro_batches', [1, 2, 3, 4])
 @pytest.mark.parametrize('num_cells,recompute', [(1, 'never'), (2, 'always'), (4, 'always'),
                                                  (4, 'except_last'), (4, 'never')])
-def test_batch_norm_pipeline(num_cells, num_micro_batches, recompute):
+@EXECUTORS
+def test_batch_norm_pipeline(num_cells, num_micro_batches, recompute, cell_functions):
     if num_micro_batches not in _same_m_reference:
         _same_m_reference[num_micro_batches] = run_step(1, num_micro_batches, 'never')
     ref_out, ref_loss, ref_grads, _ = _same_m_reference[num_micro_batches]
-    out, loss, grads, stats = run_step(num_cells, num_micro_batches, recompute)
+    out, loss, grads, stats = run_step(num_cells, num_micro_batches, recompute, cell_functions)
     np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-12)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     for g, r in zip(grads, ref_grads):
@@ -102,13 +107,15 @@ def test_eval_uses_moving_statistics_and_ignores_micro_batching():
         np.testing.assert_array_equal(a, b)  # eval never updates statistics
 
 
+@EXECUTORS
 @pytest.mark.parametrize('schedule', ['fill_drain', '1f1b'])
-def test_batch_norm_through_forward_backward(schedule):
+def test_batch_norm_through_forward_backward(schedule, cell_functions):
     """The trainer's entry point: same gradients and statistics as FProp under a tape."""
     ref_out, ref_loss, ref_grads, _ = run_step(1, 3, 'never')
     body = bn_body()
     x, y = mz.inputs_for(body)
-    pipe = mz.pipeline(body, 4, 3, 'except_last', schedule=schedule)
+    pipe = mz.pipeline(body, 4, 3, 'except_last', schedule=schedule,
+                       cell_functions=cell_functions)
     loss, grads = mz.sgd_step_forward_backward(pipe, x, y, STEP)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     for g, r in zip(grads, ref_grads):

@@ -33,6 +33,23 @@ def test_dropout_recompute_draws_the_forward_mask():
     np.testing.assert_allclose(dx.numpy()[kept], 8.0)
 
 
+@pytest.mark.parametrize('cell_functions', [True, False], ids=['functions', 'unrolled'])
+def test_fprop_under_a_tape_takes_the_step_as_a_variable(cell_functions):
+    """The trainer's kind of step, a tf.Variable, read by Dropout inside FProp's custom
+    gradient (which refuses variables it was not given): equal to the step as an int."""
+    body = mz.mlp_body()
+    x, y = mz.inputs_for(body)
+    results = []
+    for step in (tf.Variable(7, dtype=tf.int64), 7):
+        pipe = mz.pipeline(body, 2, 3, 'except_last', cell_functions=cell_functions)
+        results.append(mz.sgd_step_tape(pipe, x, y, step))
+    (out_v, loss_v, grads_v), (out_i, loss_i, grads_i) = results
+    np.testing.assert_array_equal(out_v, out_i)
+    np.testing.assert_array_equal(loss_v, loss_i)
+    for a, b in zip(grads_v, grads_i):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize('num_cells,num_micro_batches', [(1, 1), (2, 3), (4, 4)])
 def test_dropout_output_does_not_depend_on_partitioning(num_cells, num_micro_batches):
     body = mz.mlp_body()

@@ -1,4 +1,5 @@
-"""Embedding gradients are summed over micro-batches as slices while that is smaller."""
+"""Embedding gradients are summed over micro-batches as slices while that is smaller,
+by both executors (cell functions, the default, and the unrolled tasks)."""
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -10,12 +11,13 @@ from tfpipe import fprop_context, layers
 N, D = 10, 8
 
 
-def embedding_pipeline(vocab):
+def embedding_pipeline(vocab, cell_functions):
     body = [layers.Embedding.Params().Set(name='emb', vocab_size=vocab, embedding_dim=D,
                                           dtype=tf.float64),
             layers.Dense.Params().Set(name='fc', input_dim=D, output_dim=5, dtype=tf.float64)]
     pipe = tfpipe.PipeliningLayer.Params().Set(name='pipe', body=body, balance=[1, 1],
-                                              num_micro_batches=4).Instantiate()
+                                              num_micro_batches=4,
+                                              cell_functions=cell_functions).Instantiate()
     return body, pipe
 
 
@@ -26,11 +28,12 @@ def dense_table_ops(concrete_fn, vocab):
             and any(t.shape.as_list() == [vocab, D] for t in op.outputs if t.shape.rank == 2)]
 
 
+@pytest.mark.parametrize('cell_functions', [True, False], ids=['functions', 'unrolled'])
 @pytest.mark.parametrize('vocab,sparse', [(64, True), (4, False)])
-def test_embedding_gradients_accumulate_sparsely_while_smaller(vocab, sparse):
+def test_embedding_gradients_accumulate_sparsely_while_smaller(vocab, sparse, cell_functions):
     """V=64 > all 10 looked-up rows: the slices are concatenated and made dense once;
     V=4 < the rows of two micro-batches: the dense sum is smaller and is used."""
-    body, pipe = embedding_pipeline(vocab)
+    body, pipe = embedding_pipeline(vocab, cell_functions)
     ids = tf.constant(np.random.default_rng(0).integers(0, vocab, size=[N]), tf.int32)
     y = tf.constant(np.arange(N) % 5, tf.int32)
 

@@ -1,5 +1,6 @@
 """The measured timeline of a step: complete, ordered by the data dependencies,
-one track per device, valid Chrome trace JSON and PNG, and harmless to the step."""
+one track per device, valid Chrome trace JSON and PNG, and harmless to the step,
+on both executors (cell functions, the default, and the unrolled tasks)."""
 import json
 import os
 
@@ -38,13 +39,14 @@ def sgd_step(pipe, x, y, record):
     return out, (recorders[0] if record else None)
 
 
-@pytest.fixture(scope='module', params=[2, 4], ids=['K2', 'K4'])
+@pytest.fixture(scope='module', params=[(2, True), (4, True), (2, False), (4, False)],
+                ids=['K2-functions', 'K4-functions', 'K2-unrolled', 'K4-unrolled'])
 def recorded(request):
-    k = request.param
+    k, cell_functions = request.param
     body = mz.mlp_body(dropout=True)
     x, y = mz.inputs_for(body)
-    plain = mz.pipeline(body, k, M, 'always')
-    traced = mz.pipeline(body, k, M, 'always')
+    plain = mz.pipeline(body, k, M, 'always', cell_functions=cell_functions)
+    traced = mz.pipeline(body, k, M, 'always', cell_functions=cell_functions)
     (plain_loss,), _ = sgd_step(plain, x, y, record=False)
     (loss, stamps), recorder = sgd_step(traced, x, y, record=True)
     line = timeline.Timeline.from_stamps(recorder, stamps.numpy())

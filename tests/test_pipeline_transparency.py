@@ -6,6 +6,8 @@ outputs, loss, gradients and weights after one SGD step equal those of the
 same body run as a plain `Sequential` under a plain `tf.GradientTape`, which
 shares no pipeline code. Models are float64 so that 1e-5 relative is a test of
 the mathematics, not of float32 summation order (a float32 case follows).
+Both executors are checked on the whole grid: cell functions (the default) and
+the unrolled tasks (cell_functions=False).
 """
 import numpy as np
 import pytest
@@ -39,14 +41,19 @@ def assert_all_close(actual, expected, what):
 
 GRID = [(model, k, m, policy) for model in MODELS for k in (1, 2, 4) for m in (1, 2, 3, 4)
         for policy in ('always', 'except_last', 'never')]
+EXECUTORS = pytest.mark.parametrize('cell_functions', [True, False],
+                                    ids=['functions', 'unrolled'])
 
 
+@EXECUTORS
 @pytest.mark.parametrize('model,num_cells,num_micro_batches,recompute', GRID)
-def test_forward_backward_equals_unpartitioned(model, num_cells, num_micro_batches, recompute):
+def test_forward_backward_equals_unpartitioned(model, num_cells, num_micro_batches, recompute,
+                                               cell_functions):
     ref = reference(model)
     body = MODELS[model]()
     x, y = mz.inputs_for(body)
-    pipe = mz.pipeline(body, num_cells, num_micro_batches, recompute)
+    pipe = mz.pipeline(body, num_cells, num_micro_batches, recompute,
+                       cell_functions=cell_functions)
     assert len(set(pipe.devices)) == num_cells
     for cell in pipe.cells:
         for layer in cell.layers:
@@ -58,12 +65,15 @@ def test_forward_backward_equals_unpartitioned(model, num_cells, num_micro_batch
     assert_all_close(mz.snapshot(tf.nest.flatten(pipe.theta)), ref['weights'], 'updated weights')
 
 
+@EXECUTORS
 @pytest.mark.parametrize('model,num_cells,num_micro_batches,recompute', GRID)
-def test_fprop_under_tape_equals_unpartitioned(model, num_cells, num_micro_batches, recompute):
+def test_fprop_under_tape_equals_unpartitioned(model, num_cells, num_micro_batches, recompute,
+                                               cell_functions):
     ref = reference(model)
     body = MODELS[model]()
     x, y = mz.inputs_for(body)
-    pipe = mz.pipeline(body, num_cells, num_micro_batches, recompute)
+    pipe = mz.pipeline(body, num_cells, num_micro_batches, recompute,
+                       cell_functions=cell_functions)
     out, loss, grads = mz.sgd_step_tape(pipe, x, y, STEP)
     np.testing.assert_allclose(out, ref['out'], rtol=1e-5, atol=1e-12)
     np.testing.assert_allclose(loss, ref['loss'], rtol=1e-5)

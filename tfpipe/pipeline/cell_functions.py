@@ -24,37 +24,53 @@ once instead of K*M copies. Inlined calls would save only the Python tracing.
 
 A recomputing cell's backward function also adds its weight gradients into the
 cell's running sum (passed in, zeros at first, and returned), which keeps those adds
-out of the step's graph; embedding gradients are therefore summed dense there (same
-values, the memory of accumulate.py's dense path).
+out of the step's graph. The exception is a weight the cell only gathers from (an
+embedding table, found in the forward function's graph): its gradient is an
+IndexedSlices, which the function returns as it is, and which is summed outside
+by accumulate.py, sparse while that is smaller, as the unrolled executor does.
 
-Not supported here, so the layer falls back to the unrolled executor for them:
-- split backward (zb_* schedules): the weight part differentiates the tape that
-  the input part recorded, and a tape cannot outlive a function call;
-- a timeline recorder: it stamps the end of a recompute inside the backward,
-  which a single call cannot expose.
+With a timeline recorder (`PipeliningLayer.RecordTimeline`) the executor stamps
+each call's start and end outside the call, as it stamps an unrolled task. The
+end of a recompute lies inside the backward call, so a recomputing cell's
+backward function is traced with a `tf.timestamp` taken once the recomputed
+outputs exist, which the differentiation waits for, and returns it as an extra
+output: the recompute/backward split is measured inside the executed graph.
+
+Not supported here, so the layer falls back to the unrolled executor for it:
+split backward (zb_* schedules), where the weight part differentiates the tape
+that the input part recorded, and a tape cannot outlive a function call.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, Optional, Sequence
 
 import tensorflow as tf
 
 from tfpipe import fprop_context
+from tfpipe.pipeline import accumulate
 from tfpipe.pipeline.cell import Cell
 from tfpipe.pipeline.executor import PipelineRun, float_leaves
+from tfpipe.pipeline.schedule import BACKWARD
 
 
 class CellFunctions:
     """The traced forward and recomputing backward of one cell."""
 
     def __init__(self, cell: Cell, training: bool, boundary: Callable[[Any, Any], tuple],
-                 no_inline: bool = True, jit_compile: bool = False):
-        """boundary(x, y): the leaves to differentiate (PipelineRun._boundary of the cell)."""
+                 no_inline: bool = True, jit_compile: bool = False,
+                 stamp_recompute: bool = False):
+        """boundary(x, y): the leaves to differentiate (PipelineRun._boundary of the cell).
+        stamp_recompute: the backward also returns when its recompute ended (timeline)."""
         self.cell = cell
         self.training = training
         self.boundary = boundary
+        self.stamp_recompute = stamp_recompute
         self._layers: dict[str, Any] = {}  # path -> a layer that recorded statistics
+        # Per flat theta leaf: only gathered from, so summed sparsely outside (learnt while
+        # tracing the forward, which always runs before the cell's first backward).
+        self.gathered: Optional[tuple[bool, ...]] = None
         attributes = {'_noinline': True} if no_inline and not jit_compile else None
         options = dict(autograph=False, jit_compile=jit_compile or None,
                        experimental_attributes=attributes)
@@ -72,13 +88,17 @@ class CellFunctions:
             y = self.cell.forward(theta, x)
         # Layers may be nested (a BatchNorm inside a composite): learnt while tracing.
         self._layers.update((layer.path, layer) for layer, _ in sink.records.values())
+        self.gathered = tuple(_only_gathered(t) for t in tf.nest.flatten(theta))
         return y, {layer.path: stats for layer, stats in sink.records.values()}
 
     def _backward(self, theta: dict, x: Any, dy: list, offset: tf.Tensor, step: Any,
-                  acc: list) -> tuple[list, list]:
+                  acc: list) -> tuple:
         """Recomputes the forward from `x`, differentiates, and returns (the gradients of
         the boundary's input leaves, the running sum `acc` plus the flat weight gradients):
-        summing here keeps those adds out of the step's graph."""
+        summing here keeps those adds out of the step's graph. Where `acc` has None (a
+        gathered weight), the weight's own gradient is returned, IndexedSlices or not.
+        With stamp_recompute, also a tf.timestamp taken once the recomputed outputs exist,
+        which the differentiation waits for: the end of the recompute."""
         with tf.device(self.cell.device):
             with tf.GradientTape(watch_accessed_variables=False) as tape:
                 tape.watch(float_leaves(x) + tf.nest.flatten(theta))
@@ -86,11 +106,19 @@ class CellFunctions:
                 with self._context(offset, step, sink):
                     y = self.cell.forward(theta, x)
             x_leaves, y_leaves, _, _ = self.boundary(x, y)
-            grads = tape.gradient(y_leaves, x_leaves + tf.nest.flatten(theta),
-                                  output_gradients=dy,
-                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            recomputed = contextlib.nullcontext()
+            if self.stamp_recompute:
+                with tf.control_dependencies(tf.nest.flatten(y)):
+                    stamp = tf.timestamp(name='recompute_end')
+                recomputed = tf.control_dependencies([stamp])
+            with recomputed:
+                grads = tape.gradient(y_leaves, x_leaves + tf.nest.flatten(theta),
+                                      output_gradients=dy,
+                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
             dx, dtheta = grads[:len(x_leaves)], grads[len(x_leaves):]
-            return dx, [a + tf.convert_to_tensor(g) for a, g in zip(acc, dtheta)]
+            acc = [g if a is None else a + tf.convert_to_tensor(g)
+                   for a, g in zip(acc, dtheta)]
+            return (dx, acc, stamp) if self.stamp_recompute else (dx, acc)
 
     def record(self, stats: dict, sink: fprop_context.BatchStatsSink) -> None:
         """Puts the statistics a forward call returned into the run's sink."""
@@ -105,13 +133,14 @@ class FunctionalPipelineRun(PipelineRun):
     def __init__(self, cells: Sequence[Cell], thetas: Sequence[dict], micro_inputs: Sequence,
                  offsets: Sequence[int], context: fprop_context.FPropContext,
                  jit_compile: bool = False, **kwargs):
-        if kwargs.get('split_backward') or kwargs.get('recorder') is not None:
-            raise ValueError('cell functions do not support a split backward or a timeline '
-                             'recorder: use PipelineRun for them')
+        if kwargs.get('split_backward'):
+            raise ValueError('cell functions do not support a split backward: use '
+                             'PipelineRun for it')
         super().__init__(cells, thetas, micro_inputs, offsets, context, **kwargs)
         self.functions = [CellFunctions(cell, context.training,
                                         functools.partial(self._boundary, k),
-                                        jit_compile=jit_compile)
+                                        jit_compile=jit_compile,
+                                        stamp_recompute=self.recorder is not None)
                           for k, cell in enumerate(self.cells)]
         self._offset_tensors: dict[tuple[str, int], tf.Tensor] = {}
         self._step: Optional[tf.Tensor] = None
@@ -147,10 +176,17 @@ class FunctionalPipelineRun(PipelineRun):
             return super()._gradients(k, m, dy)
         x = self.inputs.pop((k, m))
         offset, step = self._arguments(k, m)
-        acc = self.theta_grads[k]
-        if acc is None:  # zeros, not None: one trace serves the first micro-batch too
-            acc = [tf.zeros_like(t) for t in tf.nest.flatten(self.thetas[k])]
-        dx, acc = self.functions[k].backward(self.thetas[k], x, list(dy), offset, step, acc)
+        functions, sums = self.functions[k], self.theta_grads[k]
+        if sums is None:  # zeros, not None: one trace serves the first micro-batch too
+            sums = [None if gathered else tf.zeros_like(t)
+                    for t, gathered in zip(tf.nest.flatten(self.thetas[k]), functions.gathered)]
+        acc = [None if gathered else a for a, gathered in zip(sums, functions.gathered)]
+        dx, out, *stamp = functions.backward(self.thetas[k], x, list(dy), offset, step, acc)
+        if stamp:  # the recompute ended inside the call: the timeline's split
+            self.recorder.split(k, m, BACKWARD, stamp=stamp[0])
+        acc = [accumulate.add(s, _static_shape(g, t)) if gathered else g
+               for s, g, t, gathered in zip(sums, out, tf.nest.flatten(self.thetas[k]),
+                                            functions.gathered)]
         _, _, x_parts, x_received = self._boundary(k, x, x)  # the input's parts only
         return dx, acc, x_parts, x_received
 
@@ -159,6 +195,34 @@ class FunctionalPipelineRun(PipelineRun):
             self._store_sum(k, dtheta)
         else:
             super()._accumulate(k, dtheta)
+
+
+# Ops whose gradient passes an IndexedSlices through, and ops that make one.
+_PASS_SLICES = frozenset({'Identity', 'Cast'})
+_GATHERS = frozenset({'GatherV2', 'ResourceGather'})
+
+
+def _only_gathered(t: tf.Tensor) -> bool:
+    """Is `t` used only as the params of gathers (through identities and casts)? Then
+    its gradient is an IndexedSlices. A wrong guess costs memory, never values: the
+    returned gradient is summed by accumulate.add whatever its type."""
+    consumers = t.consumers()
+    for op in consumers:
+        if op.type in _PASS_SLICES:
+            if not all(_only_gathered(out) for out in op.outputs):
+                return False
+        elif op.type not in _GATHERS or op.inputs[0] is not t:
+            return False
+    return bool(consumers)
+
+
+def _static_shape(g: Any, weight: tf.Tensor) -> Any:
+    """A gradient returned by a call, IndexedSlices with the weight's static dense shape
+    (a call's outputs have none), which accumulate.py needs to size the sparse sum."""
+    if not isinstance(g, tf.IndexedSlices):
+        return g
+    return tf.IndexedSlices(g.values, g.indices,
+                            tf.constant(weight.shape.as_list(), g.dense_shape.dtype))
 
 
 def _opaque(value: tf.Tensor) -> tf.Tensor:
