@@ -68,3 +68,28 @@ def test_check_pipeline_fails_on_a_recompute_unsafe_layer_and_names_it(data_dir)
     assert 'FAIL: worst' in report
     worst = report.splitlines()[-1]
     assert 'task/pipe/' in worst, report  # names a variable of the model
+
+
+def _step(loss=1.0, **grads):
+    import numpy as np
+    grads = {p: np.asarray(g, np.float32) for p, g in grads.items()}
+    # Adam-like: every weight moves by the learning rate in its gradient's direction.
+    weights = {p: 1e-3 * np.sign(g) for p, g in grads.items()}
+    return loss, grads, weights
+
+
+def test_a_rounding_noise_gradient_is_judged_against_the_models_gradients():
+    # A key bias under softmax: zero in exact arithmetic, 1e-10 either way in float32.
+    # Relative to itself it differs by 200%, and Adam turns its sign into the update.
+    code, report = inspect_modes.compare_steps(
+        _step(w=[1.0, -0.5], key_b=[1e-10]), _step(w=[1.0, -0.5], key_b=[-1e-10]))
+    assert code == 0, report
+    assert '1 weight(s) with a rounding-noise gradient' in report
+    # A gradient that is small but real is still checked, and a wrong one fails by name.
+    code, report = inspect_modes.compare_steps(
+        _step(w=[1.0, -0.5], small=[2e-3]), _step(w=[1.0, -0.5], small=[1e-3]))
+    assert code == 1 and report.splitlines()[-1].startswith('FAIL: worst gradient small')
+    # A noise-sized reference does not hide a pipeline gradient that is not noise.
+    code, report = inspect_modes.compare_steps(
+        _step(w=[1.0, -0.5], key_b=[1e-2]), _step(w=[1.0, -0.5], key_b=[1e-10]))
+    assert code == 1 and 'worst gradient key_b' in report

@@ -22,6 +22,7 @@ from tfpipe.pipeline.partition import cell_ranges
 
 PLAN_FILE = 'inspect_pipeline.json'
 CHECK_TOLERANCE = 1e-5
+NOISE_FLOOR = 1e-3  # of the largest gradient: below it a gradient is rounding noise
 
 
 def _mib(num_bytes: float) -> str:
@@ -216,10 +217,15 @@ def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[f
         print(f'wrote {path}')
 
 
-def _relative_difference(a: np.ndarray, b: np.ndarray) -> float:
-    """max |a - b| over max |b|: relative to the tensor's scale, so tiny entries do not explode."""
+def _relative_difference(a: np.ndarray, b: np.ndarray, floor: float = 0.0) -> float:
+    """max |a - b| over max |b|: relative to the tensor's scale, so tiny entries do not
+    explode; a scale below `floor` counts as `floor`."""
     scale = float(np.max(np.abs(b))) if b.size else 0.0
-    return float(np.max(np.abs(a - b))) / max(scale, 1e-30) if a.size else 0.0
+    return float(np.max(np.abs(a - b))) / max(scale, floor, 1e-30) if a.size else 0.0
+
+
+def _largest(arrays) -> float:
+    return max((float(np.max(np.abs(a))) for a in arrays if a.size), default=0.0)
 
 
 def _one_step(params: Params, batch) -> tuple[float, dict, dict]:
@@ -270,16 +276,36 @@ def check_pipeline(params: Params) -> tuple[int, str]:
     pipe.Set(balance=[len(pipe.body)], num_cells=None, recompute='never', devices=None,
              num_micro_batches=pipe.num_micro_batches * pipe.num_replicas, num_replicas=1,
              schedule='fill_drain', virtual_stages=1)
-    loss, grads, weights = _one_step(params, batch)
-    ref_loss, ref_grads, ref_weights = _one_step(reference, batch)
+    code, lines = compare_steps(_one_step(params, batch), _one_step(reference, batch))
+    return code, (f'check_pipeline: balance {list(params.task.pipeline.balance or [])} vs K=1 '
+                  f'(same M, no recompute), float32 tolerance {CHECK_TOLERANCE:g} relative\n'
+                  + lines)
+
+
+def compare_steps(step: tuple[float, dict, dict], reference: tuple[float, dict, dict]
+                  ) -> tuple[int, str]:
+    """(exit code, report lines) comparing one step's (loss, gradients, weights) by path
+    with the reference step's: 0 when every difference is within CHECK_TOLERANCE."""
+    loss, grads, weights = step
+    ref_loss, ref_grads, ref_weights = reference
+    # A gradient that is zero in exact arithmetic (a key bias under softmax) is rounding
+    # noise whose size depends on the order of float32 sums, which another partition
+    # changes: gradients are measured against at least NOISE_FLOOR of the model's largest,
+    # and the weights such noise updates (Adam scales any gradient to the learning rate)
+    # are left to their gradient's comparison.
+    floor = NOISE_FLOOR * _largest(ref_grads.values())
+    noise = {p for p, g in ref_grads.items() if _largest([g]) < floor}
     rows = [('loss', 'loss', _relative_difference(np.array(loss), np.array(ref_loss)))]
-    rows += [('gradient', p, _relative_difference(g, ref_grads[p])) for p, g in grads.items()]
-    rows += [('weight', p, _relative_difference(w, ref_weights[p])) for p, w in weights.items()]
+    rows += [('gradient', p, _relative_difference(g, ref_grads[p], floor))
+             for p, g in grads.items()]
+    rows += [('weight', p, _relative_difference(w, ref_weights[p]))
+             for p, w in weights.items() if p not in noise]
     kind, worst, value = max(rows, key=lambda r: r[2])
     summary = {k: max(r[2] for r in rows if r[0] == k) for k in ('loss', 'gradient', 'weight')}
     ok = value <= CHECK_TOLERANCE
-    report = (f'check_pipeline: balance {list(params.task.pipeline.balance or [])} vs K=1 '
-              f'(same M, no recompute), float32 tolerance {CHECK_TOLERANCE:g} relative\n'
-              + '\n'.join(f'  largest {k} difference {v:.3g}' for k, v in summary.items())
+    report = ('\n'.join(f'  largest {k} difference {v:.3g}' for k, v in summary.items())
+              + (f'\n  {len(noise)} weight(s) with a rounding-noise gradient (below '
+                 f'{NOISE_FLOOR:g} of the largest) checked by their gradient only'
+                 if noise else '')
               + f'\n{"PASS" if ok else "FAIL"}: worst {kind} {worst} ({value:.3g})')
     return (0 if ok else 1), report
