@@ -126,19 +126,20 @@ def test_one_call_per_task_on_its_cells_device_and_every_op_inside_placed():
     pipe = mz.pipeline(body, 4, 3, 'except_last', cell_functions=True)
     concrete = _traced_step(pipe, x, y)
     calls = [op for op in concrete.graph.get_operations() if op.type in CALL_OPS]
-    # Forward of every (cell, micro-batch); backward calls of the 3 recomputing cells; the
-    # last cell's backward is the function's own gradient (one call per micro-batch).
-    assert len(calls) == 4 * 3 + 3 * 3 + 3
+    # Forward and backward calls of the 3 recomputing cells. The last cell keeps its
+    # activations, so it trains as unrolled ops (faster than the gradient of a call).
+    assert len(calls) == 3 * 3 + 3 * 3
     for op in calls:
         cell = trace.cell_of_node(op.name)
         assert trace.device_index(op.device) == f'CPU:{cell}', op.name
-    # Every op the cell functions hold is placed explicitly. The gradient functions that
-    # TensorFlow derives for a non-recomputing cell ('__backward_...') are placed by the
-    # runtime on their call's device, checked above.
-    inside = [n for n in trace.nodes(concrete) if n.function and n.op not in trace.PLUMBING_OPS
-              and '__backward_' not in n.function]
+    # Every op the cell functions hold is placed explicitly, and so is every op of the
+    # unrolled last cell.
+    inside = [n for n in trace.nodes(concrete) if n.function and n.op not in trace.PLUMBING_OPS]
     assert inside and all(n.device for n in inside), [n for n in inside if not n.device][:3]
-    assert {trace.device_index(n.device) for n in inside} == {f'CPU:{k}' for k in range(4)}
+    assert {trace.device_index(n.device) for n in inside} == {f'CPU:{k}' for k in range(3)}
+    last = [op for op in concrete.graph.get_operations()
+            if trace.cell_of_node(op.name) == 3 and op.type == 'MatMul']
+    assert last and {trace.device_index(op.device) for op in last} == {'CPU:3'}
 
 
 @pytest.mark.parametrize('recompute', ['always', 'never'])
@@ -187,8 +188,8 @@ def _task_ancestors(op):
 
 @pytest.mark.parametrize('recompute', ['always', 'except_last'])
 def test_timeline_records_the_calls_and_the_recompute_inside_the_backward(recompute):
-    """RecordTimeline keeps the cell functions: every task is still one call, stamped
-    outside, and a recomputing cell's backward function stamps the end of its recompute
+    """RecordTimeline keeps the cell functions: every task of a recomputing cell is still
+    one call, stamped outside, and its backward function stamps the end of its recompute
     inside, after the recomputed forward and before any gradient op."""
     body = mz.mlp_body()
     x, y = mz.inputs_for(body)
@@ -201,7 +202,9 @@ def test_timeline_records_the_calls_and_the_recompute_inside_the_backward(recomp
         return recorder.stamps()
     concrete = recorded.get_concrete_function()
     calls = [op for op in concrete.graph.get_operations() if op.type in CALL_OPS]
-    assert len(calls) == 2 * 2 * 2  # a forward and a backward call per (cell, micro-batch)
+    # A forward and a backward call per (recomputing cell, micro-batch); a cell that keeps
+    # its activations trains as unrolled ops, stamped like the unrolled executor's.
+    assert len(calls) == 2 * 2 * sum(cell.recompute for cell in pipe.cells)
     for op in calls:  # each call waits for its task's start stamp
         assert 'Timestamp' in {a.type for a in _task_ancestors(op)}, op.name
     graph_def = concrete.graph.as_graph_def()
@@ -243,12 +246,12 @@ def test_jit_compile_equals_unrolled_within_float_tolerance():
     assert_same_step(got, expected, rtol=1e-4)
 
 
-def test_jit_compile_without_cell_functions_is_refused():
+def test_jit_compile_that_cannot_apply_is_refused_when_the_layer_is_built():
     body = mz.mlp_body()
-    x, y = mz.inputs_for(body)
-    pipe = mz.pipeline(body, 2, 2, jit_compile=True, cell_functions=False)
     with pytest.raises(ValueError, match='set cell_functions=True'):
-        trainer_step(pipe, x, y)
+        mz.pipeline(body, 2, 2, jit_compile=True, cell_functions=False)
+    with pytest.raises(ValueError, match="schedule='zb_h1' cannot use"):
+        mz.pipeline(body, 2, 2, jit_compile=True, schedule='zb_h1')
 
 
 @pytest.mark.parametrize('first', [0, 5, 22])

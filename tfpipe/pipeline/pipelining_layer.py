@@ -129,6 +129,13 @@ class PipeliningLayer(BaseLayer):
         if p.schedule not in SCHEDULES:
             raise ValueError(f'{self.path}: unknown schedule {p.schedule!r}; use one of '
                              f'{sorted(SCHEDULES)}')
+        if p.jit_compile and not p.cell_functions:
+            raise ValueError(f'{self.path}: jit_compile=True compiles the cell functions; set '
+                             'cell_functions=True as well, or jit_compile=False')
+        if p.jit_compile and p.schedule.startswith('zb_'):
+            raise ValueError(f'{self.path}: jit_compile=True compiles the cell functions, which '
+                             f'schedule={p.schedule!r} cannot use (its split backward runs '
+                             'unrolled tasks): pick another schedule, or jit_compile=False')
         if isinstance(p.num_replicas, bool) or not isinstance(p.num_replicas, int) or \
                 p.num_replicas < 1:
             raise ValueError(f'{self.path}: num_replicas={p.num_replicas!r} must be an int >= 1 '
@@ -267,9 +274,6 @@ class PipeliningLayer(BaseLayer):
         """A run over one replica's micro-batches: cell functions when asked for and
         supported (see cell_functions.py for what falls back), else unrolled tasks."""
         p = self.params
-        if p.jit_compile and not p.cell_functions:
-            raise ValueError(f'{self.path}: jit_compile=True compiles the cell functions; set '
-                             'cell_functions=True as well, or jit_compile=False')
         if p.cell_functions and not split_backward:
             return FunctionalPipelineRun(*args, jit_compile=p.jit_compile,
                                          recorder=self._recorder, **kwargs)
