@@ -241,9 +241,15 @@ def test_jit_compile_equals_unrolled_within_float_tolerance():
     x, y = mz.inputs_for(body, dtype=tf.float32)
     expected = trainer_step(mz.pipeline(body, 2, 3, 'except_last', cell_functions=False),
                             x, y)
-    got = trainer_step(mz.pipeline(body, 2, 3, 'except_last', cell_functions=True,
-                                   jit_compile=True), x, y)
+    jit = mz.pipeline(body, 2, 3, 'except_last', cell_functions=True, jit_compile=True)
+    got = trainer_step(jit, x, y)
     assert_same_step(got, expected, rtol=1e-4)
+    # Every cell is compiled, the one that keeps its activations too (it is a call, and its
+    # backward the call's gradient), where without XLA that cell would train unrolled.
+    calls = [op for op in _traced_step(jit, x, y).graph.get_operations()
+             if op.type in CALL_OPS]
+    assert {trace.cell_of_node(op.name) for op in calls} == {0, 1}
+    assert len(calls) == 2 * 3 + 1 * 3 + 3
 
 
 def test_jit_compile_that_cannot_apply_is_refused_when_the_layer_is_built():

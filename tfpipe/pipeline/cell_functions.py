@@ -17,7 +17,8 @@ then differentiates. A cell that keeps its activations (does not recompute)
 runs its training tasks as the unrolled executor's ops: TensorFlow's gradient of
 a function call, which would have to keep the call's intermediates, measured
 1.35-1.44x slower per step (AmoebaNetPipe, K=1 M=1 and K=4 M=4, recompute
-'never'), so only recomputing cells and inference are calls. Every op inside a
+'never'), so only recomputing cells and inference are calls, unless XLA is asked
+for (`jit_compile`), which compiles every cell's call. Every op inside a
 function is placed on the cell's device explicitly.
 
 `no_inline=True` (the default) keeps the calls as calls: the step's graph then
@@ -145,6 +146,7 @@ class FunctionalPipelineRun(PipelineRun):
                                         jit_compile=jit_compile,
                                         stamp_recompute=self.recorder is not None)
                           for k, cell in enumerate(self.cells)]
+        self.jit_compile = jit_compile
         self._offset_tensors: dict[tuple[str, int], tf.Tensor] = {}
         self._step: Optional[tf.Tensor] = None
 
@@ -162,10 +164,18 @@ class FunctionalPipelineRun(PipelineRun):
 
     def _compute_forward(self, k: int, m: int, x: Any) -> Any:
         cell, theta, functions = self.cells[k], self.thetas[k], self.functions[k]
-        if self.context.training and not cell.recompute:
+        keeps = self.context.training and not cell.recompute
+        if keeps and not self.jit_compile:
             return super()._compute_forward(k, m, x)  # kept activations: unrolled ops
         offset, step = self._arguments(k, m)
-        y, stats = functions.forward(theta, x, offset, step)
+        if keeps:  # XLA asked for: the compiled call under the run's tape
+            tape = tf.GradientTape(watch_accessed_variables=False)
+            with tape:
+                tape.watch(float_leaves(x) + tf.nest.flatten(theta))
+                y, stats = functions.forward(theta, x, offset, step)
+            self.tapes[(k, m)] = (tape, x, [y])
+        else:
+            y, stats = functions.forward(theta, x, offset, step)
         functions.record(stats, self.sinks[k])
         return y
 
