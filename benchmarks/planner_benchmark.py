@@ -9,7 +9,8 @@ Sections (the thread-pool default is measured by threads_benchmark.py):
   recommendation (rounds interleaved across configurations), the fraction within 25%, and
   the recommendation vs the fastest measured configuration. The planner is calibrated as
   inspect_pipeline does: on measured steps of the model's configured pipeline, of the same
-  with twice the micro-batches and of the same on one device;
+  with twice the micro-batches, of the same on one device and of that under the other
+  recompute policy;
 - table2: the shape of GPipe's Table 2 (normalised throughput over K and M) simulated from
   profiled AmoebaNet and Transformer bodies under an accelerator device profile.
 """
@@ -99,8 +100,8 @@ def predict_section(args) -> None:
 
         def measured_runs(recorded):
             return [MeasuredRun(list(t.task.pipe.balance),
-                                        p.task.pipeline.num_micro_batches, lines, walls,
-                                        p.task.pipeline.schedule)
+                                p.task.pipeline.num_micro_batches, lines, walls,
+                                p.task.pipeline.schedule, p.task.pipeline.recompute)
                     for p, (t, _), (lines, walls) in zip(owns, own_trainers, recorded)]
 
         # The recommendation comes from a calibration as inspect_pipeline makes it.

@@ -94,10 +94,11 @@ def test_inspect_pipeline_prints_the_best_and_writes_json(tmp_path, data_dir):
     assert report['params_override'] in out.stdout
     # Planned for local CPUs: calibrated on measured steps of the configured [3, 2], M=2,
     # of the same with M=4, which tells the per-call part of compute apart, and of one cell,
-    # which tells how many logical CPUs really run at once.
-    assert 'costs: measured on 5 steps each of K=2 M=2, K=2 M=4, K=1 M=2' in out.stdout
+    # which tells how many logical CPUs really run at once, under both recompute policies.
+    runs = 'K=2 M=2 always, K=2 M=4 always, K=1 M=2 always, K=1 M=2 never'
+    assert f'costs: measured on 5 steps each of {runs}' in out.stdout
     calibration = report['calibration']
-    assert calibration['source'].startswith('5 steps each of K=2 M=2, K=2 M=4, K=1 M=2')
+    assert calibration['source'].startswith(f'5 steps each of {runs}')
     assert 1 <= calibration['parallelism'] <= os.cpu_count()
     assert calibration['forward_scale'] > 0 and calibration['backward_scale'] > 0
     assert calibration['forward_fixed_scale'] > 0 and calibration['backward_fixed_scale'] > 0
@@ -155,11 +156,12 @@ def test_inspect_model_reports_bytes_per_cell(data_dir, capsys):
         assert 'activations per micro-batch' in line
 
 
-def _measured_timeline(layers, balance, m, batch, calibration, parallelism=None):
+def _measured_timeline(layers, balance, m, batch, calibration, parallelism=None,
+                       recompute='never'):
     """A timeline as the recorder would measure the simulated step: each task's per-task
     overhead shows as the device's idle time before its event."""
     from tfpipe.pipeline.timeline import Event, Label, Timeline
-    costs = planner.cell_costs(layers, balance, m, batch, 'never', calibration)
+    costs = planner.cell_costs(layers, balance, m, batch, recompute, calibration)
     result = simulator.simulate(planner.SCHEDULES['fill_drain'](len(balance), m), costs,
                                 calibration.device(simulator.DeviceModel(
                                     parallelism=parallelism)))
@@ -175,9 +177,9 @@ def test_calibration_recovers_the_costs_of_a_measured_step():
                                 latency=3e-4, step_overhead=2e-3)
     line, result = _measured_timeline(layers, [4, 4], 4, 64, truth)
     wall = float(result.step_time) + truth.step_overhead
-    fitted = calibrate(layers, [MeasuredRun([4, 4], 4, [line, line],
-                                                            [wall, 2 * wall])],
-                               64, 'never', None, source='a test step')
+    fitted = calibrate(layers, [MeasuredRun([4, 4], 4, [line, line], [wall, 2 * wall],
+                                            recompute='never')],
+                       64, None, source='a test step')
     for field in ('forward_scale', 'backward_scale', 'task_overhead', 'latency',
                   'step_overhead'):
         assert getattr(fitted, field) == pytest.approx(getattr(truth, field), rel=1e-6), field
@@ -201,14 +203,15 @@ def test_two_micro_batch_sizes_tell_per_call_costs_from_per_example_costs():
     runs = []
     for m in (2, 8):
         line, result = _measured_timeline(layers, [4, 4], m, 64, truth)
-        runs.append(MeasuredRun([4, 4], m, [line], [float(result.step_time) + 1e-3]))
-    fitted = calibrate(layers, runs, 64, 'never', None, source='x')
+        runs.append(MeasuredRun([4, 4], m, [line], [float(result.step_time) + 1e-3],
+                                recompute='never'))
+    fitted = calibrate(layers, runs, 64, None, source='x')
     for field in ('forward_scale', 'backward_scale', 'forward_fixed_scale',
                   'backward_fixed_scale', 'task_overhead'):
         assert getattr(fitted, field) == pytest.approx(getattr(truth, field), rel=1e-6), field
     assert fitted.step_overhead == pytest.approx(1e-3, rel=1e-6)
     # The fit carries to a micro-batch size it never saw; one size alone does not.
-    one = calibrate(layers, runs[:1], 64, 'never', None, source='x')
+    one = calibrate(layers, runs[:1], 64, None, source='x')
     device = simulator.DeviceModel()
     expected = float(planner.simulate(layers, [2, 6], 32, 64, 'never', 'fill_drain', device,
                                       truth).step_time)
@@ -225,8 +228,9 @@ def test_a_one_device_run_measures_how_many_logical_cpus_run_at_once():
     runs = []
     for balance in ([2, 2, 2, 2], [8]):
         line, result = _measured_timeline(layers, balance, 4, 64, truth, parallelism=2)
-        runs.append(MeasuredRun(balance, 4, [line], [float(result.step_time)]))
-    fitted = calibrate(layers, runs, 64, 'never', 2, source='x')
+        runs.append(MeasuredRun(balance, 4, [line], [float(result.step_time)],
+                                recompute='never'))
+    fitted = calibrate(layers, runs, 64, 2, source='x')
     assert fitted.parallelism == pytest.approx(1.4, rel=1e-3)
     device = simulator.DeviceModel(parallelism=2)
     for balance in ([4, 4], [2, 2, 2, 2]):  # K=2 was never measured
@@ -234,8 +238,27 @@ def test_a_one_device_run_measures_how_many_logical_cpus_run_at_once():
         got = planner.simulate(layers, balance, 8, 64, 'never', 'fill_drain', device, fitted)
         assert float(got.step_time) == pytest.approx(float(expected.step_time), rel=1e-3)
     # Without the one-device run the parallelism stays the device model's.
-    alone = calibrate(layers, runs[:1], 64, 'never', 2, source='x')
+    alone = calibrate(layers, runs[:1], 64, 2, source='x')
     assert alone.parallelism == 2
+
+
+def test_one_configuration_under_both_policies_measures_what_keeping_activations_costs():
+    layers = _layers()
+    # A cell that keeps its activations runs 30% slower than the profile says.
+    truth = Calibration(forward_scale=0.5, backward_scale=2.0, keep_scale=1.3)
+    runs = []
+    for balance, policy in (([4, 4], 'always'), ([8], 'always'), ([8], 'never')):
+        line, result = _measured_timeline(layers, balance, 4, 64, truth, recompute=policy)
+        runs.append(MeasuredRun(balance, 4, [line], [float(result.step_time)],
+                                recompute=policy))
+    fitted = calibrate(layers, runs, 64, None, source='x')
+    assert fitted.keep_scale == pytest.approx(1.3, rel=1e-3)
+    device = simulator.DeviceModel()
+    for policy in ('never', 'except_last'):  # neither was measured on two cells
+        expected = planner.simulate(layers, [2, 6], 8, 64, policy, 'fill_drain', device, truth)
+        got = planner.simulate(layers, [2, 6], 8, 64, policy, 'fill_drain', device, fitted)
+        assert float(got.step_time) == pytest.approx(float(expected.step_time), rel=1e-3)
+    assert calibrate(layers, runs[:2], 64, None, source='x').keep_scale == 1.0
 
 
 def test_measured_span_scales_compute_the_tasks_alone_miss():
@@ -248,8 +271,9 @@ def test_measured_span_scales_compute_the_tasks_alone_miss():
     stretched = Timeline([dataclasses.replace(e, start=1.3 * e.start, end=1.3 * e.start
                                               + (e.end - e.start)) for e in line.events],
                          line.devices, line.num_micro_batches)
-    run = MeasuredRun([4, 4], 4, [stretched], [1.3 * float(result.step_time)])
-    fitted = calibrate(layers, [run], 64, 'never', None, source='x')
+    run = MeasuredRun([4, 4], 4, [stretched], [1.3 * float(result.step_time)],
+                      recompute='never')
+    fitted = calibrate(layers, [run], 64, None, source='x')
     again = planner.simulate(layers, [4, 4], 4, 64, 'never', 'fill_drain',
                              simulator.DeviceModel(), fitted)
     assert float(again.step_time) == pytest.approx(stretched.span + fitted.task_overhead,
@@ -261,9 +285,9 @@ def test_calibration_under_shared_cores_reads_work_not_wall_time():
     layers = _layers()
     truth = Calibration(forward_scale=3.0, backward_scale=3.0)
     line, _ = _measured_timeline(layers, [2, 2, 2, 2], 8, 64, truth, parallelism=2)
-    run = MeasuredRun([2, 2, 2, 2], 8, [line], [1.0])
-    shared = calibrate(layers, [run], 64, 'never', 2, source='x')
-    naive = calibrate(layers, [run], 64, 'never', None, source='x')
+    run = MeasuredRun([2, 2, 2, 2], 8, [line], [1.0], recompute='never')
+    shared = calibrate(layers, [run], 64, 2, source='x')
+    naive = calibrate(layers, [run], 64, None, source='x')
     assert shared.forward_scale == pytest.approx(3.0, rel=1e-6)
     assert naive.forward_scale > 3.0  # tasks stretched by sharing look like slower compute
 
@@ -291,8 +315,8 @@ def test_calibration_ignores_a_task_another_process_delayed():
                      else e for e in line.events], line.devices, line.num_micro_batches)
     assert slow.span > line.span + 0.04
     wall = float(result.step_time)
-    fitted = calibrate(layers, [MeasuredRun([4, 4], 4, [slow, line],
-                                                            [wall + 0.05, wall])],
-                               64, 'never', None, source='x')
+    fitted = calibrate(layers, [MeasuredRun([4, 4], 4, [slow, line], [wall + 0.05, wall],
+                                            recompute='never')],
+                       64, None, source='x')
     assert fitted.forward_scale == pytest.approx(0.5, rel=1e-6)
     assert fitted.backward_scale == pytest.approx(2.0, rel=1e-6)

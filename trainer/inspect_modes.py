@@ -18,6 +18,7 @@ import tensorflow as tf
 from tfpipe.hyperparams import Params
 from tfpipe.pipeline import planner, profile
 from tfpipe.pipeline.calibration import Calibration, MeasuredRun, calibrate
+from tfpipe.pipeline.cell import recompute_flags
 from tfpipe.pipeline.partition import cell_ranges
 
 PLAN_FILE = 'inspect_pipeline.json'
@@ -109,7 +110,7 @@ def measure_configuration(params: Params, steps: int = CALIBRATION_STEPS
         lines, walls = timed_steps(trainer, batch, steps)
         pipe = params.task.pipeline
         return MeasuredRun(list(trainer.task.pipe.balance), pipe.num_micro_batches,
-                                   lines, walls, pipe.schedule)
+                           lines, walls, pipe.schedule, pipe.recompute)
 
 
 def calibration_params(params: Params) -> list[Params]:
@@ -120,7 +121,9 @@ def calibration_params(params: Params) -> list[Params]:
     planner searches); then the same with twice (at the limit half) the
     micro-batches, which tells the per-call part of compute from the
     per-example part; then the same on one device (two if it has one), which
-    tells how much logical CPUs really run at once.
+    tells how much logical CPUs really run at once, and that once more under the
+    other recompute policy ('never' if its cells recompute, else 'always'),
+    which tells what keeping activations costs.
     """
     p = params.Copy()
     pipe = p.task.pipeline
@@ -140,6 +143,10 @@ def calibration_params(params: Params) -> list[Params]:
         q = p.Copy()
         q.task.pipeline.Set(num_cells=1 if cells > 1 else 2, balance=None)
         runs.append(q)
+        r = q.Copy()
+        flags = recompute_flags(pipe.recompute, r.task.pipeline.num_cells)
+        r.task.pipeline.recompute = 'never' if any(flags) else 'always'
+        runs.append(r)
     return runs
 
 
@@ -147,12 +154,12 @@ def fit_calibration(configured: Params, profiles: list[profile.LayerProfile],
                     runs: list[MeasuredRun],
                     parallelism: Optional[float]) -> Calibration:
     """calibration.calibrate on measured runs of `calibration_params(params)`."""
-    pipe = configured.task.pipeline
-    shapes = ', '.join(f'K={len(run.balance)} M={run.num_micro_batches}' for run in runs)
+    shapes = ', '.join(f'K={len(run.balance)} M={run.num_micro_batches} {run.recompute}'
+                       for run in runs)
     return calibrate(
-        profiles, runs, configured.input.train.batch_size, pipe.recompute, parallelism,
-        source=f'{len(runs[0].timelines)} steps each of {shapes} recompute={pipe.recompute} '
-        f'schedule={pipe.schedule}')
+        profiles, runs, configured.input.train.batch_size, parallelism,
+        source=f'{len(runs[0].timelines)} steps each of {shapes} '
+        f'(schedule={configured.task.pipeline.schedule})')
 
 
 def calibrate_here(params: Params, profiles: list[profile.LayerProfile],

@@ -35,6 +35,10 @@ class Calibration:
     pays a fixed cost per call that a task of several layers pays otherwise, and
     that cost is what makes small micro-batches dear, so it has its own factor,
     which two measured micro-batch sizes tell apart from the per-example part;
+    keep_scale: a further factor on the forward and backward of a cell that
+    keeps its activations instead of recomputing (its forward records a tape
+    and its backward reads what it kept, neither of which the profile times),
+    told apart by one configuration measured under both policies;
     task_overhead: seconds a device spends between two of its tasks (dispatch,
     the timeline's own stamps); latency: seconds from a task's end to its result
     being usable on another device; step_overhead: seconds of the step outside
@@ -48,6 +52,7 @@ class Calibration:
     backward_scale: float = 1.0
     forward_fixed_scale: float = 1.0
     backward_fixed_scale: float = 1.0
+    keep_scale: float = 1.0
     task_overhead: float = 0.0
     latency: float = 0.0
     step_overhead: float = 0.0
@@ -62,6 +67,7 @@ class Calibration:
         return (f'costs: measured on {self.source}: compute x{self.forward_scale:.2f} forward, '
                 f'x{self.backward_scale:.2f} backward of the profile, their per-call parts '
                 f'x{self.forward_fixed_scale:.2f} / x{self.backward_fixed_scale:.2f} more, '
+                f'x{self.keep_scale:.2f} for a cell that keeps its activations, '
                 f'per-task overhead '
                 f'{1e3 * self.task_overhead:.3f} ms, hand-over latency '
                 f'{1e3 * self.latency:.3f} ms, step overhead {1e3 * self.step_overhead:.2f} ms '
@@ -96,6 +102,7 @@ class MeasuredRun:
     timelines: Sequence[Any]
     step_seconds: Sequence[float]
     schedule: str = 'fill_drain'
+    recompute: str = 'always'
 
 
 def cell_costs(profiles: Sequence[LayerProfile], balance: Sequence[int],
@@ -122,8 +129,9 @@ def cell_costs(profiles: Sequence[LayerProfile], balance: Sequence[int],
                               for p in layers)
         cell_input = b * layers[0].input_bytes_per_example
         overhead = calibration.task_overhead
-        time = {FORWARD: calibration.forward_time(forward, forward_fixed) + overhead,
-                BACKWARD: calibration.backward_time(backward, backward_fixed) + overhead}
+        keep = 1.0 if recomputes else calibration.keep_scale
+        time = {FORWARD: keep * calibration.forward_time(forward, forward_fixed) + overhead,
+                BACKWARD: keep * calibration.backward_time(backward, backward_fixed) + overhead}
         if recomputes:  # runs inside the backward task, calibrated with it
             time[simulator.RECOMPUTE] = calibration.backward_time(forward, forward_fixed)
         cells.append(simulator.CellCosts(
@@ -151,12 +159,12 @@ def _undisturbed(values: Sequence[float]) -> float:
     return ordered[len(ordered) // 4]
 
 
-def _parts(profiles: Sequence[LayerProfile], run: MeasuredRun, batch_size: int,
-           recompute: str) -> dict[str, np.ndarray]:
+def _parts(profiles: Sequence[LayerProfile], run: MeasuredRun,
+           batch_size: int) -> dict[str, np.ndarray]:
     """Per phase, the profile's [per-example, per-call] seconds of the run's tasks summed
     over cells (per micro-batch); the backward includes the recompute it runs."""
     b = batch_size / run.num_micro_batches
-    flags = recompute_flags(recompute, len(run.balance))
+    flags = recompute_flags(run.recompute, len(run.balance))
     parts = {FORWARD: np.zeros(2), BACKWARD: np.zeros(2)}
     for (start, stop), recomputes in zip(partition.cell_ranges(run.balance), flags):
         for p in profiles[start:stop]:
@@ -183,7 +191,7 @@ def _scales(parts: list[np.ndarray], measured: list[float]) -> tuple[float, floa
 
 
 def _task_fit(profiles: Sequence[LayerProfile], runs: Sequence[MeasuredRun], batch_size: int,
-              recompute: str, parallelism: Optional[float]) -> Calibration:
+              parallelism: Optional[float]) -> Calibration:
     """Compute scales, per-task overhead and latency read off the runs' tasks.
 
     Per phase, the undisturbed forward and backward tasks (recompute included)
@@ -192,11 +200,13 @@ def _task_fit(profiles: Sequence[LayerProfile], runs: Sequence[MeasuredRun], bat
     profile's per-example and per-call parts give the scales (`_scales`); the
     per-task overhead is a device's wait between its own tasks and the latency
     the extra wait for an input from another device (both from the first run).
+    Only runs under the first run's recompute policy count: the others' cells
+    that keep their activations are what the spans fit `keep_scale` on.
     """
     parts: dict[str, list[np.ndarray]] = {FORWARD: [], BACKWARD: []}
     measured: dict[str, list[float]] = {FORWARD: [], BACKWARD: []}
     local, remote = [], []
-    for index, run in enumerate(runs):
+    for index, run in enumerate(r for r in runs if r.recompute == runs[0].recompute):
         tasks: dict[tuple[int, str], dict[tuple[int, int], float]] = {}  # (cell, F|B) -> work
         for step, line in enumerate(run.timelines):
             for event, seconds in zip(line.events,
@@ -209,7 +219,7 @@ def _task_fit(profiles: Sequence[LayerProfile], runs: Sequence[MeasuredRun], bat
                 gaps = simulator.measured_gaps(line.events)
                 local += gaps[0]
                 remote += gaps[1]
-        profiled = _parts(profiles, run, batch_size, recompute)
+        profiled = _parts(profiles, run, batch_size)
         for phase in (FORWARD, BACKWARD):
             parts[phase].append(profiled[phase])
             measured[phase].append(sum(_undisturbed(list(work.values()))
@@ -224,19 +234,21 @@ def _task_fit(profiles: Sequence[LayerProfile], runs: Sequence[MeasuredRun], bat
 
 
 def _simulated_spans(profiles: Sequence[LayerProfile], runs: Sequence[MeasuredRun],
-                     batch_size: int, recompute: str, device: simulator.DeviceModel,
+                     batch_size: int, device: simulator.DeviceModel,
                      calibration: Calibration) -> np.ndarray:
     return np.array([float(simulate(profiles, run.balance, run.num_micro_batches, batch_size,
-                                    recompute, run.schedule, device, calibration).step_time)
+                                    run.recompute, run.schedule, device,
+                                    calibration).step_time)
                      for run in runs])
 
 
 def _fit_spans(profiles: Sequence[LayerProfile], runs: Sequence[MeasuredRun], batch_size: int,
-               recompute: str, device: simulator.DeviceModel, start: Calibration,
+               device: simulator.DeviceModel, start: Calibration,
                targets: np.ndarray) -> Calibration:
     """Fits the simulated pipelines' spans to the measured ones: a factor on the compute
     (both phases alike), with two micro-batch sizes a factor on its per-call part, and with
-    a one-device run beside a pipelined one the parallelism of logical CPUs.
+    a one-device run beside a pipelined one the parallelism of logical CPUs, and with
+    cells that keep their activations beside recomputing ones the keep factor.
 
     The tasks' undisturbed times leave out what a real step also pays: stalls
     when the devices' threads compete for the cores, caches refilled between
@@ -249,9 +261,10 @@ def _fit_spans(profiles: Sequence[LayerProfile], runs: Sequence[MeasuredRun], ba
     tell apart stays as it is.
     """
     upper = device.parallelism
-    x = np.array([1.0, 1.0, start.parallelism or upper or 1.0])  # per-example, per-call, P
-    low = np.array([0.02, 0.02, 1.0])
-    high = np.array([50.0, 50.0, upper or 1.0])
+    # per-example factor, per-call factor, parallelism, keep factor
+    x = np.array([1.0, 1.0, start.parallelism or upper or 1.0, start.keep_scale])
+    low = np.array([0.02, 0.02, 1.0, 0.1])
+    high = np.array([50.0, 50.0, upper or 1.0, 10.0])
 
     def fitted(x: np.ndarray) -> Calibration:
         relative = x[1] / x[0]
@@ -260,14 +273,16 @@ def _fit_spans(profiles: Sequence[LayerProfile], runs: Sequence[MeasuredRun], ba
             backward_scale=start.backward_scale * x[0],
             forward_fixed_scale=start.forward_fixed_scale * relative,
             backward_fixed_scale=start.backward_fixed_scale * relative,
-            parallelism=float(x[2]) if upper else None)
+            parallelism=float(x[2]) if upper else None, keep_scale=float(x[3]))
 
     def spans(x: np.ndarray) -> np.ndarray:
-        return _simulated_spans(profiles, runs, batch_size, recompute, device, fitted(x))
+        return _simulated_spans(profiles, runs, batch_size, device, fitted(x))
 
     cells = {len(run.balance) for run in runs}
+    flags = {flag for run in runs for flag in recompute_flags(run.recompute, len(run.balance))}
     free = [0] + ([1] if len({run.num_micro_batches for run in runs}) > 1 else []) + (
-        [2] if upper and upper > 1 and 1 in cells and len(cells) > 1 else [])
+        [2] if upper and upper > 1 and 1 in cells and len(cells) > 1 else []) + (
+        [3] if len(flags) > 1 else [])
     for _ in range(8):
         now = spans(x)
         residual = now - targets
@@ -286,13 +301,14 @@ def _fit_spans(profiles: Sequence[LayerProfile], runs: Sequence[MeasuredRun], ba
 
 
 def calibrate(profiles: Sequence[LayerProfile], runs: Sequence[MeasuredRun], batch_size: int,
-              recompute: str, parallelism: Optional[float], source: str) -> Calibration:
+              parallelism: Optional[float], source: str) -> Calibration:
     """Fits a Calibration to measured steps of one or more configurations.
 
     The first run is the model's configured pipeline; one with another number
     of micro-batches separates the per-call part of the compute from the
     per-example part, and one on a single device (with `parallelism`, the most
-    tasks the host can run at full speed) measures how many really do. On a
+    tasks the host can run at full speed) measures how many really do; one under
+    the other recompute policy measures what keeping activations costs. On a
     shared machine other processes' load only ever slows a step down, often by
     descheduling one task for a whole time slice, so the fit reads undisturbed
     tasks (`_undisturbed`) and the fastest step of each run: the tasks give the
@@ -304,13 +320,13 @@ def calibrate(profiles: Sequence[LayerProfile], runs: Sequence[MeasuredRun], bat
     fitted = Calibration(parallelism=parallelism)
     for _ in range(3):  # the tasks' work depends on the parallelism the spans fit
         tasks_only = dataclasses.replace(
-            _task_fit(profiles, runs, batch_size, recompute, fitted.parallelism),
+            _task_fit(profiles, runs, batch_size, fitted.parallelism),
             parallelism=fitted.parallelism, source=source)
         # The simulated pipeline also counts the first task's overhead, which the span
         # does not.
         spans = np.array([min(line.span for line in run.timelines) + tasks_only.task_overhead
                           for run in runs])
-        fitted = _fit_spans(profiles, runs, batch_size, recompute,
+        fitted = _fit_spans(profiles, runs, batch_size,
                             simulator.DeviceModel(parallelism=parallelism), tasks_only, spans)
     overheads = [min(run.step_seconds) - span for run, span in zip(runs, spans)]
     return dataclasses.replace(fitted, step_overhead=max(float(np.median(overheads)), 0.0))
