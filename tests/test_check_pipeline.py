@@ -79,6 +79,7 @@ def _step(loss=1.0, **grads):
 
 
 def test_a_rounding_noise_gradient_is_judged_against_the_models_gradients():
+    import numpy as np
     # A key bias under softmax: zero in exact arithmetic, 1e-10 either way in float32.
     # Relative to itself it differs by 200%, and Adam turns its sign into the update.
     code, report = inspect_modes.compare_steps(
@@ -89,6 +90,17 @@ def test_a_rounding_noise_gradient_is_judged_against_the_models_gradients():
     code, report = inspect_modes.compare_steps(
         _step(w=[1.0, -0.5], small=[2e-3]), _step(w=[1.0, -0.5], small=[1e-3]))
     assert code == 1 and report.splitlines()[-1].startswith('FAIL: worst gradient small')
+    # A bias one update from zero is compared at the model's weight scale: rounding in
+    # Adam's normalisation passes, an update of the wrong size does not.
+    big = [1.0, -0.5]
+    step = _step(w=big, b=[0.3])
+    reference = _step(w=big, b=[0.3])
+    step[2].update(w=np.float32(big), b=np.float32([1e-3 + 2e-8]))
+    reference[2].update(w=np.float32(big), b=np.float32([1e-3]))
+    assert inspect_modes.compare_steps(step, reference)[0] == 0
+    step[2]['b'] = np.float32([2e-3])
+    code, report = inspect_modes.compare_steps(step, reference)
+    assert code == 1 and 'worst weight b' in report
     # A noise-sized reference does not hide a pipeline gradient that is not noise.
     code, report = inspect_modes.compare_steps(
         _step(w=[1.0, -0.5], key_b=[1e-2]), _step(w=[1.0, -0.5], key_b=[1e-10]))

@@ -24,6 +24,7 @@ from tfpipe.pipeline.partition import cell_ranges
 PLAN_FILE = 'inspect_pipeline.json'
 CHECK_TOLERANCE = 1e-5
 NOISE_FLOOR = 1e-3  # of the largest gradient: below it a gradient is rounding noise
+WEIGHT_FLOOR = 1e-2  # of the largest weight: the least scale a weight is compared at
 
 
 def _mib(num_bytes: float) -> str:
@@ -299,13 +300,18 @@ def compare_steps(step: tuple[float, dict, dict], reference: tuple[float, dict, 
     # noise whose size depends on the order of float32 sums, which another partition
     # changes: gradients are measured against at least NOISE_FLOOR of the model's largest,
     # and the weights such noise updates (Adam scales any gradient to the learning rate)
-    # are left to their gradient's comparison.
+    # are left to their gradient's comparison. Likewise a weight that is still about one
+    # update from zero (a zero-initialised bias) carries Adam's normalisation of its
+    # gradient's small elements, which turns their rounding into a relative difference of
+    # the learning rate: weights are measured against at least WEIGHT_FLOOR of the model's
+    # largest, where a wrong update (of the learning rate's size) still shows.
     floor = NOISE_FLOOR * _largest(ref_grads.values())
     noise = {p for p, g in ref_grads.items() if _largest([g]) < floor}
+    weight_floor = WEIGHT_FLOOR * _largest(ref_weights.values())
     rows = [('loss', 'loss', _relative_difference(np.array(loss), np.array(ref_loss)))]
     rows += [('gradient', p, _relative_difference(g, ref_grads[p], floor))
              for p, g in grads.items()]
-    rows += [('weight', p, _relative_difference(w, ref_weights[p]))
+    rows += [('weight', p, _relative_difference(w, ref_weights[p], weight_floor))
              for p, w in weights.items() if p not in noise]
     kind, worst, value = max(rows, key=lambda r: r[2])
     summary = {k: max(r[2] for r in rows if r[0] == k) for k in ('loss', 'gradient', 'weight')}
