@@ -314,8 +314,9 @@ def calibrate(profiles: Sequence[LayerProfile], runs: Sequence[MeasuredRun], bat
     tasks (`_undisturbed`) and the fastest step of each run: the tasks give the
     forward/backward split and the per-call parts, the per-task overhead and the
     hand-over latency (`_task_fit`); the spans of the fastest steps scale the
-    compute and fit the parallelism (`_fit_spans`); the step overhead is the
-    median over runs of the fastest wall time beyond the shortest span.
+    compute and fit the parallelism and the keep factor (`_fit_spans`); the
+    step overhead is the median over runs of the fastest wall time beyond the
+    shortest span.
     """
     fitted = Calibration(parallelism=parallelism)
     for _ in range(3):  # the tasks' work depends on the parallelism the spans fit
