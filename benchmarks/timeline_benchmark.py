@@ -1,56 +1,42 @@
-"""tfpipe timeline benchmark: measured bubble and time to the first step.
+"""tfpipe timeline benchmark: the measured bubble against the theory, side by side in one run.
 
-Prints one table per section, each measured side by side in one run:
-
-  A. bubble       K=2 (--bubble_k), M=1/2/4/8 fill-drain and K=2 x v=2 interleaved, on a
-                  balanced Dense stack: the bubble measured by the timeline (tf.timestamp
-                  per task, `PipeliningLayer.RecordTimeline`) next to the schedule's bubble
-                  on unit costs, (K-1)/(M+K-1) or (K-1)/(vM+K-1), and on the measured
-                  per-phase costs (`Timeline.modelled_bubble`), with the latency between
-                  tasks (`Timeline.latency`) and the per-phase times; intra_op=1 and
-                  inter_op=2 threads so the two devices run at once on two cores.
-  C. first step   trace + first run of a fresh process's step over K and M (each in its
-                  own subprocess), against the goal of 8 s at K=8, M=64.
+K=2 (--bubble_k), M=1/2/4/8 fill-drain and K=2 x v=2 interleaved, on a balanced Dense
+stack: the bubble measured by the timeline (tf.timestamp per task,
+`PipeliningLayer.RecordTimeline`) next to the schedule's bubble on unit costs,
+(K-1)/(M+K-1) or (K-1)/(vM+K-1), and on the measured per-phase costs
+(`Timeline.modelled_bubble`), with the latency between tasks (`Timeline.latency`) and the
+per-phase times; intra_op=1 and inter_op=2 threads so the two devices run at once on two
+cores. The time to the first step is first_step_benchmark.py's.
 
 Run (from the repository root):
-    PYTHONPATH=. python benchmarks/timeline_benchmark.py                  # ~10-15 minutes
-    PYTHONPATH=. python benchmarks/timeline_benchmark.py --sections=A     # ~5-10 minutes
+    PYTHONPATH=. python benchmarks/timeline_benchmark.py                  # ~5-10 minutes
     PYTHONPATH=. python benchmarks/timeline_benchmark.py --quick          # ~2 minutes
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
-import time
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
-FIRST_STEP_GRID = {'full': [(2, 4), (4, 16), (8, 32), (8, 64)], 'quick': [(2, 4), (8, 64)]}
-FIRST_STEP_GOAL = 8.0  # seconds, K=8 M=64 (issue 8)
 BUBBLE_MICRO = (1, 2, 4, 8)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     ap.add_argument('--quick', action='store_true')
-    ap.add_argument('--sections', default='A,C')
-    ap.add_argument('--first_step_child', default=None,
-                    help='internal: K,M; prints one JSON line')
-    ap.add_argument('--width', type=int, default=None, help='A: Dense width (default 1024; '
+    ap.add_argument('--width', type=int, default=None, help='Dense width (default 1024; '
                     '--quick 512)')
-    ap.add_argument('--layers', type=int, default=8, help='A: Dense layers')
-    ap.add_argument('--batch', type=int, default=None, help='A: batch (default 512; --quick 256)')
-    ap.add_argument('--rounds', type=int, default=None, help='A: rounds (default 12; --quick 4)')
-    ap.add_argument('--bubble_k', default='2', help='A: comma list of K (K=4 needs 4 of the '
+    ap.add_argument('--layers', type=int, default=8, help='Dense layers')
+    ap.add_argument('--batch', type=int, default=None, help='batch (default 512; --quick 256)')
+    ap.add_argument('--rounds', type=int, default=None, help='rounds (default 12; --quick 4)')
+    ap.add_argument('--bubble_k', default='2', help='comma list of K (K=4 needs 4 of the '
                     '8 logical CPUs; on 2 cores they cannot all compute at once)')
     ap.add_argument('--intra_op_threads', type=int, default=1)
     ap.add_argument('--inter_op_threads', type=int, default=2)
     args = ap.parse_args(argv)
-    args.sections = set(args.sections.split(','))
     args.width = args.width or (512 if args.quick else 1024)
     args.batch = args.batch or (256 if args.quick else 512)
     args.rounds = args.rounds or (4 if args.quick else 12)
@@ -103,22 +89,6 @@ def build(num_layers: int, width: int, batch: int, k: int, m: int, record: bool 
     return step, recorders
 
 
-def first_step_child(spec: str) -> None:
-    k, m = spec.split(',')
-    step, _ = build(16, 256, 256, int(k), int(m))
-    t0 = time.perf_counter()
-    step.get_concrete_function()
-    traced = time.perf_counter() - t0
-    float(step())
-    first = time.perf_counter() - t0
-    later = []
-    for _ in range(3):
-        t1 = time.perf_counter()
-        float(step())
-        later.append(time.perf_counter() - t1)
-    print(json.dumps(dict(trace=traced, first=first, later=statistics.median(later))))
-
-
 def _quartiles(values: list) -> tuple[float, float, float]:
     if len(values) < 2:
         return values[0], values[0], values[0]
@@ -156,7 +126,7 @@ def section_bubble(args) -> None:
             _, stamps = step()
             lines[name].append(timeline.Timeline.from_stamps(recorders[0], stamps.numpy()))
         loads.append(os.getloadavg()[0])
-    print(f'\nA: bubble, {depth} x Dense({width}), batch {batch}, recompute always, '
+    print(f'\nbubble, {depth} x Dense({width}), batch {batch}, recompute always, '
           f'{args.rounds} rounds; load average per round: ' + ' '.join(f'{v:.1f}' for v in loads))
     print('   unit: the schedule on unit costs ((K-1)/(M+K-1), interleaved (K-1)/(vM+K-1)); '
           'costs: the same schedule on the measured per-phase medians, no time between '
@@ -213,34 +183,9 @@ def _print_table(header: list, rows: list) -> None:
         print('  '.join(str(v).ljust(w) for v, w in zip(r, widths)), flush=True)
 
 
-def section_first_step(grid: list, rows: list) -> None:
-    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get('PYTHONPATH', ''))
-    for k, m in grid:
-        out = subprocess.run([sys.executable, __file__, f'--first_step_child={k},{m}'],
-                             env=env, capture_output=True, text=True, timeout=1800)
-        if out.returncode != 0:
-            raise RuntimeError(out.stderr[-2000:])
-        r = json.loads(out.stdout.strip().splitlines()[-1])
-        goal = (k, m) == (8, 64)
-        rows.append(['C first step', f'K={k} M={m} (16 x Dense(256), batch 256)',
-                     f'{r["first"]:.1f} s', f'{FIRST_STEP_GOAL:.0f} s' if goal else '', '',
-                     ('PASS' if r['first'] <= FIRST_STEP_GOAL else 'MISS') if goal else '',
-                     f'trace {r["trace"]:.1f} s; later steps {r["later"] * 1e3:.0f} ms'])
-
-
 def main(args) -> int:
-    if args.first_step_child:
-        first_step_child(args.first_step_child)
-        return 0
     load = os.getloadavg()[0]
-    if 'A' in args.sections:
-        section_bubble(args)
-    if 'C' in args.sections:
-        rows = []
-        section_first_step(FIRST_STEP_GRID['quick' if args.quick else 'full'], rows)
-        print('\nC: first step (trace + first run) against the goal')
-        _print_table(['section', 'variant', 'measured', 'reference', 'diff', 'verdict',
-                      'detail'], rows)
+    section_bubble(args)
     print(f'note: 1-min load average {load:.2f} at start, {os.getloadavg()[0]:.2f} at end on '
           f'{os.cpu_count()} cores; intra_op='
           f'{tf.config.threading.get_intra_op_parallelism_threads()}, inter_op='
