@@ -214,7 +214,7 @@ def server_config(num_cpus: Optional[int] = None, intra_op_threads: Optional[int
                   inter_op_threads: Optional[int] = None):
     """The worker server's ConfigProto: `num_cpus` logical CPUs (and no GPU), or else its GPUs.
 
-    Thread pools as the trainer sizes its own (`devices.configure_logical_cpus`):
+    Thread pools by the rule the trainer sizes its own by (`devices.thread_pools`):
     None takes tfpipe's default on logical CPUs (`devices.default_threads`) unless
     TF_NUM_INTRAOP_THREADS / TF_NUM_INTEROP_THREADS are set, and TensorFlow's on
     GPUs; 0 keeps TensorFlow's default. A worker hosts cells like the trainer's
@@ -223,22 +223,17 @@ def server_config(num_cpus: Optional[int] = None, intra_op_threads: Optional[int
     import tensorflow as tf
     from tfpipe import devices
     config = tf.compat.v1.ConfigProto()
-    defaults = (0, 0)
     if num_cpus is not None:
         config.device_count['CPU'] = num_cpus
         config.device_count['GPU'] = 0
-        defaults = devices.default_threads(num_cpus)
-    for name, value, default, env in (
-            ('intra_op_parallelism_threads', intra_op_threads, defaults[0],
-             'TF_NUM_INTRAOP_THREADS'),
-            ('inter_op_parallelism_threads', inter_op_threads, defaults[1],
-             'TF_NUM_INTEROP_THREADS')):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 0):
-            raise ValueError(f'{name}={value!r} must be an int >= 0 (0: TensorFlow\'s default)')
-        chosen = value if value is not None else 0 if os.environ.get(env) else default
-        if chosen:
-            setattr(config, name, chosen)
+    fields = ('intra_op_parallelism_threads', 'inter_op_parallelism_threads')
+    for name, value in zip(fields, (intra_op_threads, inter_op_threads)):
+        if value is not None:
+            devices.check_thread_count(name, value)
+    for name, value in zip(fields, devices.thread_pools(num_cpus, intra_op_threads,
+                                                         inter_op_threads)):
+        if value:
+            setattr(config, name, value)
     return config
 
 

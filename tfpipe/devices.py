@@ -44,6 +44,27 @@ def default_threads(num_logical_cpus: int) -> tuple[int, int]:
     return max(1, cores // max(1, num_logical_cpus)), max(2, cores)
 
 
+def check_thread_count(name: str, value: int) -> None:
+    """A one-line ValueError unless `value` is a thread count (an int >= 0)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f'{name}={value!r} must be an int >= 0 (0: TensorFlow\'s default)')
+
+
+def thread_pools(num_logical_cpus: Optional[int], intra_op_threads: Optional[int],
+                 inter_op_threads: Optional[int], sized: Sequence[int] = (0, 0)
+                 ) -> tuple[int, int]:
+    """The (intra, inter) pool sizes to set, 0 meaning TensorFlow's default.
+
+    A given value wins. None takes `default_threads` on `num_logical_cpus` logical
+    CPUs (TensorFlow's default when None: GPUs), unless TF_NUM_INTRAOP_THREADS /
+    TF_NUM_INTEROP_THREADS are set or the pool is already `sized`, which then win.
+    """
+    defaults = default_threads(num_logical_cpus) if num_logical_cpus is not None else (0, 0)
+    return tuple(value if value is not None else 0 if os.environ.get(env) or now else default
+                 for value, default, now, env in zip((intra_op_threads, inter_op_threads),
+                                                     defaults, sized, _THREAD_ENV))
+
+
 def configure_threads(intra_op_threads: int, inter_op_threads: int) -> None:
     """Sets TensorFlow's thread pools; 0 leaves a pool at TensorFlow's default.
 
@@ -55,8 +76,7 @@ def configure_threads(intra_op_threads: int, inter_op_threads: int) -> None:
                (inter_op_threads, tf.config.threading.get_inter_op_parallelism_threads,
                 tf.config.threading.set_inter_op_parallelism_threads, 'inter_op_threads'))
     for value, get, set_, name in setters:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f'{name}={value!r} must be an int >= 0 (0: TensorFlow\'s default)')
+        check_thread_count(name, value)
         if value == 0 or get() == value:
             continue
         try:
@@ -82,14 +102,9 @@ def configure_logical_cpus(count: int, intra_op_threads: Optional[int] = None,
     Must run before TensorFlow initialises its runtime (before the first op,
     variable or device listing); afterwards it fails with a message saying so.
     """
-    defaults = default_threads(count)
     current = (tf.config.threading.get_intra_op_parallelism_threads(),
                tf.config.threading.get_inter_op_parallelism_threads())
-    threads = [value if value is not None else
-               0 if os.environ.get(env) or now else default
-               for value, default, now, env in zip((intra_op_threads, inter_op_threads),
-                                                   defaults, current, _THREAD_ENV)]
-    configure_threads(*threads)
+    configure_threads(*thread_pools(count, intra_op_threads, inter_op_threads, current))
     cpus = tf.config.list_physical_devices('CPU')
     try:
         tf.config.set_logical_device_configuration(
