@@ -81,22 +81,27 @@ def test_params_override_applies_to_the_model():
         config.balance, config.num_micro_batches, config.recompute, config.schedule)
 
 
-def test_inspect_pipeline_prints_the_best_and_writes_json(tmp_path, data_dir):
+def _inspect_pipeline(tmp_path, data_dir, *flags):
+    """Runs --mode=inspect_pipeline on the fast model for 2 devices: (stdout, JSON report)."""
     logdir = str(tmp_path / 'plan')
     out = trainer_helpers.run(trainer_helpers.FAST, logdir, data_dir, '--mode=inspect_pipeline',
-                              '--num_devices=2', '--device_memory=1GiB')
+                              '--num_devices=2', *flags)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert '--params_override="task.pipeline.num_cells=' in out.stdout
     with open(os.path.join(logdir, 'inspect_pipeline.json')) as f:
-        report = json.load(f)
+        return out.stdout, json.load(f)
+
+
+def test_inspect_pipeline_prints_the_best_and_writes_json(tmp_path, data_dir):
+    stdout, report = _inspect_pipeline(tmp_path, data_dir, '--device_memory=1GiB')
+    assert '--params_override="task.pipeline.num_cells=' in stdout
     assert len(report['layers']) == 5
     assert report['best']['num_cells'] <= 2 and report['best']['fits']
-    assert report['params_override'] in out.stdout
+    assert report['params_override'] in stdout
     # Planned for local CPUs: calibrated on measured steps of the configured [3, 2], M=2,
     # of the same with M=4, which tells the per-call part of compute apart, and of one cell,
     # which tells how many logical CPUs really run at once, under both recompute policies.
     runs = 'K=2 M=2 always, K=2 M=4 always, K=1 M=2 always, K=1 M=2 never'
-    assert f'costs: measured on 5 steps each of {runs}' in out.stdout
+    assert f'costs: measured on 5 steps each of {runs}' in stdout
     calibration = report['calibration']
     assert calibration['source'].startswith(f'5 steps each of {runs}')
     assert 1 <= calibration['parallelism'] <= os.cpu_count()
@@ -106,13 +111,10 @@ def test_inspect_pipeline_prints_the_best_and_writes_json(tmp_path, data_dir):
 
 
 def test_inspect_pipeline_for_other_devices_uses_the_profile_alone(tmp_path, data_dir):
-    logdir = str(tmp_path / 'plan')
-    out = trainer_helpers.run(trainer_helpers.FAST, logdir, data_dir, '--mode=inspect_pipeline',
-                              '--num_devices=2', '--device_profile=speed=4,bandwidth=1e9')
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert 'costs: per-layer compute profiled' in out.stdout
-    with open(os.path.join(logdir, 'inspect_pipeline.json')) as f:
-        assert json.load(f)['calibration']['source'] == 'profiled only'
+    stdout, report = _inspect_pipeline(tmp_path, data_dir,
+                                       '--device_profile=speed=4,bandwidth=1e9')
+    assert 'costs: per-layer compute profiled' in stdout
+    assert report['calibration']['source'] == 'profiled only'
 
 
 def test_inspect_pipeline_with_no_fitting_config_exits_2_and_writes_nothing(tmp_path, data_dir):
