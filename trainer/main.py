@@ -14,13 +14,11 @@ with status 2 and a one-line error, before anything is written to --logdir.
 """
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import sys
-import threading
 
-from absl import app, flags, logging
+from absl import app, flags
 
 from trainer import logdir_access
 
@@ -148,29 +146,54 @@ def _run_inspect_mode(params) -> int:
 
 
 def main(argv) -> int:
+    """The binary in named steps: each mode returns its exit status."""
     del argv
-    if FLAGS.list_models:
-        import model_registry
-        print('\n'.join(model_registry.list_models()))
-        return 0
     from tfpipe import cluster as cluster_lib
+    if FLAGS.list_models:
+        return _list_models()
     cluster = cluster_lib.from_flags(FLAGS.cluster_spec, FLAGS.job, FLAGS.task, os.environ)
     if cluster is not None and cluster.task_type == cluster_lib.WORKER:
-        from trainer import worker_job
-        return worker_job.serve(cluster, FLAGS.run_locally, FLAGS.num_logical_cpus,
-                                FLAGS.intra_op_threads, FLAGS.inter_op_threads)
-    if not FLAGS.model:
-        raise UsageError('--model is required: pick one of --list_models')
-    if FLAGS.mode == 'sync' and not FLAGS.logdir:
-        raise UsageError('--logdir is required: the directory for checkpoints and summaries')
+        return _serve_worker(cluster)
+    _check_required_flags()
     jobs = _parse_jobs(FLAGS.job)
     if FLAGS.mode == 'sync':
         logdir_access.check_directory(FLAGS.logdir, '--logdir')
     _configure_devices()
+    params, options = _load_params_and_options()
+    if FLAGS.mode == 'inspect_params':
+        print(params.ToText())
+        return 0
+    if cluster is not None:
+        cluster_lib.connect(cluster, FLAGS.cluster_wait_seconds)
+    if FLAGS.mode != 'sync':
+        return _run_inspect_mode(params)
+    return _run_jobs(params, options, jobs, cluster)
+
+
+def _list_models() -> int:
+    import model_registry
+    print('\n'.join(model_registry.list_models()))
+    return 0
+
+
+def _serve_worker(cluster) -> int:
+    from trainer import worker_job
+    return worker_job.serve(cluster, FLAGS.run_locally, FLAGS.num_logical_cpus,
+                            FLAGS.intra_op_threads, FLAGS.inter_op_threads)
+
+
+def _check_required_flags() -> None:
+    if not FLAGS.model:
+        raise UsageError('--model is required: pick one of --list_models')
+    if FLAGS.mode == 'sync' and not FLAGS.logdir:
+        raise UsageError('--logdir is required: the directory for checkpoints and summaries')
+
+
+def _load_params_and_options():
+    """The model's params with every override applied, and the runtime options of the flags."""
     import tensorflow_datasets as tfds
     tfds.disable_progress_bar()
-    from trainer import eval_jobs, experiment, train_job
-
+    from trainer import experiment, train_job
     params = experiment.load_params(FLAGS.model, FLAGS.params_override,
                                     FLAGS.params_file_override, FLAGS.gin_file,
                                     FLAGS.gin_bindings)
@@ -184,85 +207,22 @@ def main(argv) -> int:
                              'step >= 1 (1 is the first training step)')
         options.pipeline_trace_step = FLAGS.pipeline_trace_step
     _set_data_dir(params)
-    if cluster is not None and FLAGS.mode != 'inspect_params':
-        cluster_lib.connect(cluster, FLAGS.cluster_wait_seconds)
-    if FLAGS.mode == 'inspect_params':
-        print(params.ToText())
-        return 0
-    if FLAGS.mode != 'sync':
-        return _run_inspect_mode(params)
+    return params, options
+
+
+def _run_jobs(params, options, jobs: list[str], cluster) -> int:
+    """--mode=sync: build every job (validating all), claim their dirs, then run them."""
+    from trainer import job_runner
     logdir = FLAGS.logdir
-    experiment.check_logdir(logdir, FLAGS.model)
-    train_dir = train_job.train_dir_of(logdir)
-    saved = experiment.saved_train_params(train_dir, params)
-    if 'trainer' in jobs:
-        experiment.check_resumable(saved, params, train_dir)
-    max_steps = options.max_steps or params.task.train.max_steps
-    latest_start = experiment.saved_train_params(train_dir, params,
-                                                 experiment.ATTEMPT_PARAMS_FILE) or saved
-    if 'trainer' not in jobs and options.max_steps is None and latest_start is not None:
-        max_steps = latest_start.task.train.max_steps  # stop where this logdir's trainer stops
-
-    # Build (and so validate) every job before writing anything to the logdir.
-    built = []
-    trainer_done = threading.Event()
-    for job in jobs:
-        if job == 'trainer':
-            trainer = train_job.Trainer(params, train_dir, options)
-            trainer.restore_latest()
-            built.append((job, trainer))
-        else:
-            kind, split = job.split('_', 1)
-            if FLAGS.job is None and split not in params.input or \
-                    FLAGS.job is None and params.input.Get(split) is None:
-                continue  # the default job list skips splits the model does not define
-            cls = eval_jobs.Evaler if kind == 'evaler' else eval_jobs.Decoder
-            stop = trainer_done.is_set if 'trainer' in jobs else (lambda: False)
-            built.append((job, cls(params, split, logdir, max_steps,
-                                   options.eval_poll_max_seconds,
-                                   options.eval_idle_timeout_seconds, should_stop=stop)))
-    locks = []  # held until the process ends: one live job per job dir
-    for job, runner in built:
-        job_dir = (runner.train_dir if job == 'trainer' else runner.job_dir)
-        locks.append(logdir_access.JobDirLock(job_dir, job).acquire())  # the first write
-    for job, runner in built:
-        if job == 'trainer':
-            runner.restore_latest()  # again: a trainer that held the lock may have saved since
-            experiment.write_job_files(logdir, runner.train_dir, FLAGS.model, params,
-                                       experiment.ATTEMPT_PARAMS_FILE)
-        else:
-            experiment.write_job_files(logdir, runner.job_dir, FLAGS.model, params)
-
-    errors = []
-
-    def run_in_thread(job, runner):
-        try:
-            runner.run()
-        except Exception as e:  # noqa: BLE001 - reported by the main thread
-            logging.exception('%s failed', job)
-            errors.append(f'{job}: {e}')
-
-    threads = [threading.Thread(target=run_in_thread, args=item, daemon=True)
-               for item in built if item[0] != 'trainer']
-    for thread in threads:
-        thread.start()
-    trainers = [runner for job, runner in built if job == 'trainer']
-    watchdog = cluster_lib.Watchdog(
-        cluster, heartbeat=(lambda: trainers[0].heartbeat) if trainers else None,
-        step_timeout=options.step_timeout_seconds) if cluster else contextlib.nullcontext()
-    try:
-        with watchdog:
-            for job, runner in built:
-                if job == 'trainer':
-                    runner.run()
-    finally:
-        trainer_done.set()
-    for thread in threads:
-        thread.join()
-    if errors:
-        print('error: ' + '; '.join(errors), file=sys.stderr)
-        return 1
-    return 0
+    built = job_runner.build_jobs(params, options, jobs, logdir, FLAGS.model,
+                                  default_jobs=FLAGS.job is None)
+    # The first write to the logdir. The locks are held while the jobs run: one live job
+    # per job dir (a lock lives in its open file, which garbage collection would close).
+    locks = job_runner.claim_job_dirs(built, logdir, FLAGS.model, params)
+    code = job_runner.run_jobs(built, cluster, options)
+    for lock in locks:
+        lock.release()
+    return code
 
 
 def _main_with_errors(argv) -> None:
