@@ -22,16 +22,25 @@ WIDTH = 1200
 
 
 class Interval(Protocol):
-    label: Label
-    start: float  # seconds from the chart's origin
-    end: float
+    @property
+    def label(self) -> Label: ...
+
+    @property
+    def start(self) -> float: ...  # seconds from the chart's origin
+
+    @property
+    def end(self) -> float: ...
 
 
 class Chart(Protocol):
     """What the drawing reads of a timeline (`tfpipe.tuning.timeline.Timeline`), which
     imports this module to draw itself: so this one names no timeline class."""
-    devices: list[str]
-    events: Sequence[Interval]
+
+    @property
+    def devices(self) -> Sequence[str]: ...
+
+    @property
+    def events(self) -> Sequence[Interval]: ...
 
     @property
     def span(self) -> float: ...
