@@ -105,7 +105,8 @@ from tfpipe import devices as devices_lib  # noqa: E402
 from tfpipe import fprop_context, layers, optimizers  # noqa: E402
 from tfpipe.base_layer import flatten_by_path  # noqa: E402
 from trainer.train_job import guarded_update  # noqa: E402
-from tfpipe.pipeline import partition, schedule, trace  # noqa: E402
+from tfpipe.pipeline import partition, schedule  # noqa: E402
+from tfpipe.tuning import trace  # noqa: E402
 
 # --- Runtime configuration: must happen before TensorFlow initialises. -------------------
 if ARGS.pin_threads == 'on':

@@ -71,8 +71,8 @@ def model_params(name: str, data_dir: str):
 
 def predict_section(args) -> None:
     import tensorflow as tf
-    from tfpipe.pipeline import planner
-    from tfpipe.pipeline.calibration import MeasuredRun
+    from tfpipe.tuning import planner
+    from tfpipe.tuning.calibration import MeasuredRun
     from trainer import inspect_modes, train_job
 
     rounds, steps = (3, 3) if args.quick else (5, 6)
@@ -186,7 +186,7 @@ PAPER_TABLE2 = {
 def table2_section(args) -> None:
     import tensorflow as tf
     from tfpipe.bodies import amoebanet_body, transformer_body
-    from tfpipe.pipeline import planner, profile
+    from tfpipe.tuning import planner, profile
 
     batch, size, blocks, dim = (32, 16, 4, 64) if args.quick else (64, 32, 16, 128)
     bodies = {

@@ -39,7 +39,8 @@ import tensorflow as tf  # noqa: E402
 
 import tfpipe  # noqa: E402
 from tfpipe import fprop_context, layers  # noqa: E402
-from tfpipe.pipeline import partition, schedule, timeline  # noqa: E402
+from tfpipe.pipeline import partition, schedule  # noqa: E402
+from tfpipe.tuning import timeline  # noqa: E402
 from tfpipe.pipeline.pipelining_layer import SCHEDULES  # noqa: E402
 
 tf.get_logger().setLevel('ERROR')  # one tf.function per variant is intended

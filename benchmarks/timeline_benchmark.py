@@ -52,7 +52,8 @@ tf.get_logger().setLevel('ERROR')
 
 import tfpipe  # noqa: E402
 from tfpipe import fprop_context, layers  # noqa: E402
-from tfpipe.pipeline import partition, timeline  # noqa: E402
+from tfpipe.pipeline import partition  # noqa: E402
+from tfpipe.tuning import timeline  # noqa: E402
 
 # Single-threaded ops and two inter-op threads (as pipeline_benchmark.py): the two devices of
 # K=2 each get a core of this 2-core host and really run at the same time.

@@ -13,7 +13,7 @@ from tests import model_zoo as mz
 from tests import test_pipeline_placement as placement
 from tfpipe import fprop_context, layers
 from tfpipe.layers.dropout import stateless_uniform_slice
-from tfpipe.pipeline import trace
+from tfpipe.tuning import trace
 
 STEP = 7
 CALL_OPS = ('StatefulPartitionedCall', 'PartitionedCall')

@@ -14,7 +14,7 @@ import keras
 import tensorflow as tf
 
 import tfpipe.keras as tk
-from tfpipe.pipeline import trace
+from tfpipe.tuning import trace
 
 EPOCHS = 2
 GRID = [(k, m) for k in (1, 2, 4) for m in (1, 2, 4)]

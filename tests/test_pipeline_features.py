@@ -6,7 +6,8 @@ import tensorflow as tf
 import tfpipe
 from tests import model_zoo as mz
 from tfpipe import fprop_context, layers
-from tfpipe.pipeline import costs, partition, trace
+from tfpipe.pipeline import costs, partition
+from tfpipe.tuning import trace
 
 
 def test_dropout_recompute_draws_the_forward_mask():

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tests import model_zoo as mz
 from tfpipe import fprop_context
-from tfpipe.pipeline import trace
+from tfpipe.tuning import trace
 
 K, M = 4, 2
 CALL_OPS = ('StatefulPartitionedCall', 'PartitionedCall')

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from tests import model_zoo as mz
 from tfpipe import fprop_context
-from tfpipe.pipeline.trace import ops_per_device
+from tfpipe.tuning.trace import ops_per_device
 
 STEP = 3
 LR = 0.1

@@ -12,7 +12,7 @@ import tensorflow as tf
 import tfpipe
 from tests import model_zoo as mz
 from tfpipe.pipeline import partition
-from tfpipe.pipeline.trace import ops_per_device
+from tfpipe.tuning.trace import ops_per_device
 
 RECOMPUTE = ['always', 'except_last', 'never']
 ZB_SIZES = [(k, m) for k in (2, 4) for m in (2, 4, 5)]

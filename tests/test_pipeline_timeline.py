@@ -12,7 +12,9 @@ from PIL import Image
 from tests import model_zoo as mz
 from tests import trainer_helpers as th
 from tfpipe import fprop_context
-from tfpipe.pipeline import gantt, schedule, timeline
+from tfpipe.pipeline import recorder as recorder_lib
+from tfpipe.pipeline import schedule
+from tfpipe.tuning import gantt, timeline
 
 M = 3
 LR = 0.1
@@ -178,7 +180,7 @@ CPU = '/job:localhost/replica:0/task:0/device:CPU:'
 
 
 def _event(cell, micro_batch, phase, start, end, devices=2):
-    label = timeline.Label(CPU + str(cell % devices), cell, micro_batch, phase)
+    label = recorder_lib.Label(CPU + str(cell % devices), cell, micro_batch, phase)
     return timeline.Event(label, start, end)
 
 
@@ -232,7 +234,7 @@ SCHEDULE_BUILDERS = {
 
 
 def test_stamps_of_another_step_are_rejected(recorded):
-    recorder = timeline.Recorder()
+    recorder = recorder_lib.Recorder()
     with pytest.raises(ValueError, match='recorder.stamps'):
         timeline.Timeline.from_stamps(recorder, np.zeros([4, 2]))
 

@@ -6,10 +6,10 @@ import os
 import pytest
 
 from tests import trainer_helpers
-from tfpipe.pipeline import planner, simulator
-from tfpipe.pipeline.calibration import Calibration, MeasuredRun, calibrate
-from tfpipe.pipeline.profile import Affine, LayerProfile
-from tfpipe.pipeline.timeline import Timeline
+from tfpipe.tuning import planner, simulator
+from tfpipe.tuning.calibration import Calibration, MeasuredRun, calibrate
+from tfpipe.tuning.profile import Affine, LayerProfile
+from tfpipe.tuning.timeline import Timeline
 
 
 def _layers(n=8, param_bytes=1e6, activation=1e4):
@@ -162,7 +162,8 @@ def _measured_timeline(layers, balance, m, batch, calibration, parallelism=None,
                        recompute='never'):
     """A timeline as the recorder would measure the simulated step: each task's per-task
     overhead shows as the device's idle time before its event."""
-    from tfpipe.pipeline.timeline import Event, Label, Timeline
+    from tfpipe.pipeline.recorder import Label
+    from tfpipe.tuning.timeline import Event, Timeline
     costs = planner.cell_costs(layers, balance, m, batch, recompute, calibration)
     result = simulator.simulate(planner.SCHEDULES['fill_drain'](len(balance), m), costs,
                                 calibration.device(simulator.DeviceModel(

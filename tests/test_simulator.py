@@ -3,7 +3,8 @@ from fractions import Fraction
 
 import pytest
 
-from tfpipe.pipeline import schedule, simulator
+from tfpipe.pipeline import schedule
+from tfpipe.tuning import simulator
 from tfpipe.pipeline.schedule import BACKWARD, FORWARD, Task
 
 SCHEDULES = [schedule.fill_drain, schedule.one_f_one_b]
@@ -131,7 +132,8 @@ def test_several_cells_per_device_run_in_order_on_that_device():
 def _events(result, num_devices, gap=0.0):
     """The simulated tasks as measured timeline events; each task's first `gap` seconds
     (a per-task overhead) show as idle time before its event, as dispatch does."""
-    from tfpipe.pipeline.timeline import Event, Label
+    from tfpipe.pipeline.recorder import Label
+    from tfpipe.tuning.timeline import Event
     return [Event(Label(f'CPU:{t.cell % num_devices}', t.cell, t.micro_batch, t.phase),
                   float(result.start[t]) + gap, float(result.end[t])) for t in result.start]
 

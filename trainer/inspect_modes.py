@@ -16,8 +16,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfpipe.hyperparams import Params
-from tfpipe.pipeline import planner, profile
-from tfpipe.pipeline.calibration import Calibration, MeasuredRun, calibrate
+from tfpipe.tuning import planner, profile
+from tfpipe.tuning.calibration import Calibration, MeasuredRun, calibrate
 from tfpipe.pipeline.cell import recompute_flags
 from tfpipe.pipeline.partition import cell_ranges
 
@@ -79,7 +79,7 @@ CALIBRATION_STEPS = 5
 def timed_steps(trainer, batch, steps: int) -> tuple[list, list[float]]:
     """Timelines of `steps` recorded training steps and wall seconds of as many unrecorded
     ones, alternating, so both see the same load. `trainer` is warmed up already."""
-    from tfpipe.pipeline import timeline
+    from tfpipe.tuning import timeline
 
     lines, walls = [], []
     for _ in range(steps):

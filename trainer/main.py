@@ -125,7 +125,7 @@ def _set_data_dir(params) -> None:
 def _run_inspect_mode(params) -> int:
     """inspect_model / inspect_pipeline / check_pipeline (trainer/inspect_modes.py)."""
     import tensorflow as tf
-    from tfpipe.pipeline import planner
+    from tfpipe.tuning import planner
     from trainer import inspect_modes
     if FLAGS.mode == 'inspect_model':
         inspect_modes.inspect_model(params)

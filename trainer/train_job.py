@@ -34,7 +34,8 @@ from tfpipe import checkpoints, fprop_context
 from tfpipe.base_layer import flatten_by_path
 from tfpipe.hyperparams import Params
 from tfpipe.optimizers import BaseOptimizer, clip_by_global_norm
-from tfpipe.pipeline import timeline
+from tfpipe.pipeline.recorder import Recorder
+from tfpipe.tuning import timeline
 from trainer import experiment
 
 
@@ -155,7 +156,7 @@ class Trainer:
         # (last finished step, when it or a later save finished), None before the first
         # step: what the cluster watchdog reads to tell a frozen worker from a slow step.
         self.heartbeat: Optional[tuple[int, float]] = None
-        self._recorder: Optional[timeline.Recorder] = None
+        self._recorder: Optional[Recorder] = None
 
     def restore_latest(self) -> int:
         """Restores the newest complete checkpoint, if any; returns the global step.

@@ -45,8 +45,8 @@ import tensorflow as tf
 from tfpipe import fprop_context
 from tfpipe.pipeline import accumulate, portals
 from tfpipe.pipeline.cell import Cell
-from tfpipe.pipeline.schedule import BACKWARD, BACKWARD_INPUT, FORWARD, Task
-from tfpipe.pipeline.timeline import RECOMPUTE, Recorder
+from tfpipe.pipeline.recorder import Recorder
+from tfpipe.pipeline.schedule import BACKWARD, BACKWARD_INPUT, FORWARD, RECOMPUTE, Task
 
 OnOutput = Callable[[int, Any], Optional[list]]
 

@@ -37,7 +37,7 @@ import tensorflow as tf
 from tfpipe import devices as devices_lib
 from tfpipe import fprop_context
 from tfpipe.base_layer import BaseLayer, body_meta
-from tfpipe.pipeline import costs, microbatch, partition, replicas, schedule, ties, timeline
+from tfpipe.pipeline import costs, microbatch, partition, recorder, replicas, schedule, ties
 from tfpipe.pipeline.cell import RECOMPUTE_POLICIES, Cell, cell_dtypes, recompute_flags
 from tfpipe.pipeline.cell_functions import FunctionalPipelineRun
 from tfpipe.pipeline.executor import PipelineRun, float_leaves, is_differentiable
@@ -181,7 +181,7 @@ class PipeliningLayer(BaseLayer):
         self.replica_cells = [self.cells] + [
             replicas.mirror_cells(self, p, self.balance, devices, flags, self.ties)
             for devices in self.replica_devices[1:]]
-        self._recorder: timeline.Recorder | None = None
+        self._recorder: recorder.Recorder | None = None
 
     def _Balance(self) -> list[int]:
         p = self.params
@@ -236,16 +236,16 @@ class PipeliningLayer(BaseLayer):
         replicas.sync(self.ReplicaVariablesByPath())
 
     @contextlib.contextmanager
-    def RecordTimeline(self) -> Iterator[timeline.Recorder]:
+    def RecordTimeline(self) -> Iterator[recorder.Recorder]:
         """Stamps every task of the steps built inside (within a tf.function).
 
         Return `recorder.stamps()` from the function and read the result with
-        `timeline.Timeline.from_stamps`. The stamps only add control dependencies,
-        so the step computes the same values.
+        `tfpipe.tuning.timeline.Timeline.from_stamps`. The stamps only add control
+        dependencies, so the step computes the same values.
         """
         if self._recorder is not None:
             raise ValueError(f'{self.path}: RecordTimeline() is already active; do not nest it')
-        self._recorder = timeline.Recorder()
+        self._recorder = recorder.Recorder()
         try:
             yield self._recorder
         finally:

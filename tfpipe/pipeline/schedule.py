@@ -33,6 +33,9 @@ FORWARD = 'forward'
 BACKWARD = 'backward'
 BACKWARD_INPUT = 'backward_input'
 BACKWARD_WEIGHT = 'backward_weight'
+# Not a task of any schedule: a recomputing cell replays its forward at the start of its
+# backward task; the recorder and the simulator name that part of the backward RECOMPUTE.
+RECOMPUTE = 'recompute'
 _PHASES = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
 _FUSED = (FORWARD, BACKWARD)
 _SPLIT = (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)

@@ -16,9 +16,10 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from tfpipe.pipeline import partition, schedule, simulator
+from tfpipe.pipeline import partition, schedule
+from tfpipe.tuning import simulator
 from tfpipe.pipeline.cell import recompute_flags
-from tfpipe.pipeline.profile import LayerProfile
+from tfpipe.tuning.profile import LayerProfile
 from tfpipe.pipeline.schedule import BACKWARD, FORWARD
 
 SCHEDULES = {'fill_drain': schedule.fill_drain, '1f1b': schedule.one_f_one_b}
@@ -133,7 +134,7 @@ def cell_costs(profiles: Sequence[LayerProfile], balance: Sequence[int],
         time = {FORWARD: keep * calibration.forward_time(forward, forward_fixed) + overhead,
                 BACKWARD: keep * calibration.backward_time(backward, backward_fixed) + overhead}
         if recomputes:  # runs inside the backward task, calibrated with it
-            time[simulator.RECOMPUTE] = calibration.backward_time(forward, forward_fixed)
+            time[schedule.RECOMPUTE] = calibration.backward_time(forward, forward_fixed)
         cells.append(simulator.CellCosts(
             time=time, static_bytes=2 * params + sum(p.slot_bytes for p in layers),
             stash_bytes=cell_input if recomputes else activations,

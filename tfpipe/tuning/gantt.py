@@ -7,12 +7,11 @@ micro-batches so neighbouring tasks stay distinguishable; idle time is white.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol, Sequence
 
 from PIL import Image, ImageDraw, ImageFont
 
-if TYPE_CHECKING:
-    from tfpipe.pipeline.timeline import Timeline
+from tfpipe.pipeline.recorder import Label
 
 COLORS = {'forward': ((31, 119, 180), (114, 168, 207)),
           'recompute': ((255, 127, 14), (255, 178, 110)),
@@ -22,7 +21,32 @@ ROW_HEIGHT, ROW_GAP, LEFT, RIGHT, TOP, BOTTOM = 28, 8, 120, 20, 34, 40
 WIDTH = 1200
 
 
-def write_png(timeline: 'Timeline', path: str, title: str = '') -> None:
+class Interval(Protocol):
+    @property
+    def label(self) -> Label: ...
+
+    @property
+    def start(self) -> float: ...  # seconds from the chart's origin
+
+    @property
+    def end(self) -> float: ...
+
+
+class Chart(Protocol):
+    """What the drawing reads of a timeline (`tfpipe.tuning.timeline.Timeline`), which
+    imports this module to draw itself: so this one names no timeline class."""
+
+    @property
+    def devices(self) -> Sequence[str]: ...
+
+    @property
+    def events(self) -> Sequence[Interval]: ...
+
+    @property
+    def span(self) -> float: ...
+
+
+def write_png(timeline: Chart, path: str, title: str = '') -> None:
     rows = len(timeline.devices)
     height = TOP + rows * (ROW_HEIGHT + ROW_GAP) + BOTTOM
     image = Image.new('RGB', (WIDTH, height), 'white')

@@ -27,10 +27,9 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 from tfpipe.pipeline import schedule as schedule_lib
 from tfpipe.pipeline.schedule import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD,
-                                      Schedule, Task)
+                                      RECOMPUTE, Schedule, Task)
 
 Number = Union[float, Fraction]
-RECOMPUTE = 'recompute'
 
 
 @dataclasses.dataclass

@@ -15,10 +15,11 @@ import os
 import re
 from typing import Optional, Sequence
 
-from tfpipe.pipeline import schedule, simulator
-from tfpipe.pipeline.calibration import SCHEDULES, Calibration, balance_for, cell_costs, simulate
+from tfpipe.pipeline import schedule
+from tfpipe.tuning import simulator
+from tfpipe.tuning.calibration import SCHEDULES, Calibration, balance_for, cell_costs, simulate
 from tfpipe.pipeline.cell import RECOMPUTE_POLICIES
-from tfpipe.pipeline.profile import LayerProfile
+from tfpipe.tuning.profile import LayerProfile
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 _UNITS = {'': 1, 'b': 1, 'k': 1e3, 'kb': 1e3, 'kib': 2**10, 'm': 1e6, 'mb': 1e6, 'mib': 2**20,
