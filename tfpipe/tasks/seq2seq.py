@@ -12,7 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpipe import fprop_context, metrics
-from tfpipe.tasks.base_task import BaseTask
+from tfpipe.tasks.base_task import BaseTask, ServingSignature
 
 
 def _strip(ids, eos_id: int, pad_id: int) -> list[int]:
@@ -70,14 +70,30 @@ class Seq2SeqTask(BaseTask):
 
     def Decode(self, theta, batch):
         src, tgt = batch['src'], batch['tgt']
-        length = tgt.shape[1]
-        hyp = tf.zeros_like(tgt)
         with fprop_context.evaluation():
-            for i in range(length):
-                logits = self.ComputePredictions(theta, {'src': src, 'tgt': hyp})
-                step_ids = tf.argmax(logits[:, src.shape[1] + i, :], -1, output_type=tgt.dtype)
-                hyp = tf.concat([hyp[:, :i], step_ids[:, None], hyp[:, i + 1:]], axis=1)
+            hyp = self._GreedyDecode(
+                lambda b: self.ComputePredictions(theta, b), src, tf.zeros_like(tgt))
         return {'src': src, 'tgt': tgt, 'hyp': hyp}
+
+    def _GreedyDecode(self, predict, src, hyp):
+        """Fills `hyp` (zeros, the target's shape) one position at a time with the argmax
+        of `predict` (batch -> logits) given the positions before it."""
+        for i in range(hyp.shape[1]):
+            logits = predict({'src': src, 'tgt': hyp})
+            step_ids = tf.argmax(logits[:, src.shape[1] + i, :], -1, output_type=hyp.dtype)
+            hyp = tf.concat([hyp[:, :i], step_ids[:, None], hyp[:, i + 1:]], axis=1)
+        return hyp
+
+    def ServingSignatures(self, features):
+        """serving_default: src int32 [batch, S] (token ids, padded with pad_id) -> ids
+        int32 [batch, T], the greedy decoding (the decoder's hyp; cut at the first eos_id)."""
+        src_spec, tgt_spec = features['src'], features['tgt']
+
+        def serve(src):
+            hyp = tf.zeros([tf.shape(src)[0], tgt_spec.shape[0]], tgt_spec.dtype)
+            return {'ids': self._GreedyDecode(self.ServingPredictions, src, hyp)}
+        src = tf.TensorSpec([None, *src_spec.shape], src_spec.dtype, name='src')
+        return {'serving_default': ServingSignature({'src': src}, serve)}
 
     def PostProcessDecodeOut(self, decode_out):
         p = self.params
