@@ -260,8 +260,9 @@ def test_a_task_without_signatures_is_refused_before_writing(trained_4_steps, da
     params.task.cls = _NoSignatureClassifier
     with pytest.raises(ValueError, match=r'^task _NoSignatureClassifier has no export '
                                          r'signature: define ServingSignatures\(\)'):
-        export_mode.run(params, trained_4_steps.logdir, th.FAST, None,
-                        str(tmp_path / 'out' / 'model'), export.ONE_DEVICE, False)
+        export.export(params.task, export.feature_specs(params.input.train),
+                      os.path.join(trained_4_steps.logdir, 'train', 'ckpt-4'),
+                      str(tmp_path / 'out' / 'model'))
     assert os.listdir(tmp_path) == []
 
 
