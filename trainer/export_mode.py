@@ -32,7 +32,6 @@ def run(params: Params, logdir: str, model: str, checkpoint: Optional[str],
     saved = experiment.saved_train_params(train_dir, params)
     task_params = (saved or params).task
     target = export_dir or os.path.join(logdir, EXPORT_SUBDIR, str(checkpoints.step_of(path)))
-    export.check_target(os.path.abspath(target), overwrite)
     features = export.feature_specs(params.input.train)
     return export.export(task_params, features, path, target, placement, overwrite)
 

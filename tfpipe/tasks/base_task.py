@@ -141,10 +141,10 @@ class BaseTask(BaseLayer):
         batch size; a served request has none. In evaluation mode the result is
         FProp's (each example's computation does not depend on the cut).
         """
-        x = self.PipelineInputs(batch)
+        x, theta = self.PipelineInputs(batch), self.pipe.theta
         for cell in self.pipe.cells:
             with tf.device(cell.device):
-                x = cell.forward(cell.read_theta(self.theta['pipe']), x)
+                x = cell.forward(cell.read_theta(theta), x)
         return x
 
     def ForwardBackward(self, theta: dict, batch: dict) -> tuple[tf.Tensor, dict | list[dict]]:
