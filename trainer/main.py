@@ -30,11 +30,20 @@ flags.DEFINE_string('logdir', None, 'Directory of checkpoints, summaries and job
 flags.DEFINE_string('job', None, 'trainer | evaler_<split> | decoder_<split>, or a comma list; '
                     'default: trainer plus evaler_dev and decoder_test in threads.')
 flags.DEFINE_enum('mode', 'sync', ['sync', 'inspect_params', 'inspect_model',
-                                   'inspect_pipeline', 'check_pipeline'],
+                                   'inspect_pipeline', 'check_pipeline', 'export'],
                   'sync: run the jobs; inspect_params: print the params tree; inspect_model: '
                   'the partition, devices, variables and bytes per cell; inspect_pipeline: '
                   'profile the layers and recommend K, balance, M, recompute; check_pipeline: '
-                  'one step as configured vs K=1 (exit 1 beyond 1e-5 relative).')
+                  'one step as configured vs K=1 (exit 1 beyond 1e-5 relative); export: a '
+                  'checkpoint as a SavedModel (docs/export.md).')
+flags.DEFINE_string('checkpoint', None, 'export: the checkpoint to export, e.g. ckpt-300; '
+                    'default: the newest.')
+flags.DEFINE_string('export_dir', None, 'export: where to write the SavedModel; default: '
+                    '<logdir>/export/<step>.')
+flags.DEFINE_bool('overwrite', False, 'export: replace an --export_dir that is not empty.')
+flags.DEFINE_enum('export_placement', 'one_device', ['one_device', 'pipelined'],
+                  'export: one_device runs the body as one cell with no device names (the '
+                  'loader places it); pipelined keeps the K cells on their devices.')
 flags.DEFINE_enum('run_locally', None, ['cpu', 'gpu'], 'Devices of this process; default: gpu '
                   'when GPUs are visible, else cpu (logical CPUs).')
 flags.DEFINE_integer('num_logical_cpus', 8, 'Logical CPU devices with --run_locally=cpu.')
@@ -163,11 +172,21 @@ def main(argv) -> int:
     if FLAGS.mode == 'inspect_params':
         print(params.ToText())
         return 0
+    if FLAGS.mode == 'export':
+        return _export(params)
     if cluster is not None:
         cluster_lib.connect(cluster, FLAGS.cluster_wait_seconds)
     if FLAGS.mode != 'sync':
         return _run_inspect_mode(params)
     return _run_jobs(params, options, jobs, cluster)
+
+
+def _export(params) -> int:
+    from trainer import export_mode
+    path = export_mode.run(params, FLAGS.logdir, FLAGS.model, FLAGS.checkpoint,
+                           FLAGS.export_dir, FLAGS.export_placement, FLAGS.overwrite)
+    print(f'exported SavedModel to {path}')
+    return 0
 
 
 def _list_models() -> int:
@@ -185,7 +204,7 @@ def _serve_worker(cluster) -> int:
 def _check_required_flags() -> None:
     if not FLAGS.model:
         raise UsageError('--model is required: pick one of --list_models')
-    if FLAGS.mode == 'sync' and not FLAGS.logdir:
+    if FLAGS.mode in ('sync', 'export') and not FLAGS.logdir:
         raise UsageError('--logdir is required: the directory for checkpoints and summaries')
 
 

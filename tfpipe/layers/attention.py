@@ -40,7 +40,9 @@ class MultiHeadAttention(BaseLayer):
     def FProp(self, theta, x):
         p = self.params
         check_last_dim(self, x, p.model_dim, 'model_dim')
-        b, t = x.shape[0], x.shape[1]
+        # A served batch has no static size (tfpipe/export.py); the pipeline's always does.
+        b = x.shape[0] if x.shape[0] is not None else tf.shape(x)[0]
+        t = x.shape[1]
         head_dim = p.model_dim // p.num_heads
 
         def heads(name):

@@ -7,7 +7,8 @@ what the decoder writes. The trainer calls only the methods below.
 """
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Callable
 
 import tensorflow as tf
 
@@ -17,6 +18,19 @@ from tfpipe.hyperparams import Params
 from tfpipe.pipeline.pipelining_layer import PipeliningLayer
 
 Metrics = dict[str, tuple[tf.Tensor, tf.Tensor]]  # name -> (value, weight)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingSignature:
+    """One function of an exported SavedModel, as its users see it.
+
+    `inputs` names and types every input (leading dimension None: any batch);
+    `fn` takes them as keyword arguments and returns a dict of named outputs. The
+    exporter traces `fn` in evaluation mode (tfpipe/export.py), so it only says
+    what the model computes for a request.
+    """
+    inputs: dict[str, tf.TensorSpec]
+    fn: Callable[..., dict[str, tf.Tensor]]
 
 
 def train_params() -> Params:
@@ -96,6 +110,17 @@ class BaseTask(BaseLayer):
         """Corpus-level metrics of all decoded records (accuracy, BLEU...)."""
         raise NotImplementedError
 
+    def ServingSignatures(self, features: dict[str, tf.TensorSpec]
+                          ) -> dict[str, ServingSignature]:
+        """The SavedModel signatures of this task by name ('serving_default' first).
+
+        `features` is the spec of one input example per feature (no batch dimension),
+        read from the model's input, so a signature knows image sizes and sequence
+        lengths. Signatures compute with `ServingPredictions`, which takes any batch.
+        """
+        raise ValueError(f'task {type(self).__name__} has no export signature: define '
+                         'ServingSignatures() on it (see docs/export.md) to export it')
+
     # -- Shared --------------------------------------------------------------------------
 
     def ExampleWeights(self, batch: dict) -> tf.Tensor:
@@ -107,6 +132,20 @@ class BaseTask(BaseLayer):
 
     def ComputePredictions(self, theta: dict, batch: dict) -> Any:
         return self.pipe.FProp(theta['pipe'], self.PipelineInputs(batch))
+
+    def ServingPredictions(self, batch: dict) -> Any:
+        """The pipeline's outputs for a batch of any size: each cell on its own device,
+        in order, on the whole batch.
+
+        FProp cuts the batch into micro-batches at trace time, which needs a static
+        batch size; a served request has none. In evaluation mode the result is
+        FProp's (each example's computation does not depend on the cut).
+        """
+        x, theta = self.PipelineInputs(batch), self.pipe.theta
+        for cell in self.pipe.cells:
+            with tf.device(cell.device):
+                x = cell.forward(cell.read_theta(theta), x)
+        return x
 
     def ForwardBackward(self, theta: dict, batch: dict) -> tuple[tf.Tensor, dict | list[dict]]:
         """Mean training loss of the batch and its gradients (structure of theta).

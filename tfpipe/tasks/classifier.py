@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from tfpipe.tasks.base_task import BaseTask
+from tfpipe.tasks.base_task import BaseTask, ServingSignature
 
 
 class ImageClassifier(BaseTask):
@@ -45,6 +45,15 @@ class ImageClassifier(BaseTask):
         probs = tf.nn.softmax(self.ComputePredictions(theta, batch))
         return {'label': batch['label'], 'prediction': tf.argmax(probs, -1),
                 'confidence': tf.reduce_max(probs, -1)}
+
+    def ServingSignatures(self, features):
+        """serving_default: image float32 [batch, H, W, C] -> probabilities float32
+        [batch, num_classes] and classes int64 [batch] (the decoder's prediction)."""
+        def serve(image):
+            probs = tf.nn.softmax(self.ServingPredictions({'image': image}))
+            return {'probabilities': probs, 'classes': tf.argmax(probs, -1)}
+        image = tf.TensorSpec([None, *features['image'].shape], tf.float32, name='image')
+        return {'serving_default': ServingSignature({'image': image}, serve)}
 
     def PostProcessDecodeOut(self, decode_out):
         return [{'label': int(l), 'prediction': int(p), 'confidence': round(float(c), 4)}

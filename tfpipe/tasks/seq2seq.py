@@ -12,7 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpipe import fprop_context, metrics
-from tfpipe.tasks.base_task import BaseTask
+from tfpipe.tasks.base_task import BaseTask, ServingSignature
 
 
 def _strip(ids, eos_id: int, pad_id: int) -> list[int]:
@@ -70,14 +70,37 @@ class Seq2SeqTask(BaseTask):
 
     def Decode(self, theta, batch):
         src, tgt = batch['src'], batch['tgt']
-        length = tgt.shape[1]
         hyp = tf.zeros_like(tgt)
         with fprop_context.evaluation():
-            for i in range(length):
-                logits = self.ComputePredictions(theta, {'src': src, 'tgt': hyp})
-                step_ids = tf.argmax(logits[:, src.shape[1] + i, :], -1, output_type=tgt.dtype)
-                hyp = tf.concat([hyp[:, :i], step_ids[:, None], hyp[:, i + 1:]], axis=1)
+            for i in range(tgt.shape[1]):
+                hyp = self._DecodeStep(lambda b: self.ComputePredictions(theta, b), src, hyp, i)
         return {'src': src, 'tgt': tgt, 'hyp': hyp}
+
+    def _DecodeStep(self, predict, src, hyp, i):
+        """`hyp` with position i set to the argmax of `predict` (batch -> logits) given the
+        positions before it; i may be a tensor (a while loop's counter)."""
+        logits = predict({'src': src, 'tgt': hyp})
+        step_ids = tf.argmax(logits[:, src.shape[1] + i, :], -1, output_type=hyp.dtype)
+        return tf.where(tf.range(hyp.shape[1])[None, :] == i, step_ids[:, None], hyp)
+
+    def ServingSignatures(self, features):
+        """serving_default: src int32 [batch, S] (token ids, padded with pad_id) -> ids
+        int32 [batch, T], the greedy decoding (the decoder's hyp; cut at the first eos_id).
+
+        One forward per position in a tf.while_loop, so the graph does not grow with T.
+        """
+        src_spec, tgt_spec = features['src'], features['tgt']
+        length = tgt_spec.shape[0]
+
+        def serve(src):
+            hyp = tf.zeros([tf.shape(src)[0], length], tgt_spec.dtype)
+            _, hyp = tf.while_loop(
+                lambda i, _: i < length,
+                lambda i, h: (i + 1, self._DecodeStep(self.ServingPredictions, src, h, i)),
+                (tf.constant(0), hyp))
+            return {'ids': hyp}
+        src = tf.TensorSpec([None, *src_spec.shape], src_spec.dtype, name='src')
+        return {'serving_default': ServingSignature({'src': src}, serve)}
 
     def PostProcessDecodeOut(self, decode_out):
         p = self.params
