@@ -32,8 +32,9 @@ def decoding_params() -> Params:
     return p
 
 
-def _continuation(ids, log_probs) -> dict:
-    """Up to and including the first end-of-document token."""
+def continuation(ids, log_probs) -> dict:
+    """Generated ids (and their log-probs) up to and including the first end-of-document,
+    with their text."""
     ids = [int(i) for i in ids]
     end = ids.index(EOD_ID) + 1 if EOD_ID in ids else len(ids)
     return {'continuation': inputs.byte_detokenize(ids[:end]), 'ids': ids[:end],
@@ -118,10 +119,10 @@ class LanguageModel(BaseTask):
         for i, prompt in enumerate(decode_out['prompt']):
             records.append({
                 'prompt': inputs.byte_detokenize([t for t in prompt.tolist() if t != EOD_ID]),
-                'reference': _continuation(decode_out['reference'][i], [])['continuation'],
-                'greedy': _continuation(decode_out['greedy'][i],
+                'reference': continuation(decode_out['reference'][i], [])['continuation'],
+                'greedy': continuation(decode_out['greedy'][i],
                                         decode_out['greedy_log_probs'][i]),
-                'sampled': _continuation(decode_out['sampled'][i],
+                'sampled': continuation(decode_out['sampled'][i],
                                          decode_out['sampled_log_probs'][i])})
         return records
 
