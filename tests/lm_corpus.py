@@ -25,6 +25,11 @@ def documents(split: str) -> tf.data.Dataset:
     return tf.data.Dataset.from_tensor_slices({'text': tf.constant(texts(split), tf.string)})
 
 
+def unicode(split: str) -> tf.data.Dataset:
+    """One document of characters that are several UTF-8 bytes each."""
+    return tf.data.Dataset.from_tensor_slices({'text': tf.constant(['πλάτων αἰών'])})
+
+
 def empty(split: str) -> tf.data.Dataset:
     """Documents that are all empty strings: no text at all."""
     return tf.data.Dataset.from_tensor_slices({'text': tf.constant(['', ''], tf.string)})
@@ -33,3 +38,8 @@ def empty(split: str) -> tf.data.Dataset:
 def numbers(split: str) -> tf.data.Dataset:
     """'text' that is not a string."""
     return tf.data.Dataset.from_tensor_slices({'text': tf.range(5)})
+
+
+def codepoints(text: tf.Tensor) -> tf.Tensor:
+    """A tokenizer of one id per Unicode character (ids >= 2), standing in for a subword one."""
+    return tf.strings.unicode_decode(text, 'UTF-8') + 2

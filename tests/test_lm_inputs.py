@@ -107,3 +107,12 @@ def test_bad_corpus_is_refused_with_the_fix(fn, message):
 def test_lm_needs_a_row_length():
     with pytest.raises(ValueError, match='max_length'):
         lm_input(max_length=0).Instantiate()
+
+
+def test_a_tokenizer_of_your_own_replaces_bytes():
+    p = lm_input(tokenizer='tests.lm_corpus.codepoints', max_length=8)
+    p.examples_fn = 'tests.lm_corpus.unicode'
+    row = next(iter(p.Instantiate().EvalDataset(1)))
+    text = lm_corpus.unicode('dev').get_single_element()['text'].numpy().decode()
+    ids = [ord(c) + 2 for c in text]
+    assert row['inputs'].numpy()[0].tolist() == [lm_inputs.EOD_ID] + ids[:7]

@@ -61,7 +61,7 @@ PREPROCESSORS: Dict[str, PreprocessorFactory] = {}
 # its output, and a resumed run regroups the same way up to it.
 StreamRegrouper = Callable[[Params, tf.data.Dataset], tf.data.Dataset]
 STREAM_REGROUPERS: Dict[str, StreamRegrouper] = {
-    'lm': lambda p, documents: lm_inputs.pack_documents(documents, p.max_length, byte_tokenize),
+    'lm': lambda p, documents: lm_inputs.pack_documents(documents, p.max_length, _tokenizer(p)),
 }
 _NEEDS_MAX_LENGTH = ('seq2seq', 'seq2seq_text', 'lm')
 
@@ -170,6 +170,13 @@ def _lm(p: Params) -> Callable[[Example], Example]:
     return lambda ex: lm_inputs.row_features(ex['row'])
 
 
+def _tokenizer(p: Params) -> Callable[[tf.Tensor], tf.Tensor]:
+    """'lm': bytes, or the function p.tokenizer names (e.g. a SentencePiece model's)."""
+    if not p.tokenizer:
+        return byte_tokenize
+    return _import_function(p.tokenizer, 'tokenizer', '(text: tf.string scalar) -> int32 ids')
+
+
 def _regroup(p: Params, stored: tf.data.Dataset) -> tf.data.Dataset:
     regroup = STREAM_REGROUPERS.get(p.preprocess)
     return stored if regroup is None else regroup(p, stored)
@@ -198,6 +205,8 @@ class TfdsInput:
         p.Define('preprocess', 'image_classification', f'One of {sorted(PREPROCESSORS)}.')
         p.Define('source_key', 'en', "seq2seq_text: feature holding the source string.")
         p.Define('target_key', 'de', "seq2seq_text: feature holding the target string.")
+        p.Define('tokenizer', '', "'lm': dotted name of `def tokenize(text) -> int32 ids` "
+                 '(graph code; ids >= 2, as 0 pads and 1 ends documents); empty: UTF-8 bytes.')
         p.Define('generate_if_missing', True, "Generate tfpipe's own datasets into data_dir "
                  'when absent.')
         return p
@@ -409,23 +418,25 @@ def _describe(expected: _Expected) -> str:
                            for k, (kind, rank) in expected.items()) + '}'
 
 
-def _import_function(name: str) -> Callable:
-    """The module-level function `module.function` named by `name`, imported."""
+def _import_function(name: str, param: str = 'examples_fn',
+                     signature: str = '(split) -> tf.data.Dataset') -> Callable:
+    """The module-level function `module.function` named by `name` (the value of the
+    input's `param`), imported."""
     module, _, attr = name.rpartition('.')
     if not module or not attr:
-        raise ValueError(f"examples_fn={name!r} is not a dotted name: set it to "
+        raise ValueError(f"{param}={name!r} is not a dotted name: set it to "
                          "'module.function', e.g. 'mypkg.data.make'")
     try:
         loaded = importlib.import_module(module)
     except ModuleNotFoundError as e:
         if e.name is None or not (module + '.').startswith(e.name + '.'):
             raise  # the module exists but one of its own imports fails: its error
-        raise ValueError(f'examples_fn {name!r}: there is no module {module!r}; is its package '
+        raise ValueError(f'{param} {name!r}: there is no module {module!r}; is its package '
                          'installed or on PYTHONPATH?') from None
     fn = getattr(loaded, attr, None)
     if not callable(fn):
-        raise ValueError(f'examples_fn {name!r}: module {module} has no function {attr!r}; '
-                         'define `def ' + attr + '(split) -> tf.data.Dataset` there')
+        raise ValueError(f'{param} {name!r}: module {module} has no function {attr!r}; '
+                         f'define `def {attr}{signature}` there')
     return fn
 
 
