@@ -135,3 +135,13 @@ def test_bfloat16_loss_is_close_to_float32():
         losses.append(float(loss))
     assert losses[0] != losses[1]
     np.testing.assert_allclose(losses[1], losses[0], rtol=2e-2)
+
+
+@pytest.mark.parametrize('model', ['lm.pystdlib.TransformerLM', 'lm.pystdlib.TinyTransformerLM'])
+def test_registered_models_build_and_take_their_inputs(model):
+    import model_registry
+    params = model_registry.get_params(model)
+    task = params.task.Instantiate()
+    for split in ('train', 'dev', 'test'):
+        task.CheckInput(params.input.Get(split))
+    assert task.pipe.ties and len(task.pipe.cells) == 2

@@ -16,7 +16,7 @@ class TransformerLM(SingleTaskModelParams):
     SEQUENCE_LENGTH = 128
     # model_dim, hidden_dim, num_heads, num_blocks
     SIZES = (64, 256, 4, 4)
-    BALANCE = [4, 4]
+    BALANCE = [4, 5]
     MAX_STEPS = 1000
 
     def _Input(self, split, training):
