@@ -69,8 +69,8 @@ class Generator:
                              'bodies.transformer_lm_body (no PackedPositionEmbedding found)')
         self.pipe = pipe
         self.context = positions[0].params.max_length
-        self._step = tf.function(self._Step)
-        self._full = tf.function(self._FullLogits)
+        self._step = tf.function(self._step_logits)
+        self._full = tf.function(self._full_logits)
 
     def check_lengths(self, prompt_length: int, num_new: int) -> None:
         if prompt_length < 1 or num_new < 1:
@@ -93,8 +93,8 @@ class Generator:
         self.check_lengths(prompt.shape[1], num_new)
         with fprop_context.evaluation():
             if cached:
-                return self._Cached(theta, prompt, num_new, sampling)
-            return self._Uncached(theta, prompt, num_new, sampling)
+                return self._run_cached(theta, prompt, num_new, sampling)
+            return self._run_uncached(theta, prompt, num_new, sampling)
 
     def init_caches(self, batch: int) -> list[dict]:
         """Per cell, {block name: empty key/value cache}, each on its cell's device."""
@@ -107,7 +107,7 @@ class Generator:
                     for layer in cell.layers if isinstance(layer, PackedTransformerBlock)})
         return caches
 
-    def _Cached(self, theta, prompt, num_new, sampling):
+    def _run_cached(self, theta, prompt, num_new, sampling):
         b, length = prompt.shape
         caches = self.init_caches(b)
         logits, caches = self._step(theta, prompt, tf.range(length), caches)
@@ -121,7 +121,7 @@ class Generator:
                                             tf.range(length + i, length + i + 1), caches)
         return tf.stack(tokens, 1), tf.stack(log_probs, 1)
 
-    def _Step(self, theta: dict, ids: tf.Tensor, positions: tf.Tensor, caches: list[dict]):
+    def _step_logits(self, theta: dict, ids: tf.Tensor, positions: tf.Tensor, caches: list[dict]):
         """Logits of the last of the new `ids` [b, n] at `positions` [n]; updated caches."""
         b = ids.shape[0]
         act = {'x': ids, 'segment_ids': tf.ones_like(ids),
@@ -142,13 +142,13 @@ class Generator:
                 new_caches.append(new_cache)
         return tf.cast(act[:, -1, :], tf.float32), new_caches
 
-    def _FullLogits(self, theta: dict, ids: tf.Tensor) -> tf.Tensor:
+    def _full_logits(self, theta: dict, ids: tf.Tensor) -> tf.Tensor:
         b, t = ids.shape
         with fprop_context.evaluation():
             return self.pipe.FProp(theta, {'x': ids, 'segment_ids': tf.ones_like(ids),
                                            'positions': tf.tile(tf.range(t)[None, :], [b, 1])})
 
-    def _Uncached(self, theta, prompt, num_new, sampling):
+    def _run_uncached(self, theta, prompt, num_new, sampling):
         b, length = prompt.shape
         ids = tf.concat([prompt, tf.zeros([b, self.context - length], tf.int32)], 1)
         tokens, log_probs = [], []

@@ -1,14 +1,14 @@
 """Byte-level language models of the Python standard library's source (no download)."""
 from model_registry import RegisterSingleTaskModel
 from tfpipe import inputs, lr_schedules, optimizers
-from tfpipe.base_model_params import SingleTaskModelParams
+from tfpipe.base_model_params import TfdsModelParams
 from tfpipe.bodies import TRANSFORMER_TIES, transformer_lm_body
 from tfpipe.pipeline.pipelining_layer import PipeliningLayer
 from tfpipe.tasks.lm import LanguageModel
 
 
 @RegisterSingleTaskModel
-class TransformerLM(SingleTaskModelParams):
+class TransformerLM(TfdsModelParams):
     """4 causal blocks of width 64 as K=2 cells, M=4 micro-batches, rows of 128 bytes,
     softmax tied to the embedding; sized so its default run takes minutes on 2 cores."""
 
@@ -18,21 +18,13 @@ class TransformerLM(SingleTaskModelParams):
     SIZES = (64, 256, 4, 4)
     BALANCE = [4, 5]
     MAX_STEPS = 1000
+    TFDS_SPLITS = {'train': 'train', 'dev': 'dev', 'test': 'test'}  # pystdlib's split names
 
-    def _Input(self, split, training):
+    def InputParams(self, split, training):
         return inputs.DatasetInput.Params().Set(
             examples_fn='tfpipe.datasets.pystdlib.documents', split=split, preprocess='lm',
             batch_size=self.BATCH_SIZE, max_length=self.SEQUENCE_LENGTH,
             shuffle_buffer=4096 if training else 0, repeat=training)
-
-    def Train(self):
-        return self._Input('train', True)
-
-    def Dev(self):
-        return self._Input('dev', False)
-
-    def Test(self):
-        return self._Input('test', False)
 
     def Task(self):
         p = LanguageModel.Params().Set(vocab_size=inputs.BYTE_VOCAB_SIZE)
