@@ -61,3 +61,14 @@ def test_prompt_longer_than_the_context_is_refused(task):
     context = task.generator.context
     with pytest.raises(ValueError, match='exceeds the context'):
         task.generator.generate(task.theta['pipe'], tf.ones([1, context], tf.int32), 1)
+
+
+def test_bfloat16_body_caches_in_bfloat16_and_agrees_greedily(prompt):
+    task = lm_task(num_cells=2, num_micro_batches=2, dtype=tf.float32,
+                   fprop_dtype=tf.bfloat16)
+    assert {kv['key'].dtype for c in task.generator.init_caches(1) for kv in c.values()} == \
+        {tf.bfloat16}
+    cached = task.generator.generate(task.theta['pipe'], prompt, NEW)
+    uncached = task.generator.generate(task.theta['pipe'], prompt, NEW, cached=False)
+    np.testing.assert_array_equal(cached[0].numpy(), uncached[0].numpy())
+    np.testing.assert_allclose(cached[1].numpy(), uncached[1].numpy(), atol=2e-2)

@@ -103,7 +103,7 @@ class Generator:
             with tf.device(cell.device):
                 caches.append({
                     layer.params.name: layer.InitCache(batch, self.context,
-                                                       cell.fprop_dtype or layer.params.dtype)
+                                                       _compute_dtype(layer, cell.fprop_dtype))
                     for layer in cell.layers if isinstance(layer, PackedTransformerBlock)})
         return caches
 
@@ -166,5 +166,10 @@ class Generator:
 def _extend(layer: PackedTransformerBlock, theta: dict, act: dict, cache: dict,
             fprop_dtype: Optional[tf.DType]) -> tuple[dict, dict]:
     """`apply_layer` for a cached step: the same dtype rule, then ExtendStep."""
-    dtype = layer.params.fprop_dtype or fprop_dtype or layer.params.dtype
+    dtype = _compute_dtype(layer, fprop_dtype)
     return layer.ExtendStep(cast_floats(theta, dtype), cast_floats(act, dtype), cache)
+
+
+def _compute_dtype(layer: PackedTransformerBlock, fprop_dtype: Optional[tf.DType]) -> tf.DType:
+    """apply_layer's rule: the layer's own fprop_dtype, else its cell's, else its weights'."""
+    return layer.params.fprop_dtype or fprop_dtype or layer.params.dtype
