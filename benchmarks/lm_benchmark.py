@@ -59,18 +59,19 @@ def generation_speed(rounds: int) -> None:
     prompt = tf.constant(rng.integers(2, 258, [1, PROMPT]), tf.int32)
     print(f'1. generation, batch 1, prompt {PROMPT}, {MODEL} sizes, K=2: tokens/s (median of '
           f'{rounds})')
+    for cached in (True, False):
+        task.generator.generate(task.theta['pipe'], prompt, 4, cached=cached)  # trace
     for new in (64, 256):
-        rates = {}
-        for cached in (True, False):
-            task.generator.generate(task.theta['pipe'], prompt, 4, cached=cached)  # trace
-            times = []
-            for _ in range(rounds if cached else max(1, rounds // 2)):
+        times = {True: [], False: []}
+        for r in range(rounds):  # interleaved, alternating which goes first
+            for cached in ((True, False) if r % 2 == 0 else (False, True)):
                 start = time.perf_counter()
                 task.generator.generate(task.theta['pipe'], prompt, new, cached=cached)
-                times.append(time.perf_counter() - start)
-            rates[cached] = new / statistics.median(times)
-        print(f'   {new:3d} new tokens: cached {rates[True]:7.1f}  uncached '
-              f'{rates[False]:7.1f}  ratio {rates[True] / rates[False]:5.1f}x')
+                times[cached].append(time.perf_counter() - start)
+        ratios = [u / c for c, u in zip(times[True], times[False])]
+        print(f'   {new:3d} new tokens: cached {new / statistics.median(times[True]):7.1f}  '
+              f'uncached {new / statistics.median(times[False]):7.1f}  ratio '
+              f'{statistics.median(ratios):4.1f}x [{min(ratios):.1f}-{max(ratios):.1f}]')
 
 
 def step_times(rounds: int) -> None:

@@ -42,8 +42,10 @@ class Sampling:
                              '>= 0 (temperature 0: greedy; top_k 0: every token)')
 
 
-def _choose(logits: tf.Tensor, sampling: Sampling, index: int) -> tuple[tf.Tensor, tf.Tensor]:
-    """Next token [b] int32 and its log-probability under the model (temperature 1, all tokens)."""
+def _choose(logits: tf.Tensor, sampling: Sampling,
+            index: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """Token `index` of the continuation [b] int32, and its log-probability under the model
+    (temperature 1, all tokens)."""
     logits = tf.cast(logits, tf.float32)
     if sampling.temperature == 0:
         token = tf.argmax(logits, -1, output_type=tf.int32)
@@ -53,7 +55,8 @@ def _choose(logits: tf.Tensor, sampling: Sampling, index: int) -> tuple[tf.Tenso
             kth = tf.math.top_k(scaled, min(sampling.top_k, scaled.shape[-1])).values[:, -1:]
             scaled = tf.where(scaled < kth, tf.constant(-1e9, scaled.dtype), scaled)
         token = tf.cast(tf.random.stateless_categorical(
-            scaled, 1, seed=[sampling.seed, index])[:, 0], tf.int32)
+            scaled, 1, seed=tf.stack([tf.constant(sampling.seed, tf.int64),
+                                      tf.cast(index, tf.int64)]))[:, 0], tf.int32)
     log_probs = tf.nn.log_softmax(logits)
     return token, tf.gather(log_probs, token, batch_dims=1)
 
@@ -69,8 +72,9 @@ class Generator:
                              'bodies.transformer_lm_body (no PackedPositionEmbedding found)')
         self.pipe = pipe
         self.context = positions[0].params.max_length
-        self._step = tf.function(self._step_logits)
-        self._full = tf.function(self._full_logits)
+        # One call per token: the step, the choice and (uncached) the write of the token.
+        self._step = tf.function(self._cached_step)
+        self._full = tf.function(self._uncached_step)
 
     def check_lengths(self, prompt_length: int, num_new: int) -> None:
         if prompt_length < 1 or num_new < 1:
@@ -108,24 +112,23 @@ class Generator:
         return caches
 
     def _run_cached(self, theta, prompt, num_new, sampling):
-        b, length = prompt.shape
-        caches = self.init_caches(b)
-        logits, caches = self._step(theta, prompt, tf.range(length), caches)
-        tokens, log_probs = [], []
+        caches = self.init_caches(prompt.shape[0])
+        ids, start, tokens, log_probs = prompt, 0, [], []
         for i in range(num_new):
-            token, log_prob = _choose(logits, sampling, i)
+            token, log_prob, caches = self._step(theta, ids, tf.constant(start), caches,
+                                                 sampling, tf.constant(i))
             tokens.append(token)
             log_probs.append(log_prob)
-            if i + 1 < num_new:
-                logits, caches = self._step(theta, token[:, None],
-                                            tf.range(length + i, length + i + 1), caches)
+            ids, start = token[:, None], start + ids.shape[1]
         return tf.stack(tokens, 1), tf.stack(log_probs, 1)
 
-    def _step_logits(self, theta: dict, ids: tf.Tensor, positions: tf.Tensor, caches: list[dict]):
-        """Logits of the last of the new `ids` [b, n] at `positions` [n]; updated caches."""
-        b = ids.shape[0]
+    def _cached_step(self, theta: dict, ids: tf.Tensor, start: tf.Tensor, caches: list[dict],
+                     sampling: Sampling, index: tf.Tensor):
+        """The new `ids` [b, n] at positions start.. through every cell against the caches;
+        (the next token, its log-prob, the updated caches)."""
+        b, n = ids.shape
         act = {'x': ids, 'segment_ids': tf.ones_like(ids),
-               'positions': tf.tile(positions[None, :], [b, 1])}
+               'positions': tf.tile((start + tf.range(n))[None, :], [b, 1])}
         new_caches = []
         with fprop_context.evaluation():
             for cell, cache in zip(self.pipe.cells, caches):
@@ -140,27 +143,31 @@ class Generator:
                         else:
                             act = apply_layer(layer, cell_theta[name], act, cell.fprop_dtype)
                 new_caches.append(new_cache)
-        return tf.cast(act[:, -1, :], tf.float32), new_caches
-
-    def _full_logits(self, theta: dict, ids: tf.Tensor) -> tf.Tensor:
-        b, t = ids.shape
-        with fprop_context.evaluation():
-            return self.pipe.FProp(theta, {'x': ids, 'segment_ids': tf.ones_like(ids),
-                                           'positions': tf.tile(tf.range(t)[None, :], [b, 1])})
+        return (*_choose(act[:, -1, :], sampling, index), new_caches)
 
     def _run_uncached(self, theta, prompt, num_new, sampling):
         b, length = prompt.shape
         ids = tf.concat([prompt, tf.zeros([b, self.context - length], tf.int32)], 1)
         tokens, log_probs = [], []
         for i in range(num_new):
-            # Causal: the zeros after the last real position do not change its logits.
-            logits = self._full(theta, ids)[:, length + i - 1, :]
-            token, log_prob = _choose(logits, sampling, i)
+            token, log_prob, ids = self._full(theta, ids, tf.constant(length + i - 1), sampling,
+                                              tf.constant(i))
             tokens.append(token)
             log_probs.append(log_prob)
-            slot = tf.one_hot(length + i, self.context, dtype=tf.int32)[None, :]
-            ids = ids * (1 - slot) + token[:, None] * slot
         return tf.stack(tokens, 1), tf.stack(log_probs, 1)
+
+    def _uncached_step(self, theta: dict, ids: tf.Tensor, last: tf.Tensor, sampling: Sampling,
+                       index: tf.Tensor):
+        """A forward over the whole window `ids` [b, context]; (the token after position
+        `last`, its log-prob, ids with it written at last + 1)."""
+        b, t = ids.shape
+        with fprop_context.evaluation():
+            logits = self.pipe.FProp(theta, {'x': ids, 'segment_ids': tf.ones_like(ids),
+                                             'positions': tf.tile(tf.range(t)[None, :], [b, 1])})
+        # Causal: the zeros after the last real position do not change its logits.
+        token, log_prob = _choose(tf.gather(logits, last, axis=1), sampling, index)
+        slot = tf.one_hot(last + 1, t, dtype=tf.int32)[None, :]
+        return token, log_prob, ids * (1 - slot) + token[:, None] * slot
 
 
 def _extend(layer: PackedTransformerBlock, theta: dict, act: dict, cache: dict,
