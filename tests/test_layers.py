@@ -49,8 +49,17 @@ def _out_shapes(y):
     return y.shape.as_list()
 
 
+# Integer entries of a packed activation (PackedTransformerBlock, PackedPositionEmbedding).
+_PACKED_IDS = {'segment_ids': lambda b, t: np.repeat([[1] * (t // 2) + [2] * (t - t // 2)], b, 0),
+               'positions': lambda b, t: np.repeat([np.arange(t)], b, 0)}
+
+
 def _make_input(p, shape, dtype, seed=0):
     rng = np.random.default_rng(seed)
+    if isinstance(shape, dict) and set(_PACKED_IDS) <= set(shape):
+        b, t = shape['segment_ids']
+        return {'x': _make_input(p, shape['x'], dtype, seed),
+                **{k: tf.constant(make(b, t), tf.int32) for k, make in _PACKED_IDS.items()}}
     if isinstance(shape, dict):
         return {k: _make_input(p, s, dtype, seed + i) for i, (k, s) in enumerate(shape.items())}
     if p.cls is layers.Embedding:
@@ -136,6 +145,12 @@ CASES = {
                          {'x': [3, 4], 'a': [3, 2], 'b': [3, 1]}, False),
     'PositionEmbedding': (lambda: layers.PositionEmbedding.Params().Set(
         name='pos', max_length=7, embedding_dim=4), [2, 5, 4], True),
+    'PackedPositionEmbedding': (lambda: layers.PackedPositionEmbedding.Params().Set(
+        name='pos', max_length=7, embedding_dim=4),
+        {'x': [2, 5, 4], 'segment_ids': [2, 5], 'positions': [2, 5]}, True),
+    'PackedTransformerBlock': (lambda: layers.PackedTransformerBlock.Params().Set(
+        name='tb', model_dim=8, hidden_dim=12, num_heads=4),
+        {'x': [2, 5, 8], 'segment_ids': [2, 5], 'positions': [2, 5]}, True),
     'DropSkips': (lambda: layers.DropSkips.Params().Set(name='drop_skips'),
                   {'x': [3, 4], 'prev': [3, 2]}, False),
     'AmoebaCell': (lambda: layers.AmoebaCell.Params().Set(
@@ -222,7 +237,7 @@ def test_dtype_reaches_every_variable_and_output(case_id):
     with fprop_context.training(step=2):
         y = layer.FProp(layer.theta, _make_input(p, shape, F64))
     for t in tf.nest.flatten(y):
-        assert t.dtype == F64
+        assert t.dtype == F64 or t.dtype.is_integer  # ids of a packed activation ride along
 
 
 # -- 2. Seeded, path-keyed initialisation ---------------------------------------------

@@ -1,7 +1,8 @@
 """Standard pipelinable bodies: lists of layer params for a PipeliningLayer.
 
 The GPipe paper's two workloads, sized by arguments: an AmoebaNet-style image
-network and a decoder-only Transformer.
+network and a decoder-only Transformer (also over packed documents, for
+language models).
 """
 from __future__ import annotations
 
@@ -56,4 +57,24 @@ def transformer_body(vocab_size: int, max_length: int, model_dim: int, hidden_di
     body += [layers.LayerNorm.Params().Set(name='final_ln', dim=model_dim),
              layers.Dense.Params().Set(name='logits', input_dim=model_dim, output_dim=vocab_size,
                                        weight_layout='oi' if tied_softmax else 'io')]
+    return body
+
+
+def transformer_lm_body(vocab_size: int, max_length: int, model_dim: int, hidden_dim: int,
+                        num_heads: int, num_blocks: int, dropout_keep_prob: float = 1.0,
+                        tied_softmax: bool = True) -> list[Params]:
+    """`transformer_body` over packed sequences, for `tfpipe.tasks.lm.LanguageModel`.
+
+    The activation carries segment ids and positions beside the embeddings (see
+    layers.PackedTransformerBlock) until `unpack` drops them before the final
+    LayerNorm. Tied by default: pass TRANSFORMER_TIES as the pipeline's tied_weights.
+    """
+    body = transformer_body(vocab_size, max_length, model_dim, hidden_dim, num_heads,
+                            num_blocks, dropout_keep_prob, tied_softmax)
+    body[1] = layers.PackedPositionEmbedding.Params().Set(
+        name='position', max_length=max_length, embedding_dim=model_dim)
+    body[2:2 + num_blocks] = [layers.PackedTransformerBlock.Params().Set(
+        name=f'block{i}', model_dim=model_dim, hidden_dim=hidden_dim, num_heads=num_heads,
+        residual_dropout_keep_prob=dropout_keep_prob) for i in range(num_blocks)]
+    body.insert(2 + num_blocks, layers.DropSkips.Params().Set(name='unpack'))
     return body

@@ -21,6 +21,9 @@ Your own data: `DatasetInput.Params().Set(examples_fn='mypkg.data.make', ...)`
 calls `mypkg.data.make(split)` for a `tf.data.Dataset` of single examples and
 then shuffles, repeats, batches and checkpoints it exactly as a tfds split.
 
+Language models: `preprocess='lm'` reads documents `{'text': string}` of any
+length and packs them into rows of `max_length` tokens (tfpipe.lm_inputs).
+
 Token ids (shared with `tfpipe.datasets.reverse`): PAD_ID = 0 pads, EOS_ID = 1
 ends every target, sources carry no EOS. The byte tokeniser of
 'seq2seq_text' maps UTF-8 byte b to b + BYTE_OFFSET (vocabulary 258), so real
@@ -36,7 +39,7 @@ from typing import Callable, Dict, Sequence, Union
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from tfpipe import datasets
+from tfpipe import datasets, lm_inputs
 from tfpipe.datasets.reverse import EOS_ID, PAD_ID
 from tfpipe.hyperparams import InstantiableParams, Params
 
@@ -53,6 +56,14 @@ Example = Dict[str, tf.Tensor]
 # to the layout a task reads; it runs inside tf.data, so it must be graph code.
 PreprocessorFactory = Callable[[Params], Callable[[Example], Example]]
 PREPROCESSORS: Dict[str, PreprocessorFactory] = {}
+# A preprocessor that changes how many examples there are (documents -> packed rows)
+# also regroups the stored stream, before the shuffle: an input position then counts
+# its output, and a resumed run regroups the same way up to it.
+StreamRegrouper = Callable[[Params, tf.data.Dataset], tf.data.Dataset]
+STREAM_REGROUPERS: Dict[str, StreamRegrouper] = {
+    'lm': lambda p, documents: lm_inputs.pack_documents(documents, p.max_length, _tokenizer(p)),
+}
+_NEEDS_MAX_LENGTH = ('seq2seq', 'seq2seq_text', 'lm')
 
 
 class MissingDataError(ValueError):
@@ -152,6 +163,25 @@ def _seq2seq_text(p: Params) -> Callable[[Example], Example]:
     return fn
 
 
+@register_preprocessor('lm')
+def _lm(p: Params) -> Callable[[Example], Example]:
+    """A packed row -> {'inputs', 'targets', 'segment_ids', 'positions'} int32 [max_length]."""
+    del p  # the rows are cut to max_length by STREAM_REGROUPERS['lm']
+    return lambda ex: lm_inputs.row_features(ex['row'])
+
+
+def _tokenizer(p: Params) -> Callable[[tf.Tensor], tf.Tensor]:
+    """'lm': bytes, or the function p.tokenizer names (e.g. a SentencePiece model's)."""
+    if not p.tokenizer:
+        return byte_tokenize
+    return _import_function(p.tokenizer, 'tokenizer', '(text: tf.string scalar) -> int32 ids')
+
+
+def _regroup(p: Params, stored: tf.data.Dataset) -> tf.data.Dataset:
+    regroup = STREAM_REGROUPERS.get(p.preprocess)
+    return stored if regroup is None else regroup(p, stored)
+
+
 class TfdsInput:
     """Batches of a tfds dataset split, preprocessed into a task's layout."""
 
@@ -170,10 +200,13 @@ class TfdsInput:
         p.Define('repeat', False, 'Repeat forever (training).')
         p.Define('seed', 1234, 'Seed of the file order and of each epoch\'s example shuffle: '
                  'same seed, same order.')
-        p.Define('max_length', 0, 'Static length of token sequences (pad or truncate).')
+        p.Define('max_length', 0, "Static length of token sequences (pad or truncate; 'lm': "
+                 'the length of a packed row).')
         p.Define('preprocess', 'image_classification', f'One of {sorted(PREPROCESSORS)}.')
         p.Define('source_key', 'en', "seq2seq_text: feature holding the source string.")
         p.Define('target_key', 'de', "seq2seq_text: feature holding the target string.")
+        p.Define('tokenizer', '', "'lm': dotted name of `def tokenize(text) -> int32 ids` "
+                 '(graph code; ids >= 2, as 0 pads and 1 ends documents); empty: UTF-8 bytes.')
         p.Define('generate_if_missing', True, "Generate tfpipe's own datasets into data_dir "
                  'when absent.')
         return p
@@ -189,7 +222,7 @@ class TfdsInput:
             raise ValueError(f'batch_size={params.batch_size} must be >= 1')
         if params.shuffle_buffer < 0:
             raise ValueError(f'shuffle_buffer={params.shuffle_buffer} must be >= 0')
-        if params.preprocess.startswith('seq2seq') and params.max_length < 1:
+        if params.preprocess in _NEEDS_MAX_LENGTH and params.max_length < 1:
             raise ValueError(f'{params.preprocess} needs max_length >= 1 for static shapes')
         # Fail at construction, before a trainer writes anything, if the data is absent.
         self._builder = self._Builder()
@@ -270,8 +303,8 @@ class TfdsInput:
         # and a tf.data cache is written into tf.data iterator checkpoints.
         read_config = tfds.ReadConfig(shuffle_seed=p.seed, try_autocache=False,
                                       shuffle_reshuffle_each_iteration=False)
-        stored = self._builder.as_dataset(split=p.split, shuffle_files=shuffle,
-                                          read_config=read_config)
+        stored = _regroup(p, self._builder.as_dataset(split=p.split, shuffle_files=shuffle,
+                                                      read_config=read_config))
 
         def epoch_examples(epoch: tf.Tensor) -> tf.data.Dataset:
             ds = stored
@@ -372,6 +405,7 @@ _EXPECTED_FEATURES: Dict[str, Callable[[Params], _Expected]] = {
     'image_classification': lambda p: {'image': ('float', 3), 'label': ('int', 0)},
     'seq2seq': lambda p: {'src': ('int', 1), 'tgt': ('int', 1)},
     'seq2seq_text': lambda p: {p.source_key: ('string', 0), p.target_key: ('string', 0)},
+    'lm': lambda p: {lm_inputs.TEXT_KEY: ('string', 0)},
 }
 _KIND_DTYPES = {'float': lambda d: d.is_floating or d == tf.uint8,
                 'int': lambda d: d.is_integer, 'string': lambda d: d == tf.string}
@@ -384,23 +418,25 @@ def _describe(expected: _Expected) -> str:
                            for k, (kind, rank) in expected.items()) + '}'
 
 
-def _import_function(name: str) -> Callable:
-    """The module-level function `module.function` named by `name`, imported."""
+def _import_function(name: str, param: str = 'examples_fn',
+                     signature: str = '(split) -> tf.data.Dataset') -> Callable:
+    """The module-level function `module.function` named by `name` (the value of the
+    input's `param`), imported."""
     module, _, attr = name.rpartition('.')
     if not module or not attr:
-        raise ValueError(f"examples_fn={name!r} is not a dotted name: set it to "
+        raise ValueError(f"{param}={name!r} is not a dotted name: set it to "
                          "'module.function', e.g. 'mypkg.data.make'")
     try:
         loaded = importlib.import_module(module)
     except ModuleNotFoundError as e:
         if e.name is None or not (module + '.').startswith(e.name + '.'):
             raise  # the module exists but one of its own imports fails: its error
-        raise ValueError(f'examples_fn {name!r}: there is no module {module!r}; is its package '
+        raise ValueError(f'{param} {name!r}: there is no module {module!r}; is its package '
                          'installed or on PYTHONPATH?') from None
     fn = getattr(loaded, attr, None)
     if not callable(fn):
-        raise ValueError(f'examples_fn {name!r}: module {module} has no function {attr!r}; '
-                         'define `def ' + attr + '(split) -> tf.data.Dataset` there')
+        raise ValueError(f'{param} {name!r}: module {module} has no function {attr!r}; '
+                         f'define `def {attr}{signature}` there')
     return fn
 
 
@@ -452,7 +488,7 @@ class DatasetInput(TfdsInput):
         if p.batch_size < 1 or p.shuffle_buffer < 0:
             raise ValueError(f'{p.name}: batch_size={p.batch_size} must be >= 1 and '
                              f'shuffle_buffer={p.shuffle_buffer} >= 0')
-        if p.preprocess.startswith('seq2seq') and p.max_length < 1:
+        if p.preprocess in _NEEDS_MAX_LENGTH and p.max_length < 1:
             raise ValueError(f'{p.preprocess} needs max_length >= 1 for static shapes')
         # Checked now, before a trainer writes anything: the function, what it
         # returns, its features and their shapes after preprocessing.
@@ -479,7 +515,12 @@ class DatasetInput(TfdsInput):
             if not _KIND_DTYPES[kind](s.dtype) or s.shape.rank != rank:
                 raise ValueError(f'examples_fn {p.examples_fn}({p.split!r}): feature {key!r} is '
                                  f'{s.dtype.name} {s.shape}: {want}')
-        processed = examples.map(PREPROCESSORS[p.preprocess](p)).element_spec
+        regrouped = _regroup(p, examples)
+        if p.preprocess in STREAM_REGROUPERS and not any(True for _ in regrouped.take(1)):
+            raise ValueError(f'examples_fn {p.examples_fn}({p.split!r}) gave an empty corpus '
+                             '(no example with any text): return at least one non-empty '
+                             'document for this split')
+        processed = regrouped.map(PREPROCESSORS[p.preprocess](p)).element_spec
         for key, s in processed.items():
             if not s.shape.is_fully_defined():
                 raise ValueError(f'examples_fn {p.examples_fn}({p.split!r}): feature {key!r} '

@@ -48,6 +48,7 @@ class _PollingJob:
         self.input_params = params.input.Get(split)
         self.input_params.Instantiate()  # fails now, not at the first checkpoint, on bad data
         self.task = params.task.Instantiate()
+        self.task.CheckInput(self.input_params)
         self.checkpoint = checkpoints.make(self.task.VariablesByPath())
         path = checkpoints.latest(self.train_dir) if os.path.isdir(self.train_dir) else None
         if path is not None:
@@ -138,7 +139,7 @@ class Evaler(_PollingJob):
                 sums[name] = sums.get(name, 0.0) + float(value) * float(weight)
                 weights[name] = weights.get(name, 0.0) + float(weight)
             num_examples += int(np.count_nonzero(batch['weight'].numpy()))
-        scores = {n: sums[n] / max(weights[n], 1e-12) for n in sums}
+        scores = self.task.FinalizeMetrics({n: sums[n] / max(weights[n], 1e-12) for n in sums})
         _write_scores(self.job_dir, step, scores, num_examples, writer)
         logging.info('eval_%s step %d: %s (%d examples)', self.split, step, _format(scores),
                      num_examples)

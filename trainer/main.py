@@ -20,7 +20,7 @@ import sys
 
 from absl import app, flags
 
-from trainer import logdir_access
+from trainer import generate_mode, logdir_access  # generate_mode defines its flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('model', None, 'Registered model: <task>.<dataset>.<ClassName> for '
@@ -30,12 +30,14 @@ flags.DEFINE_string('logdir', None, 'Directory of checkpoints, summaries and job
 flags.DEFINE_string('job', None, 'trainer | evaler_<split> | decoder_<split>, or a comma list; '
                     'default: trainer plus evaler_dev and decoder_test in threads.')
 flags.DEFINE_enum('mode', 'sync', ['sync', 'inspect_params', 'inspect_model',
-                                   'inspect_pipeline', 'check_pipeline', 'export'],
+                                   'inspect_pipeline', 'check_pipeline', 'export',
+                                   'generate'],
                   'sync: run the jobs; inspect_params: print the params tree; inspect_model: '
                   'the partition, devices, variables and bytes per cell; inspect_pipeline: '
                   'profile the layers and recommend K, balance, M, recompute; check_pipeline: '
                   'one step as configured vs K=1 (exit 1 beyond 1e-5 relative); export: a '
-                  'checkpoint as a SavedModel (docs/export.md).')
+                  'checkpoint as a SavedModel (docs/export.md); generate: continue --prompt '
+                  'with the newest checkpoint of a language model (docs/language_models.md).')
 flags.DEFINE_string('checkpoint', None, 'export: the checkpoint to export, e.g. ckpt-300; '
                     'default: the newest.')
 flags.DEFINE_string('export_dir', None, 'export: where to write the SavedModel; default: '
@@ -176,6 +178,8 @@ def main(argv) -> int:
         return _export(params)
     if cluster is not None:
         cluster_lib.connect(cluster, FLAGS.cluster_wait_seconds)
+    if FLAGS.mode == 'generate':
+        return generate_mode.run(params, FLAGS.logdir)
     if FLAGS.mode != 'sync':
         return _run_inspect_mode(params)
     return _run_jobs(params, options, jobs, cluster)
@@ -204,7 +208,7 @@ def _serve_worker(cluster) -> int:
 def _check_required_flags() -> None:
     if not FLAGS.model:
         raise UsageError('--model is required: pick one of --list_models')
-    if FLAGS.mode in ('sync', 'export') and not FLAGS.logdir:
+    if FLAGS.mode in ('sync', 'export', 'generate') and not FLAGS.logdir:
         raise UsageError('--logdir is required: the directory for checkpoints and summaries')
 
 

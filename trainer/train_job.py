@@ -131,6 +131,7 @@ class Trainer:
             raise ValueError(f'--pipeline_trace_step={self.trace_step} is beyond max_steps='
                              f'{self.max_steps}: pick a step in 1..{self.max_steps}')
         self.task = params.task.Instantiate()
+        self.task.CheckInput(params.input.train)
         self.replica_variables = [{p: v for p, v in copy.items() if v.trainable}
                                   for copy in self.task.pipe.ReplicaVariablesByPath()]
         self.variables = self.replica_variables[0]

@@ -1,14 +1,15 @@
 """tfpipe layers: every class here has `Params()` and functional `FProp(theta, ...)`."""
 from tfpipe.layers.amoeba import AmoebaCell
-from tfpipe.layers.attention import MultiHeadAttention, TransformerBlock
+from tfpipe.layers.attention import MultiHeadAttention, PackedTransformerBlock, TransformerBlock
 from tfpipe.layers.composite import DropSkips, Pop, Residual, Sequential, Stash
 from tfpipe.layers.conv import Conv2D, Flatten, GlobalAvgPool, Pooling2D
 from tfpipe.layers.dense import Dense, Projection
 from tfpipe.layers.dropout import Dropout
-from tfpipe.layers.embedding import Embedding, PositionEmbedding
+from tfpipe.layers.embedding import Embedding, PackedPositionEmbedding, PositionEmbedding
 from tfpipe.layers.normalization import BatchNorm, LayerNorm
 
 __all__ = ['AmoebaCell', 'BatchNorm', 'Conv2D', 'Dense', 'DropSkips', 'Dropout', 'Embedding',
-           'Flatten', 'GlobalAvgPool', 'LayerNorm', 'MultiHeadAttention', 'Pooling2D', 'Pop',
+           'Flatten', 'GlobalAvgPool', 'LayerNorm', 'MultiHeadAttention',
+           'PackedPositionEmbedding', 'PackedTransformerBlock', 'Pooling2D', 'Pop',
            'PositionEmbedding', 'Projection', 'Residual', 'Sequential', 'Stash',
            'TransformerBlock']

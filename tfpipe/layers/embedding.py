@@ -80,3 +80,21 @@ class PositionEmbedding(BaseLayer):
     @classmethod
     def NumParams(cls, p):
         return p.max_length * p.embedding_dim
+
+
+class PackedPositionEmbedding(PositionEmbedding):
+    """Adds the vector of each token's own position, read from a packed activation.
+
+    {'x': [b, t, d], 'positions': [b, t] int, ...}: positions restart at 0 in
+    every document packed into a row, so a document is embedded the same
+    wherever it sits in the row.
+    """
+
+    NESTED_ACTIVATIONS = True
+
+    def FProp(self, theta, act):
+        return {**act, 'x': act['x'] + tf.gather(theta['pos'], act['positions'])}
+
+    @classmethod
+    def FPropMeta(cls, p, shapes):
+        return LayerMeta(tf.TensorShape(shapes['x']).num_elements(), dict(shapes))

@@ -121,6 +121,18 @@ class BaseTask(BaseLayer):
         raise ValueError(f'task {type(self).__name__} has no export signature: define '
                          'ServingSignatures() on it (see docs/export.md) to export it')
 
+    def CheckInput(self, input_params: Params) -> None:
+        """Raises ValueError if this task cannot read the input's examples.
+
+        Jobs call it before they write anything, so a mismatch (a sequence longer
+        than the model's positions) is bad input, not a failure at the first step.
+        """
+
+    def FinalizeMetrics(self, scores: dict[str, float]) -> dict[str, float]:
+        """The evaler's metrics of a whole split from their weighted means (e.g.
+        perplexity = exp(mean log-perplexity), which no mean of batches gives)."""
+        return scores
+
     # -- Shared --------------------------------------------------------------------------
 
     def ExampleWeights(self, batch: dict) -> tf.Tensor:

@@ -1,0 +1,65 @@
+"""Byte-level language models of the Python standard library's source (no download)."""
+from model_registry import RegisterSingleTaskModel
+from tfpipe import inputs, lr_schedules, optimizers
+from tfpipe.base_model_params import TfdsModelParams
+from tfpipe.bodies import TRANSFORMER_TIES, transformer_lm_body
+from tfpipe.pipeline.pipelining_layer import PipeliningLayer
+from tfpipe.tasks.lm import LanguageModel
+
+
+@RegisterSingleTaskModel
+class TransformerLM(TfdsModelParams):
+    """4 causal blocks of width 64 as K=2 cells, M=4 micro-batches, rows of 128 bytes,
+    softmax tied to the embedding; sized so its default run takes minutes on 2 cores."""
+
+    BATCH_SIZE = 16
+    SEQUENCE_LENGTH = 128
+    # model_dim, hidden_dim, num_heads, num_blocks
+    SIZES = (64, 256, 4, 4)
+    BALANCE = [4, 5]
+    MAX_STEPS = 1000
+    TFDS_SPLITS = {'train': 'train', 'dev': 'dev', 'test': 'test'}  # pystdlib's split names
+
+    def InputParams(self, split, training):
+        return inputs.DatasetInput.Params().Set(
+            examples_fn='tfpipe.datasets.pystdlib.documents', split=split, preprocess='lm',
+            batch_size=self.BATCH_SIZE, max_length=self.SEQUENCE_LENGTH,
+            shuffle_buffer=4096 if training else 0, repeat=training)
+
+    def Task(self):
+        p = LanguageModel.Params().Set(vocab_size=inputs.BYTE_VOCAB_SIZE)
+        model_dim, hidden_dim, num_heads, num_blocks = self.SIZES
+        p.pipeline = PipeliningLayer.Params().Set(
+            name='pipe', body=transformer_lm_body(inputs.BYTE_VOCAB_SIZE, self.SEQUENCE_LENGTH,
+                                                  model_dim, hidden_dim, num_heads, num_blocks),
+            balance=self.BALANCE, num_micro_batches=4, recompute='always',
+            tied_weights=dict(TRANSFORMER_TIES))
+        p.train.Set(max_steps=self.MAX_STEPS, learning_rate=0.003,
+                    clip_gradient_norm_to_value=1.0, save_interval_steps=500,
+                    summary_interval_steps=50)
+        p.train.optimizer = optimizers.Adam.Params()
+        p.train.lr_schedule = lr_schedules.LinearWarmupRsqrtDecay.Params().Set(
+            value=1.0, warmup_steps=200)
+        p.eval.Set(samples_per_summary=1024, decoder_samples_per_summary=8)
+        p.decoder.Set(prompt_length=64, num_new_tokens=64)
+        return p
+
+
+@RegisterSingleTaskModel
+class TinyTransformerLM(TransformerLM):
+    """2 blocks of width 32 on rows of 64 bytes, K=2, M=2: the fastest LM to try things on."""
+
+    BATCH_SIZE = 16
+    SEQUENCE_LENGTH = 64
+    SIZES = (32, 128, 2, 2)
+    BALANCE = [3, 4]
+    MAX_STEPS = 300
+
+    def Task(self):
+        p = super().Task()
+        p.pipeline.num_micro_batches = 2
+        p.train.Set(learning_rate=0.01, save_interval_steps=100)
+        p.train.lr_schedule.warmup_steps = 50
+        p.eval.Set(samples_per_summary=256, decoder_samples_per_summary=4)
+        p.decoder.Set(prompt_length=16, num_new_tokens=16)
+        return p

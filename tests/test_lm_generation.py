@@ -1,0 +1,74 @@
+"""Generation: the key/value cache changes nothing but the cost, sampling repeats by seed."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfpipe import generation
+from tests.test_lm import generated_batch, lm_task
+
+NEW = 8
+
+
+@pytest.fixture(scope='module')
+def task():
+    return lm_task(num_cells=2, num_micro_batches=2, dtype=tf.float32)
+
+
+@pytest.fixture(scope='module')
+def prompt():
+    return generated_batch()['inputs'][:3, :6]
+
+
+@pytest.mark.parametrize('sampling', [generation.Sampling(),
+                                      generation.Sampling(temperature=1.0, top_k=20, seed=5)],
+                         ids=['greedy', 'sampled'])
+def test_cached_equals_uncached(task, prompt, sampling):
+    cached = task.generator.generate(task.theta['pipe'], prompt, NEW, sampling)
+    uncached = task.generator.generate(task.theta['pipe'], prompt, NEW, sampling, cached=False)
+    np.testing.assert_array_equal(cached[0].numpy(), uncached[0].numpy())
+    np.testing.assert_allclose(cached[1].numpy(), uncached[1].numpy(), atol=1e-5)
+    assert (cached[1].numpy() <= 0).all()
+
+
+def test_same_seed_same_tokens_other_seed_other_tokens(task, prompt):
+    def sample(seed):
+        return task.generator.generate(task.theta['pipe'], prompt, NEW, generation.Sampling(
+            temperature=1.0, seed=seed))[0].numpy()
+    np.testing.assert_array_equal(sample(1), sample(1))
+    assert (sample(1) != sample(2)).any()
+
+
+def test_top_1_sampling_is_greedy(task, prompt):
+    greedy = task.generator.generate(task.theta['pipe'], prompt, NEW)[0].numpy()
+    top1 = task.generator.generate(task.theta['pipe'], prompt, NEW, generation.Sampling(
+        temperature=2.0, top_k=1, seed=3))[0].numpy()
+    np.testing.assert_array_equal(top1, greedy)
+
+
+def test_each_layers_cache_lives_on_its_cells_device(task):
+    caches = task.generator.init_caches(2)
+    assert len(caches) == len(task.pipe.cells)
+    for cell, cache in zip(task.pipe.cells, caches):
+        blocks = [l.params.name for l in cell.layers if l.params.name.startswith('block')]
+        assert sorted(cache) == blocks
+        for kv in cache.values():
+            assert tf.DeviceSpec.from_string(kv['key'].device) == \
+                tf.DeviceSpec.from_string(cell.device)
+    assert sum(len(c) for c in caches) == 2  # both blocks, wherever they are
+
+
+def test_prompt_longer_than_the_context_is_refused(task):
+    context = task.generator.context
+    with pytest.raises(ValueError, match='exceeds the context'):
+        task.generator.generate(task.theta['pipe'], tf.ones([1, context], tf.int32), 1)
+
+
+def test_bfloat16_body_caches_in_bfloat16_and_agrees_greedily(prompt):
+    task = lm_task(num_cells=2, num_micro_batches=2, dtype=tf.float32,
+                   fprop_dtype=tf.bfloat16)
+    assert {kv['key'].dtype for c in task.generator.init_caches(1) for kv in c.values()} == \
+        {tf.bfloat16}
+    cached = task.generator.generate(task.theta['pipe'], prompt, NEW)
+    uncached = task.generator.generate(task.theta['pipe'], prompt, NEW, cached=False)
+    np.testing.assert_array_equal(cached[0].numpy(), uncached[0].numpy())
+    np.testing.assert_allclose(cached[1].numpy(), uncached[1].numpy(), atol=2e-2)

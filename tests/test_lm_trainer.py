@@ -1,0 +1,99 @@
+"""The registered LM through the trainer binary: it learns, decodes, generates; bad input.
+
+One trainer run (lm.pystdlib.TinyTransformerLM, its default 300 steps on the
+standard library, with its evaler on dev and decoder on test in the same
+process) is shared by every test here.
+"""
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import model_registry
+from tfpipe import checkpoints, generation, inputs, lm_inputs
+from tests import trainer_helpers as th
+
+MODEL = 'lm.pystdlib.TinyTransformerLM'
+STEPS = 300
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory):
+    logdir = str(tmp_path_factory.mktemp('lm') / 'run')
+    result = th.run(MODEL, logdir, str(tmp_path_factory.mktemp('unused_tfds')),
+                    '--job=trainer,evaler_dev,decoder_test',
+                    '--gin_bindings=trainer.eval_poll_max_seconds=1')
+    assert result.returncode == 0, result.stderr[-3000:]
+    return logdir
+
+
+def scores(path):
+    with open(path) as f:
+        return {k: float(v) for k, v in (line.split(': ') for line in f)}
+
+
+def test_dev_perplexity_falls_below_the_unigram_perplexity(trained):
+    params = model_registry.get_params(MODEL)
+    got = scores(os.path.join(trained, 'eval_dev', f'score-{STEPS}.txt'))
+    num_rows = params.task.eval.samples_per_summary
+    assert got['num_examples'] == num_rows
+    unigram = lm_inputs.unigram_log_perplexity(
+        params.input.dev.Instantiate().EvalDataset(num_rows), inputs.BYTE_VOCAB_SIZE)
+    assert got['log_pplx'] < unigram - 0.3, (got, unigram)
+    np.testing.assert_allclose(got['perplexity'], math.exp(got['log_pplx']), rtol=1e-5)
+    assert 0 < got['accuracy'] < 1
+
+
+def test_decoder_continues_test_prompts_greedy_and_sampled(trained):
+    params = model_registry.get_params(MODEL)
+    with open(os.path.join(trained, 'decoder_test', f'decoder_out-{STEPS}.jsonl')) as f:
+        records = [json.loads(line) for line in f]
+    assert len(records) == params.task.eval.decoder_samples_per_summary
+    for record in records:
+        assert record['prompt'] and record['reference']
+        for kind in ('greedy', 'sampled'):
+            out = record[kind]
+            assert 1 <= len(out['ids']) <= params.task.decoder.num_new_tokens
+            assert len(out['log_probs']) == len(out['ids'])
+            assert all(v <= 0 for v in out['log_probs'])
+            assert out['continuation'] == inputs.byte_detokenize(out['ids'])
+
+
+def test_generate_mode_repeats_in_process_sampling(trained):
+    flags = ['--mode=generate', '--prompt=import os\ndef ', '--num_new_tokens=12',
+             '--temperature=0.9', '--top_k=20', '--seed=4']
+    result = th.run(MODEL, trained, 'unused', *flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads(result.stdout.strip().splitlines()[-1])
+    assert record['step'] == STEPS and record['prompt'] == 'import os\ndef '
+    # The same checkpoint, prompt and seed in this process give the same tokens.
+    task = model_registry.get_params(MODEL).task.Instantiate()
+    checkpoints.restore(checkpoints.make(task.VariablesByPath()),
+                        checkpoints.latest(os.path.join(trained, 'train')), partial=True)
+    prompt = tf.concat([[lm_inputs.EOD_ID], inputs.byte_tokenize('import os\ndef ')], 0)
+    ids, _ = task.generator.generate(task.theta['pipe'], prompt[None, :], 12,
+                                     generation.Sampling(0.9, 20, 4))
+    assert record['ids'] == ids[0].numpy().tolist()[:len(record['ids'])]
+
+
+# An empty corpus and text that is not a string are ValueErrors of DatasetInput
+# (tests/test_lm_inputs.py), which the trainer reports like these.
+@pytest.mark.parametrize('what, flags, message', [
+    ('row longer than the model', [th.overrides(**{'input.train.max_length': 1000})],
+     'max_length=1000'),
+    ('prompt longer than the context', ['--mode=generate', '--prompt=' + 'x' * 100],
+     'exceeds the context'),
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(trained, tmp_path, what, flags,
+                                                         message):
+    logdir = trained if flags[0] == '--mode=generate' else str(tmp_path / 'new')
+    before = th.snapshot(trained)
+    result = th.run(MODEL, logdir, 'unused', '--job=trainer', *flags)
+    assert result.returncode == 2, result.stderr[-3000:]
+    line = th.error_line(result)
+    assert message in line, line
+    assert th.snapshot(trained) == before
+    assert os.path.exists(logdir) == (logdir == trained)

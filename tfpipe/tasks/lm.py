@@ -1,0 +1,135 @@
+"""Causal language model over a pipelined decoder-only Transformer.
+
+The input is packed rows (tfpipe.lm_inputs: inputs, targets, segment ids and
+positions, `preprocess='lm'`); the body is `bodies.transformer_lm_body`, whose
+softmax is tied to the input embedding by default. Every real token counts
+once: padding (segment 0) and padded eval examples weigh nothing, and no
+target crosses a document boundary. The evaler reports log-perplexity,
+perplexity and next-token accuracy per token over every example of the split;
+the decoder continues prompts from the split, greedy and sampled
+(tfpipe.generation, with per-layer key/value caches on the cell devices).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import tensorflow as tf
+
+from tfpipe import generation, inputs
+from tfpipe.hyperparams import Params
+from tfpipe.lm_inputs import EOD_ID
+from tfpipe.tasks.base_task import BaseTask
+
+
+def decoding_params() -> Params:
+    p = Params()
+    p.Define('prompt_length', 32, 'Tokens of each decoded example used as its prompt.')
+    p.Define('num_new_tokens', 32, 'Tokens generated after each prompt (greedy and sampled).')
+    p.Define('temperature', 0.8, 'Temperature of the sampled continuation (> 0).')
+    p.Define('top_k', 40, 'Sample from the k most likely tokens (0: all).')
+    p.Define('seed', 1, 'Seed of the sampled continuation: same seed, same text.')
+    return p
+
+
+def continuation(ids, log_probs) -> dict:
+    """Generated ids (and their log-probs) up to and including the first end-of-document,
+    with their text."""
+    ids = [int(i) for i in ids]
+    end = ids.index(EOD_ID) + 1 if EOD_ID in ids else len(ids)
+    return {'continuation': inputs.byte_detokenize(ids[:end]), 'ids': ids[:end],
+            'log_probs': [round(float(v), 5) for v in log_probs[:end]]}
+
+
+class LanguageModel(BaseTask):
+    """batch {'inputs', 'targets', 'segment_ids', 'positions'}: int [B, T] -> logits [B, T, V]."""
+
+    @classmethod
+    def Params(cls):
+        p = super().Params()
+        p.Define('vocab_size', inputs.BYTE_VOCAB_SIZE, 'Vocabulary; the body ends with this '
+                 'width (default: bytes, see tfpipe.inputs.byte_tokenize).')
+        p.Define('decoder', decoding_params(), 'What the decoder job generates.')
+        return p
+
+    def __init__(self, params, parent=None):
+        super().__init__(params, parent)
+        self.generator = generation.Generator(self.pipe)
+
+    def CheckInput(self, input_params: Params) -> None:
+        p = self.params
+        if input_params.preprocess != 'lm':
+            raise ValueError(f"{self.path}: input {input_params.name} has preprocess="
+                             f"{input_params.preprocess!r}; a LanguageModel reads packed rows: "
+                             "set preprocess='lm'")
+        if not 1 <= input_params.max_length <= self.generator.context:
+            raise ValueError(f'{self.path}: input max_length={input_params.max_length} but the '
+                             f'model has {self.generator.context} positions: set the input\'s '
+                             'max_length between 1 and that, or raise the body\'s max_length')
+        self.generator.check_lengths(p.decoder.prompt_length, p.decoder.num_new_tokens)
+
+    def PipelineInputs(self, batch):
+        return {'x': batch['inputs'], 'segment_ids': batch['segment_ids'],
+                'positions': batch['positions']}
+
+    def PipelineTargets(self, batch):
+        return {'targets': batch['targets'], 'segment_ids': batch['segment_ids']}
+
+    def TokenLosses(self, logits, targets) -> tuple[tf.Tensor, tf.Tensor]:
+        """(cross-entropy [B, T], weights [B, T]): weight 1 on real tokens, 0 on padding."""
+        weights = tf.cast(targets['segment_ids'] > 0, logits.dtype)
+        xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=targets['targets'],
+                                                              logits=logits)
+        return xent * weights, weights
+
+    def PerExampleLoss(self, logits, targets):
+        """Mean cross-entropy over each row's real tokens."""
+        xent, weights = self.TokenLosses(logits, targets)
+        return tf.reduce_sum(xent, 1) / tf.maximum(tf.reduce_sum(weights, 1), 1.0)
+
+    def ComputeLoss(self, theta, logits, batch):
+        xent, weights = self.TokenLosses(logits, self.PipelineTargets(batch))
+        weights *= tf.cast(self.ExampleWeights(batch), weights.dtype)[:, None]
+        tokens = tf.reduce_sum(weights)
+        hyp = tf.argmax(logits, -1, output_type=batch['targets'].dtype)
+        correct = tf.cast(tf.equal(hyp, batch['targets']), weights.dtype) * weights
+        log_pplx = tf.math.divide_no_nan(tf.reduce_sum(xent * weights), tokens)
+        return {'loss': (log_pplx, tokens), 'log_pplx': (log_pplx, tokens),
+                'accuracy': (tf.math.divide_no_nan(tf.reduce_sum(correct), tokens), tokens)}
+
+    def FinalizeMetrics(self, scores):
+        # Perplexity of the whole split: exp of its per-token mean, not a mean of exps.
+        return {**scores, 'perplexity': math.exp(min(scores['log_pplx'], 700.0))}
+
+    def Decode(self, theta, batch):
+        d = self.params.decoder
+        prompt = batch['inputs'][:, :d.prompt_length]
+        theta = theta['pipe']
+        greedy, greedy_lp = self.generator.generate(theta, prompt, d.num_new_tokens)
+        sampled, sampled_lp = self.generator.generate(
+            theta, prompt, d.num_new_tokens,
+            generation.Sampling(temperature=d.temperature, top_k=d.top_k, seed=d.seed))
+        end = d.prompt_length + d.num_new_tokens
+        return {'prompt': prompt, 'reference': batch['targets'][:, d.prompt_length - 1:end - 1],
+                'greedy': greedy, 'greedy_log_probs': greedy_lp, 'sampled': sampled,
+                'sampled_log_probs': sampled_lp}
+
+    def PostProcessDecodeOut(self, decode_out):
+        records = []
+        for i, prompt in enumerate(decode_out['prompt']):
+            records.append({
+                'prompt': inputs.byte_detokenize([t for t in prompt.tolist() if t != EOD_ID]),
+                'reference': continuation(decode_out['reference'][i], [])['continuation'],
+                'greedy': continuation(decode_out['greedy'][i],
+                                        decode_out['greedy_log_probs'][i]),
+                'sampled': continuation(decode_out['sampled'][i],
+                                         decode_out['sampled_log_probs'][i])})
+        return records
+
+    def DecodeMetrics(self, records):
+        """Mean log-prob per generated token, and how often greedy matches the reference."""
+        log_probs = [v for r in records for v in r['greedy']['log_probs']]
+        matches = [a == b for r in records
+                   for a, b in zip(r['greedy']['continuation'], r['reference'])]
+        return {'greedy_mean_log_prob': float(np.mean(log_probs)) if log_probs else 0.0,
+                'greedy_char_match': float(np.mean(matches)) if matches else 0.0}
