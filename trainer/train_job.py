@@ -140,9 +140,6 @@ class Trainer:
         self.replica_variables = [{p: v for p, v in copy.items() if v.trainable}
                                   for copy in self.task.pipe.ReplicaVariablesByPath()]
         self.variables = self.replica_variables[0]
-        if not isinstance(tp.shard_optimizer_states, bool):
-            raise ValueError(f'task.train.shard_optimizer_states={tp.shard_optimizer_states!r} '
-                             'must be True or False')
         self.optimizers: list[BaseOptimizer] | ShardedOptimizer
         if tp.shard_optimizer_states:
             self.optimizers = ShardedOptimizer(tp.optimizer, self.replica_variables)
