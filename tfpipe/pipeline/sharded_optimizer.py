@@ -13,9 +13,9 @@ Layout: a variable of n elements is flattened and replica r owns elements
 (or empty when n < R) and R need not divide n. A part is padded to s for the
 all-gather, which concatenates equal pieces (one buffer per cell and dtype).
 
-Gradients: TensorFlow has no reduce-scatter on CPUs (see
-/work/shared/reference/tensorflow-notes.md), so the reduce-scatter is the
-pipeline's all-reduce, of which each replica keeps its part. Holding the
+Gradients: TensorFlow has no reduce-scatter on CPUs (collective_reduce_scatter_v2
+hangs between logical CPUs and fails across processes), so the reduce-scatter
+is the pipeline's all-reduce, of which each replica keeps its part. Holding the
 whole summed gradient also keeps global-norm clipping and the NaN guard
 exact: every replica computes the same norm from it, as unsharded.
 
@@ -36,7 +36,7 @@ or not.
 Collectives are TensorFlow's v1 ops (`all_reduce`, `all_gather`), which work
 between logical CPUs of one process and across worker processes; like the
 pipeline's all-reduce they must be built inside a tf.function. `Apply` builds
-each replica's part in turn (`_ApplyReplica`) with collective keys agreed for
+each replica's part in turn (`_apply_replica`) with collective keys agreed for
 the whole step, the seam at which one client per replica would build only its
 own.
 """
@@ -132,7 +132,7 @@ class ShardedOptimizer(tf.Module):
         with tf.init_scope():
             for path in sorted(self._shapes):
                 slots[slot_key(path)] = {
-                    name: self._NewSlot(path, name, tf.TensorShape(shape), replica_variables)
+                    name: self._new_slot(path, name, tf.TensorShape(shape), replica_variables)
                     for name, shape in rule.SlotShapes(self._shapes[path]).items()}
         self._slots = slots
         # The devices holding a variable's copies: one collective group per cell.
@@ -140,7 +140,7 @@ class ShardedOptimizer(tf.Module):
                                for path in self._shapes}
         self._keys: dict = {}  # collective instance keys of the step being built
 
-    def _NewSlot(self, path: str, name: str, shape: tf.TensorShape,
+    def _new_slot(self, path: str, name: str, shape: tf.TensorShape,
                  replica_variables: Sequence[Variables]) -> _Slot:
         sharded = shape == self._shapes[path]
         bounds = shard_bounds(shape.num_elements(), self._num_replicas)
@@ -183,20 +183,18 @@ class ShardedOptimizer(tf.Module):
                              'the variables it will update')
         step = self.iterations.assign_add(1)
         self._keys = {}
-        pieces = [self._ApplyReplica(r, lr, step, replica_grads[r], replica_variables[r])
+        pieces = [self._apply_replica(r, lr, step, replica_grads[r], replica_variables[r])
                   for r in range(self._num_replicas)]
         for group in pieces[0]:
-            self._Gather(group, [p[group] for p in pieces],
-                         [{path: v[path] for path, _ in pieces[0][group]}
-                          for v in replica_variables])
+            self._gather(group, [p[group] for p in pieces], replica_variables)
 
-    def _Key(self, name: tuple) -> int:
+    def _key(self, name: tuple) -> int:
         """The instance key of collective `name` in this step, the same for every replica."""
         if name not in self._keys:
             self._keys[name] = replicas.new_instance_key()
         return self._keys[name]
 
-    def _ApplyReplica(self, r: int, lr: tf.Tensor, step: tf.Tensor, grads: Grads,
+    def _apply_replica(self, r: int, lr: tf.Tensor, step: tf.Tensor, grads: Grads,
                       variables: Variables) -> dict:
         """Replica r's update of its parts; returns {(devices, dtype): [(path, new part)]}."""
         out: dict = {}
@@ -216,7 +214,7 @@ class ShardedOptimizer(tf.Module):
                     if self._num_replicas == 1:
                         return x
                     return collective_ops.all_reduce(x, self._num_replicas, group,
-                                                     self._Key((path, 'total')), 'Add', 'Id',
+                                                     self._key((path, 'total')), 'Add', 'Id',
                                                      communication_hint='auto')
 
                 part = _Part(grad_, weight, (start, stop), total)
@@ -228,12 +226,12 @@ class ShardedOptimizer(tf.Module):
             out.setdefault((devices, var.dtype), []).append((path, padded))
         return out
 
-    def _Gather(self, group: tuple, pieces: Sequence[list], variables: Sequence[Variables]):
+    def _gather(self, group: tuple, pieces: Sequence[list], variables: Sequence[Variables]):
         """All-gathers one cell's updated parts (one buffer per dtype) into every copy."""
         devices, _ = group
         num = self._num_replicas
         key = replicas.group_key(devices)
-        instance = self._Key(('gather',) + group)
+        instance = self._key(('gather',) + group)
         sizes = [piece.shape[0] for _, piece in pieces[0]]
         for r in range(num):
             with tf.device(devices[r]), tf.name_scope(f'shard_gather_{r}'):
