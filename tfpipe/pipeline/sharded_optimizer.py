@@ -25,8 +25,9 @@ and vc are row and column means over the whole gradient (rows + columns
 numbers for a rows x columns matrix): every replica keeps them whole and
 updates them from the whole gradient, identically; its update clipping
 needs the RMS of the whole update, summed over the parts by a scalar
-all-reduce. So every optimizer's update equals the unsharded one (SGD, Adam
-and RMSProp to the bit; Adafactor up to the order of one sum).
+all-reduce. So every optimizer's update equals the unsharded one up to
+rounding (tested within 1e-5; not always to the bit, as a kernel may round the
+elements of a part differently from those of the whole variable).
 
 Checkpoints hold one whole copy of each slot under the unsharded key
 (`optimizer/_slots/pipe-fc3-w/m`): a slot saves the concatenation of its
