@@ -1,9 +1,13 @@
 """GPipe's Table 1, measured: the largest model whose training step fits a peak budget.
 
-Two configurations on one device (K=1), as in the paper's first two columns:
+Two configurations on one device (K=1), as in the paper's first two columns, and a third:
 
   naive       M=1, recompute='never'   (the model without GPipe)
   Pipeline-1  M=8, recompute='always'  (GPipe on one accelerator)
+  R=2 sharded Pipeline-1 on each of 2 data-parallel replicas (one device each, the same
+              batch per replica) with task.train.shard_optimizer_states: each device keeps
+              half of the optimizer slots. Its size is the model per device; its peak is
+              the allocator's (shared by the logical CPUs) divided by R.
 
 Each probe (one model size, one configuration) runs in its own subprocess with the BFC
 allocator on (TF_CPU_ALLOCATOR_USE_BFC=true, the only CPU allocator that keeps peak
@@ -37,9 +41,12 @@ from typing import Optional
 MIB = 1024 ** 2
 GIB = 1024 ** 3
 CONFIGS = {'naive': dict(num_micro_batches=1, recompute='never'),
-           'pipeline1': dict(num_micro_batches=8, recompute='always')}
+           'pipeline1': dict(num_micro_batches=8, recompute='always'),
+           'r2_sharded': dict(num_micro_batches=8, recompute='always', num_replicas=2)}
+SHARDED = {'r2_sharded'}  # configurations whose optimizer slots are sharded over replicas
 CONFIG_NAMES = {'naive': 'naive (M=1, no recompute)',
-                'pipeline1': 'Pipeline-1 (K=1, M=8, recompute)'}
+                'pipeline1': 'Pipeline-1 (K=1, M=8, recompute)',
+                'r2_sharded': 'R=2 x Pipeline-1, sharded slots'}
 # GPipe (arXiv 1811.06965) Table 1, AmoebaNet-D on one 8 GB accelerator.
 PAPER = {'naive': ('(L=18, D=208)', 82e6), 'pipeline1': ('(L=18, D=416)', 318e6)}
 GOAL = 3.9  # Pipeline-1 / naive in parameters, AmoebaNet (the paper's 318M / 82M)
@@ -118,54 +125,72 @@ def _build(spec: ProbeSpec):
             return tf.reduce_mean(tf.square(outputs - targets), axis=-1)
     else:
         raise ValueError(f"model {spec.model!r} is unknown: use 'amoebanet' or 'dense'")
+    num_replicas = CONFIGS[spec.config].get('num_replicas', 1)
+    x, t = (tf.concat([v] * num_replicas, 0) for v in (x, t))  # the same batch per replica
     pipe = tfpipe.PipeliningLayer.Params().Set(
-        name='pipe', body=body, balance=[len(body)], devices=['/CPU:0'],
-        **CONFIGS[spec.config]).Instantiate()
+        name='pipe', body=body, balance=[len(body)],
+        devices=[f'/CPU:{r}' for r in range(num_replicas)], **CONFIGS[spec.config]).Instantiate()
     return pipe, x, t, loss_fn
 
 
-def _optimizer(name: str):
+def _optimizer(name: str, config: str, replica_variables: list[dict]):
+    """The optimizer `name` over the replicas' variables: sharded, or one per replica."""
     from tfpipe import optimizers
-    return {'sgd': lambda: optimizers.SGD.Params(),
-            'momentum': lambda: optimizers.SGD.Params().Set(momentum=0.9),
-            'rmsprop': lambda: optimizers.RMSProp.Params(),
-            'adam': lambda: optimizers.Adam.Params()}[name]().Instantiate()
+    from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
+    params = {'sgd': lambda: optimizers.SGD.Params(),
+              'momentum': lambda: optimizers.SGD.Params().Set(momentum=0.9),
+              'rmsprop': lambda: optimizers.RMSProp.Params(),
+              'adam': lambda: optimizers.Adam.Params()}[name]()
+    if config in SHARDED:
+        return ShardedOptimizer(params, replica_variables)
+    out = [params.Instantiate() for _ in replica_variables]
+    for optimizer, variables in zip(out, replica_variables):
+        optimizer.CreateSlots(variables)
+    return out
 
 
 def probe_in_process(spec: ProbeSpec) -> dict:
     """Peak bytes of the trainer's step for `spec`; must run in a fresh process whose
     environment switched the BFC allocator on before TensorFlow loaded."""
     import tensorflow as tf
+    import tfpipe
     from tfpipe import fprop_context
     from tfpipe.base_layer import flatten_by_path
     from trainer.train_job import guarded_update
 
+    num_replicas = CONFIGS[spec.config].get('num_replicas', 1)
+    if num_replicas > 1:
+        tfpipe.configure_logical_cpus(num_replicas)
     pipe, x, t, loss_fn = _build(spec)
-    variables = {p: v for p, v in pipe.VariablesByPath().items() if v.trainable}
-    optimizer = _optimizer(spec.optimizer)
-    optimizer.CreateSlots(variables)
+    replica_variables = [{p: v for p, v in copy.items() if v.trainable}
+                         for copy in pipe.ReplicaVariablesByPath()]
+    optimizer = _optimizer(spec.optimizer, spec.config, replica_variables)
     global_step = tf.Variable(0, dtype=tf.int64, trainable=False)
 
     @tf.function(autograph=False)  # nothing to convert; autograph only slows tracing
     def step():
         with fprop_context.training(step=global_step):
-            loss, grads = pipe.ForwardBackward(pipe.theta, x, loss_fn, t)
-        guarded_update(loss, [flatten_by_path(grads, pipe.path)], None, [optimizer],
-                       [variables], tf.constant(LEARNING_RATE), global_step)
+            theta = pipe.ReplicaThetas() if num_replicas > 1 else pipe.theta
+            loss, grads = pipe.ForwardBackward(theta, x, loss_fn, t)
+        grads = grads if isinstance(grads, list) else [grads]
+        guarded_update(loss, [flatten_by_path(g, pipe.path) for g in grads], None, optimizer,
+                       replica_variables, tf.constant(LEARNING_RATE), global_step)
         return loss
 
-    params = sum(int(v.shape.num_elements()) for v in variables.values())
+    # Per device: one replica's parameters, and the shared allocator's bytes over R.
+    params = sum(int(v.shape.num_elements()) for v in replica_variables[0].values())
     out = dict(params=params, oom=False)
     try:
         t0 = time.perf_counter()
         step().numpy()  # traces
         out['first_step_s'] = time.perf_counter() - t0
         tf.config.experimental.reset_memory_stats('CPU:0')
-        out['resident'] = tf.config.experimental.get_memory_info('CPU:0')['current']
+        out['resident'] = tf.config.experimental.get_memory_info('CPU:0')['current'] \
+            // num_replicas
         t0 = time.perf_counter()
         loss = float(step().numpy())
         out['step_s'] = time.perf_counter() - t0
-        out['peak'] = tf.config.experimental.get_memory_info('CPU:0')['peak']
+        out['peak'] = tf.config.experimental.get_memory_info('CPU:0')['peak'] // num_replicas
         if loss != loss:
             raise FloatingPointError(f'{spec}: the step returned NaN')
     except tf.errors.ResourceExhaustedError:
@@ -284,13 +309,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def spec_maker(args, model: str, config: str):
+    cap = 2 * args.budget * CONFIGS[config].get('num_replicas', 1)  # one allocator for all
+
     def make(size: int) -> ProbeSpec:
         if model == 'amoebanet':
             return ProbeSpec('amoebanet', size, config, args.amoeba_batch, args.amoeba_image,
                              args.amoeba_cells_per_stage, args.amoeba_stages, args.optimizer,
-                             2 * args.budget)
+                             cap)
         return ProbeSpec('dense', size, config, args.dense_batch, args.dense_width,
-                         optimizer=args.optimizer, cap_bytes=2 * args.budget)
+                         optimizer=args.optimizer, cap_bytes=cap)
     return make
 
 
@@ -340,8 +367,8 @@ def report(args, results: dict) -> list[str]:
              f"{'next size (does not fit)':26s}  paper (AmoebaNet-D, 8 GB)"]
     for model, res in results.items():
         for config, r in res.items():
-            paper = (f'{PAPER[config][1] / 1e6:.0f}M {PAPER[config][0]}' if model == 'amoebanet'
-                     else '-')
+            paper = (f'{PAPER[config][1] / 1e6:.0f}M {PAPER[config][0]}'
+                     if model == 'amoebanet' and config in PAPER else '-')
             if 'size' not in r:
                 lines.append(f'{model:9s}  {CONFIG_NAMES[config]:33s}  size 1 does not fit')
                 continue
@@ -364,6 +391,13 @@ def report(args, results: dict) -> list[str]:
                      + (f'; paper {paper_ratio:.2f}x, goal >= {GOAL:.1f}x: '
                         + ('PASS' if ratio >= GOAL else 'MISS') if model == 'amoebanet' else ''))
         lines += ['  ' + line for line in limits(model, naive, pipe1, args.budget)]
+        sharded = res.get('r2_sharded', {})
+        if 'size' in sharded:
+            lines.append(f"{model}: R=2 sharded / Pipeline-1 = "
+                         f"{sharded['params'] / pipe1['params']:.2f}x parameters per device "
+                         f"({size_name(model, sharded['size'])}; weights + slots + inputs "
+                         f"{sharded['resident'] / sharded['params']:.1f} B/param against "
+                         f"{pipe1['resident'] / pipe1['params']:.1f})")
     return lines
 
 
@@ -406,7 +440,7 @@ def main(args) -> int:
     print(f'Python {platform.python_version()}, {os.cpu_count()} cores, host {platform.node()}, '
           f'load average {load_start[0]:.2f} at start')
     print(f"step: ForwardBackward + trainer.train_job.guarded_update, optimizer {args.optimizer}; "
-          'K=1 on /CPU:0; peak of the second step (the first traces)')
+          'K=1 on /CPU:0 (R=2: /CPU:0 and /CPU:1); peak of the second step (the first traces)')
     if 'amoebanet' in args.models:
         print(f'amoebanet: tfpipe.bodies.amoebanet_body, {args.amoeba_cells_per_stage} normal '
               f'cell(s) per stage x {args.amoeba_stages} stage(s) + {args.amoeba_stages - 1} '

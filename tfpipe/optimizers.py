@@ -17,7 +17,8 @@ import tensorflow as tf
 
 from tfpipe.hyperparams import InstantiableParams, Params
 
-__all__ = ['BaseOptimizer', 'SGD', 'Adam', 'RMSProp', 'Adafactor', 'clip_by_global_norm']
+__all__ = ['BaseOptimizer', 'SGD', 'Adam', 'RMSProp', 'Adafactor', 'Whole',
+           'clip_by_global_norm']
 
 Grads = dict[str, Optional[tf.Tensor]]
 Variables = dict[str, tf.Variable]
@@ -28,7 +29,7 @@ _RANGES = {'unit': ('in [0, 1)', lambda x: 0 <= x < 1),
            'exponent': ('in (0, 1]', lambda x: 0 < x <= 1)}
 
 
-def _slot_key(path: str) -> str:
+def slot_key(path: str) -> str:
     """'pipe/fc3/w' -> 'pipe-fc3-w': one-to-one, and free of the '/' and '.' that
     checkpoint keys escape, so the path stays readable in ``tf.train.list_variables``."""
     if not isinstance(path, str) or not _PATH_RE.match(path):
@@ -40,6 +41,33 @@ def _slot_key(path: str) -> str:
 def _ema(slot: tf.Variable, decay: float | _T, x: _T) -> _T:
     """slot = decay * slot + (1 - decay) * x. read_value(): a bare read drops tf.device."""
     return slot.assign(decay * slot.read_value() + (1 - decay) * x)
+
+
+class Whole:
+    """The variable an update belongs to, for rules that look beyond their own elements.
+
+    An update may cover all of a variable or one replica's shard of it
+    (tfpipe.pipeline.sharded_optimizer). Element-wise rules need only their part;
+    Adafactor also needs statistics of the whole variable, which it takes from
+    here: `grad` and `weight` are whole (a shard's replica holds both), `cut`
+    maps a whole-shaped tensor to the part being updated and `total` sums a
+    per-part scalar over all parts. Here the part is the whole variable.
+    """
+
+    def __init__(self, grad: _T, weight: _T) -> None:
+        self.grad = grad
+        self.weight = weight
+
+    @property
+    def size(self) -> int:
+        """Number of elements of the whole variable."""
+        return self.grad.shape.num_elements()
+
+    def cut(self, x: _T) -> _T:
+        return x
+
+    def total(self, x: _T) -> _T:
+        return x
 
 
 class BaseOptimizer(tf.Module):
@@ -81,9 +109,20 @@ class BaseOptimizer(tf.Module):
         """{slot name: shape} for a variable of `shape` (subclasses)."""
         raise NotImplementedError
 
-    def _apply_one(self, lr: _T, step: _T, grad: _T, var: tf.Variable, slots: Variables) -> None:
-        """Updates `var`; lr, step (1-based) and grad are in var's dtype (subclasses)."""
+    def _delta(self, lr: _T, step: _T, grad: _T, slots: Variables, whole: Whole) -> _T:
+        """What to subtract from the part of a variable that `grad` covers, updating its
+        slots (those of the variable's shape cover that part too, others are whole).
+        lr, step (1-based) and grad are in the variable's dtype (subclasses)."""
         raise NotImplementedError
+
+    def SlotShapes(self, shape: tf.TensorShape) -> dict[str, list[int]]:
+        """{slot name: shape} of the slots of a variable of `shape`."""
+        return self._slot_shapes(tf.TensorShape(shape))
+
+    def Delta(self, lr: _T, step: _T, grad: _T, slots: Variables, whole: Whole) -> _T:
+        """One update's decrement of the part of a variable that `grad` covers; updates
+        `slots`. For tfpipe.pipeline.sharded_optimizer; `Apply` is the usual entry."""
+        return self._delta(lr, step, grad, slots, whole)
 
     @property
     def params(self) -> Params:
@@ -99,7 +138,7 @@ class BaseOptimizer(tf.Module):
         slots = {}
         with tf.init_scope():  # eager variables even if called inside tf.function
             for path in sorted(variables):
-                var, key = variables[path], _slot_key(path)
+                var, key = variables[path], slot_key(path)
                 self._require(shapes[path].is_fully_defined(), f'variable {path!r} has '
                               f'shape {shapes[path]}; slots need a fully defined shape')
                 with tf.device(var.device):
@@ -111,7 +150,7 @@ class BaseOptimizer(tf.Module):
 
     def GetSlot(self, path: str, name: str) -> tf.Variable:
         """The slot `name` (e.g. 'm') of the variable at `path`."""
-        return self._slots[_slot_key(path)][name]
+        return self._slots[slot_key(path)][name]
 
     @property
     def slot_variables(self) -> list[tf.Variable]:
@@ -137,9 +176,15 @@ class BaseOptimizer(tf.Module):
             grad, var = grads[path], variables[path]
             if grad is not None:
                 with tf.device(var.device):
-                    args = [tf.cast(tf.convert_to_tensor(x, dtype_hint=var.dtype), var.dtype)
-                            for x in (lr, step, grad)]  # a Python lr not via float32
-                    self._apply_one(*args, var, self._slots[_slot_key(path)])
+                    lr_, step_, grad_ = cast_args(lr, step, grad, var.dtype)
+                    var.assign_sub(self._delta(lr_, step_, grad_, self._slots[slot_key(path)],
+                                               Whole(grad_, var.read_value())))
+
+
+def cast_args(lr, step: _T, grad, dtype: tf.DType) -> tuple[_T, _T, _T]:
+    """lr, step and gradient in a variable's dtype (a Python lr not via float32)."""
+    return tuple(tf.cast(tf.convert_to_tensor(x, dtype_hint=dtype), dtype)
+                 for x in (lr, step, grad))
 
 
 class SGD(BaseOptimizer):
@@ -156,12 +201,12 @@ class SGD(BaseOptimizer):
     def _slot_shapes(self, shape: tf.TensorShape) -> dict[str, list[int]]:
         return {'momentum': shape.as_list()} if self._params.momentum > 0 else {}
 
-    def _apply_one(self, lr: _T, step: _T, grad: _T, var: tf.Variable, slots: Variables) -> None:
+    def _delta(self, lr: _T, step: _T, grad: _T, slots: Variables, whole: Whole) -> _T:
         mu = self._params.momentum
         if mu > 0:
             accum = slots['momentum'].assign(mu * slots['momentum'].read_value() + grad)
             grad = grad + mu * accum if self._params.nesterov else accum
-        var.assign_sub(lr * grad)
+        return lr * grad
 
 
 class Adam(BaseOptimizer):
@@ -179,11 +224,11 @@ class Adam(BaseOptimizer):
     def _slot_shapes(self, shape: tf.TensorShape) -> dict[str, list[int]]:
         return {'m': shape.as_list(), 'v': shape.as_list()}
 
-    def _apply_one(self, lr: _T, step: _T, grad: _T, var: tf.Variable, slots: Variables) -> None:
+    def _delta(self, lr: _T, step: _T, grad: _T, slots: Variables, whole: Whole) -> _T:
         p = self._params
         m_hat = _ema(slots['m'], p.beta1, grad) / (1 - p.beta1 ** step)
         v_hat = _ema(slots['v'], p.beta2, tf.square(grad)) / (1 - p.beta2 ** step)
-        var.assign_sub(lr * m_hat / (tf.sqrt(v_hat) + p.epsilon))
+        return lr * m_hat / (tf.sqrt(v_hat) + p.epsilon)
 
 
 class RMSProp(BaseOptimizer):
@@ -204,14 +249,14 @@ class RMSProp(BaseOptimizer):
         names = ('ms', 'momentum') if self._params.momentum > 0 else ('ms',)
         return {name: shape.as_list() for name in names}
 
-    def _apply_one(self, lr: _T, step: _T, grad: _T, var: tf.Variable, slots: Variables) -> None:
+    def _delta(self, lr: _T, step: _T, grad: _T, slots: Variables, whole: Whole) -> _T:
         p = self._params
         ms = _ema(slots['ms'], p.decay, tf.square(grad))
         delta = lr * grad * tf.math.rsqrt(ms + p.epsilon)
         if p.momentum > 0:
             mom = slots['momentum']
             delta = mom.assign(p.momentum * mom.read_value() + delta)
-        var.assign_sub(delta)
+        return delta
 
 
 class Adafactor(BaseOptimizer):
@@ -248,30 +293,32 @@ class Adafactor(BaseOptimizer):
                else {'v': dims})
         return {**out, 'm': dims} if self._params.beta1 > 0 else out
 
-    def _apply_one(self, lr: _T, step: _T, grad: _T, var: tf.Variable, slots: Variables) -> None:
+    def _delta(self, lr: _T, step: _T, grad: _T, slots: Variables, whole: Whole) -> _T:
         p = self._params
         if p.beta2 is None:
             beta2 = 1.0 - step ** -p.decay_exponent
         else:
             beta2 = p.beta2 * (1.0 - p.beta2 ** (step - 1)) / (1.0 - p.beta2 ** step)
-        g2 = tf.square(grad) + p.epsilon1
-        if self._factored(var.shape):
+        if self._factored(whole.grad.shape):
+            # The factored moments are row and column means of the whole gradient: their
+            # slots are whole, and so is the preconditioner until it is cut to the part.
+            g2 = tf.square(whole.grad) + p.epsilon1
             vr = _ema(slots['vr'], beta2, tf.reduce_mean(g2, -1))
             vc = _ema(slots['vc'], beta2, tf.reduce_mean(g2, -2))
             row_mean = tf.reduce_mean(vr, -1, keepdims=True)
-            precond = (tf.math.rsqrt(vr / row_mean)[..., :, None]
-                       * tf.math.rsqrt(vc)[..., None, :])
+            precond = whole.cut(tf.math.rsqrt(vr / row_mean)[..., :, None]
+                                * tf.math.rsqrt(vc)[..., None, :])
         else:
-            precond = tf.math.rsqrt(_ema(slots['v'], beta2, g2))
+            precond = tf.math.rsqrt(_ema(slots['v'], beta2, tf.square(grad) + p.epsilon1))
         update = grad * precond
-        rms = tf.sqrt(tf.reduce_mean(tf.square(update)))
+        rms = tf.sqrt(whole.total(tf.reduce_sum(tf.square(update)))
+                      / tf.cast(whole.size, update.dtype))
         update /= tf.maximum(rms / p.clipping_threshold, 1.0)
         if p.beta1 > 0:
             update = _ema(slots['m'], p.beta1, update)
         if p.multiply_by_parameter_scale:
-            lr *= tf.maximum(tf.sqrt(tf.reduce_mean(tf.square(var.read_value()))),
-                             p.epsilon2)
-        var.assign_sub(lr * update)
+            lr *= tf.maximum(tf.sqrt(tf.reduce_mean(tf.square(whole.weight))), p.epsilon2)
+        return lr * update
 
 
 def clip_by_global_norm(grads: Grads, max_norm: Optional[float]) -> tuple[Grads, tf.Tensor]:

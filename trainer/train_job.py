@@ -11,7 +11,9 @@ With data-parallel replicas (`task.pipeline.num_replicas` R > 1) each replica
 has its own copy of the variables and an optimizer with slots on its own
 devices, gets the all-reduced gradients and applies the same update, so the
 copies stay identical; only replica 0's copy and optimizer are checkpointed,
-and a restore copies them into the others.
+and a restore copies them into the others. With `task.train.shard_optimizer_states`
+one ShardedOptimizer holds every replica's part of the slots instead, and
+checkpoints them whole.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from tfpipe.base_layer import flatten_by_path
 from tfpipe.hyperparams import Params
 from tfpipe.optimizers import BaseOptimizer, clip_by_global_norm
 from tfpipe.pipeline.recorder import Recorder
+from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
 from tfpipe.tuning import timeline
 from trainer import experiment
 
@@ -83,8 +86,9 @@ def _check_positive_int(name: str, value, allow_none: bool = False) -> None:
 
 
 def guarded_update(loss: tf.Tensor, replica_grads: Sequence[dict], clip_norm: Optional[float],
-                   optimizers: Sequence[BaseOptimizer], replica_variables: Sequence[dict],
-                   lr: tf.Tensor, global_step: tf.Variable) -> tf.Tensor:
+                   optimizers: Sequence[BaseOptimizer] | ShardedOptimizer,
+                   replica_variables: Sequence[dict], lr: tf.Tensor,
+                   global_step: tf.Variable) -> tf.Tensor:
     """The update half of the trainer's step; returns the global gradient norm.
 
     Global-norm clipping, then the optimizer's update and `global_step += 1` only
@@ -93,15 +97,18 @@ def guarded_update(loss: tf.Tensor, replica_grads: Sequence[dict], clip_norm: Op
     same function rather than a lighter copy. With data-parallel replicas there
     is one gradient dict, optimizer and variable dict per replica: the gradients
     are all-reduced, so every replica clips by the same norm and applies the same
-    update to its own copy.
+    update to its own copy; a ShardedOptimizer updates every replica's part.
     """
     clipped = [clip_by_global_norm(grads, clip_norm) for grads in replica_grads]
     norm = clipped[0][1]
     finite = tf.math.is_finite(loss) & tf.math.is_finite(norm)
 
     def update():
-        for (grads, _), optimizer, variables in zip(clipped, optimizers, replica_variables):
-            optimizer.Apply(lr, grads, variables)
+        if isinstance(optimizers, ShardedOptimizer):
+            optimizers.Apply(lr, [grads for grads, _ in clipped], replica_variables)
+        else:
+            for (grads, _), optimizer, variables in zip(clipped, optimizers, replica_variables):
+                optimizer.Apply(lr, grads, variables)
         global_step.assign_add(1)
         return tf.constant(True)
 
@@ -135,10 +142,15 @@ class Trainer:
         self.replica_variables = [{p: v for p, v in copy.items() if v.trainable}
                                   for copy in self.task.pipe.ReplicaVariablesByPath()]
         self.variables = self.replica_variables[0]
-        self.optimizers = [tp.optimizer.Instantiate() for _ in self.replica_variables]
-        for optimizer, variables in zip(self.optimizers, self.replica_variables):
-            optimizer.CreateSlots(variables)
-        self.optimizer = self.optimizers[0]
+        self.optimizers: list[BaseOptimizer] | ShardedOptimizer
+        if tp.shard_optimizer_states:
+            self.optimizers = ShardedOptimizer(tp.optimizer, self.replica_variables)
+            self.optimizer = self.optimizers
+        else:
+            self.optimizers = [tp.optimizer.Instantiate() for _ in self.replica_variables]
+            for optimizer, variables in zip(self.optimizers, self.replica_variables):
+                optimizer.CreateSlots(variables)
+            self.optimizer = self.optimizers[0]
         self.schedule = tp.lr_schedule.Instantiate()
         self.learning_rate = tp.learning_rate
         self.clip_norm = tp.clip_gradient_norm_to_value or None
@@ -178,6 +190,8 @@ class Trainer:
     def _sync_replicas(self) -> None:
         """Copies replica 0's restored variables and optimizer state into the other replicas."""
         self.task.pipe.SyncReplicas()
+        if isinstance(self.optimizers, ShardedOptimizer):
+            return  # its slots restore into every replica's part
         for optimizer in self.optimizers[1:]:
             optimizer.iterations.assign(self.optimizer.iterations)
             for source, mirror in zip(self.optimizer.slot_variables, optimizer.slot_variables):

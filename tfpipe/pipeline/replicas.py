@@ -93,13 +93,19 @@ def micro_batch_groups(batch: int, num_micro_batches: int, num_replicas: int,
     return groups
 
 
-def _group_key(devices: Sequence[str]) -> int:
+def group_key(devices: Sequence[str]) -> int:
     """One collective group per set of devices, stable for the life of the process."""
     key = tuple(devices)
     with _lock:
         if key not in _group_keys:
             _group_keys[key] = len(_group_keys) + 1
         return _group_keys[key]
+
+
+def new_instance_key() -> int:
+    """A collective instance key no other collective of this process uses."""
+    with _lock:
+        return next(_instance_keys)
 
 
 def all_reduce_sum(per_replica: Sequence[Sequence[tf.Tensor]],
@@ -112,7 +118,7 @@ def all_reduce_sum(per_replica: Sequence[Sequence[tf.Tensor]],
     num = len(per_replica)
     if num == 1:
         return [list(per_replica[0])]
-    group = _group_key(devices)
+    group = group_key(devices)
     out: list[list] = [[None] * len(per_replica[0]) for _ in range(num)]
     by_dtype: dict[tf.DType, list[int]] = {}
     for i, t in enumerate(per_replica[0]):
@@ -120,8 +126,7 @@ def all_reduce_sum(per_replica: Sequence[Sequence[tf.Tensor]],
     for indices in by_dtype.values():
         shapes = [per_replica[0][i].shape for i in indices]
         sizes = [s.num_elements() for s in shapes]
-        with _lock:
-            instance = next(_instance_keys)
+        instance = new_instance_key()
         for r in range(num):
             with tf.device(devices[r]), tf.name_scope(f'all_reduce_{r}'):
                 packed = tf.concat([tf.reshape(per_replica[r][i], [-1]) for i in indices], 0)
