@@ -12,6 +12,12 @@ has its own copy of the variables and an optimizer with slots on its own
 devices, gets the all-reduced gradients and applies the same update, so the
 copies stay identical; only replica 0's copy and optimizer are checkpointed,
 and a restore copies them into the others.
+
+As one of several trainer clients (`peers`, tfpipe/clients.py) the trainer holds
+one replica; only the chief (client 0) touches its train dir: it restores,
+saves and writes summaries. The others need no logdir: at the start of `run()`
+every client receives the chief's weights, optimizer slots, step and input
+position over the collective runtime.
 """
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ from tfpipe import checkpoints, fprop_context
 from tfpipe.base_layer import flatten_by_path
 from tfpipe.hyperparams import Params
 from tfpipe.optimizers import BaseOptimizer, clip_by_global_norm
-from tfpipe.pipeline import timeline
+from tfpipe.pipeline import across_clients, timeline
 from trainer import experiment
 
 
@@ -115,7 +121,8 @@ class NonFiniteLossError(RuntimeError):
 class Trainer:
     """Builds the task, optimizer, input and checkpoint; `run()` trains."""
 
-    def __init__(self, params: Params, train_dir: str, options: RuntimeOptions):
+    def __init__(self, params: Params, train_dir: str, options: RuntimeOptions,
+                 peers: Optional[across_clients.Peers] = None):
         tp = params.task.train
         for name in ('max_steps', 'save_interval_steps', 'summary_interval_steps',
                      'save_max_to_keep'):
@@ -130,6 +137,9 @@ class Trainer:
             raise ValueError(f'--pipeline_trace_step={self.trace_step} is beyond max_steps='
                              f'{self.max_steps}: pick a step in 1..{self.max_steps}')
         self.task = params.task.Instantiate()
+        self.peers = peers
+        if peers is not None:
+            self.task.pipe.JoinClients(peers)
         self.replica_variables = [{p: v for p, v in copy.items() if v.trainable}
                                   for copy in self.task.pipe.ReplicaVariablesByPath()]
         self.variables = self.replica_variables[0]
@@ -164,6 +174,8 @@ class Trainer:
         train dir is locked, in case a trainer that held it saved meanwhile
         (a no-op when the newest checkpoint is still the one restored).
         """
+        if not self._is_chief:
+            return int(self.global_step.numpy())  # run() receives the chief's state
         path = checkpoints.latest(self.train_dir)
         if path is not None and path != self._restored:
             checkpoints.check_readable(path)
@@ -180,6 +192,23 @@ class Trainer:
             optimizer.iterations.assign(self.optimizer.iterations)
             for source, mirror in zip(self.optimizer.slot_variables, optimizer.slot_variables):
                 mirror.assign(source)
+
+    @property
+    def _is_chief(self) -> bool:
+        return self.peers is None or self.peers.is_chief
+
+    def _checkpointed_variables(self) -> list[tf.Variable]:
+        """Everything a checkpoint restores, in an order every client agrees on."""
+        out = [self.variables[path] for path in sorted(self.variables)]
+        out += [v for path, v in sorted(self.task.VariablesByPath().items())
+                if not v.trainable]
+        out += [self.optimizer.iterations, *self.optimizer.slot_variables, self.global_step]
+        return out + list(getattr(self.iterator, 'variables', ()))  # the input's position
+
+    @tf.function
+    def _receive_chief_state(self):
+        across_clients.broadcast_from_chief(self.peers, self._checkpointed_variables(),
+                                            self.task.pipe.devices[0])
 
     @tf.function
     def _step(self, batch):
@@ -227,8 +256,11 @@ class Trainer:
                 signal.signal(sig, handler)
 
     def _loop(self) -> int:
+        if self.peers is not None:
+            self._receive_chief_state()
         step = int(self.global_step.numpy())
-        writer = tf.summary.create_file_writer(self.train_dir)
+        writer = (tf.summary.create_file_writer(self.train_dir) if self._is_chief
+                  else tf.summary.create_noop_writer())
         start_step, start_time = step, time.time()
         progress = Progress(self.max_steps, start_time)
         out_of_data = False
@@ -244,7 +276,8 @@ class Trainer:
                 break
             if step + 1 == self.trace_step:
                 loss, norm, lr, stamps = self._recorded_step(batch)
-                self._write_timeline(step + 1, stamps.numpy(), writer)
+                if self._is_chief:
+                    self._write_timeline(step + 1, stamps.numpy(), writer)
             else:
                 loss, norm, lr = self._step(batch)
             loss, norm = float(loss), float(norm)
@@ -306,7 +339,12 @@ class Trainer:
             'Lower task.train.learning_rate or set task.train.clip_gradient_norm_to_value')
 
     def save(self, step: int) -> None:
-        """Saves a checkpoint numbered `step`; a failed save leaves no partial files."""
+        """Saves a checkpoint numbered `step`; a failed save leaves no partial files.
+
+        Only the chief saves: every client holds the same values.
+        """
+        if not self._is_chief:
+            return
         if not bool(self._weights_are_finite()):
             self._non_finite(f'the weights after step {step} are not finite')
         try:
