@@ -96,7 +96,8 @@ def apply_batch_stats(peers: Peers, cells: Sequence[Cell],
         with tf.device(cell.device), tf.name_scope(f'cell_{cell.index}/batch_stats'):
             tables = []
             for _, stats in records:
-                rows = tf.stack([tf.concat([tf.reshape(c, [1]), m, v]) for c, m, v in stats])
+                rows = tf.stack([tf.concat([tf.reshape(c, [1]), m, v], 0)
+                                 for c, m, v in stats])
                 tables.append(tf.pad(rows, [[group.start, num_micro_batches - group.stop],
                                             [0, 0]]))
             tables = all_reduce_sum(peers, tables, cell.device)
