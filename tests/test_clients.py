@@ -8,6 +8,8 @@ state (else its weights, Adam slots and input position restart from zero). Every
 is stopped by its PID in teardown.
 """
 import os
+import re
+import signal
 import socket
 import subprocess
 import time
@@ -153,3 +155,117 @@ def test_a_non_chief_client_resumes_from_the_chief_and_writes_nothing(runs):
     assert os.listdir(d['other']) == []
     assert not os.path.exists(runs['1f1b']['other'])
     assert checkpoints.step_of(checkpoints.latest(_train(d['chief']))) == STEPS
+
+
+# -- Bad input: exit 2 with one line, before anything is written ---------------------------
+
+@pytest.mark.parametrize('spec, job, task, environ, message', [
+    ('trainer=127.0.0.1:1,127.0.0.1:1', 'trainer', 0, {}, 'address 127.0.0.1:1 is listed twice'),
+    ('trainer=127.0.0.1:1,127.0.0.1:2', 'trainer', 2, {}, 'task index 2 is out of range'),
+    ('trainer=127.0.0.1:1,127.0.0.1:2', 'trainer', None, {}, 'needs its index: pass --task'),
+    ('trainer=127.0.0.1', 'trainer', 0, {}, "bad address '127.0.0.1'"),
+    ('trainer=127.0.0.1:1@worker=127.0.0.1:2', 'trainer', 0, {}, "cannot also list ['worker']"),
+    ('trainer=127.0.0.1:1', 'evaler_dev', 0, {}, 'each client runs the trainer job only'),
+    (None, None, None, {'TF_CONFIG': '{"cluster": {"trainer": ["127.0.0.1:1"]}, '
+                                     '"task": {"type": "worker", "index": 0}}'},
+     '"task" must be {"type": "trainer"'),
+    (None, None, None, {'TF_CONFIG': '{"cluster": {"trainer": ["127.0.0.1:1"]}, '
+                                     '"task": {"type": "trainer", "index": 1}}'},
+     'task index 1 is out of range'),
+])
+def test_bad_client_clusters_are_refused(spec, job, task, environ, message):
+    from tfpipe import clients
+    with pytest.raises(clients.ClusterError, match=re.escape(message)):
+        clients.from_flags(spec, job, task, environ)
+
+
+def test_a_worker_cluster_is_not_a_client_cluster():
+    from tfpipe import clients
+    assert clients.from_flags('worker=127.0.0.1:1', None, None, {}) is None
+    config = '{"cluster": {"trainer": ["h:1", "h:2"]}, "task": {"type": "trainer", "index": 1}}'
+    got = clients.from_flags(None, None, None, {'TF_CONFIG': config})
+    assert (got.addresses, got.task_index, got.peers.is_chief) == (('h:1', 'h:2'), 1, False)
+
+
+def _run_client(logdir, data_dir, spec, task, *extra, timeout=120):
+    return subprocess.run(client_command(logdir, data_dir, spec, task, *th.fast_flags(2, 2),
+                                         *extra),
+                          env=th.env(), cwd=th.REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_port_in_use_and_wrong_replicas_exit_2_and_a_missing_client_exits_1(tmp_path,
+                                                                           data_dir):
+    logdir = str(tmp_path / 'run')
+    with socket.socket() as held:
+        held.bind(('127.0.0.1', 0))
+        held.listen()
+        port = held.getsockname()[1]
+        result = _run_client(logdir, data_dir, f'trainer=127.0.0.1:{port},127.0.0.1:'
+                             f'{free_port()}', 0)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f'port {port} of 127.0.0.1:{port} is in use' in th.error_line(result)
+
+    result = _run_client(logdir, data_dir, spec_of(2), 0,
+                         th.overrides(**{'task.pipeline.num_replicas': 3}))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert 'num_replicas=3 but the cluster has 2 trainer client(s)' in th.error_line(result)
+
+    spec = spec_of(2)
+    missing = spec.split(',')[1]
+    result = _run_client(logdir, data_dir, spec, 0, '--cluster_wait_seconds=2')
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert th.error_line(result).startswith(
+        f'error: trainer task 1 ({missing}) did not come up within 2 s')
+    assert not os.path.exists(logdir)
+
+
+# -- Faults mid-run: SIGTERM agrees on a step; SIGKILL ends the others --------------------
+
+def _logged_stop_step(stderr: str) -> int:
+    found = re.findall(r'saving a checkpoint at step (\d+) and stopping', stderr)
+    assert len(found) == 1, stderr[-3000:]
+    return int(found[0])
+
+
+def test_sigterm_stops_all_at_one_step_and_sigkill_ends_the_chief(tmp_path, data_dir,
+                                                                 processes):
+    chief, other = str(tmp_path / 'chief'), str(tmp_path / 'other')
+    forever = th.fast_flags(100000, 2)
+    procs = start_clients(processes, [chief, other], data_dir, *forever)
+    wait_for_checkpoint(procs[0], _train(chief), 2)
+    procs[1].send_signal(signal.SIGTERM)
+    errs = finish(procs, timeout=120)
+    step = _logged_stop_step(errs[0])
+    assert _logged_stop_step(errs[1]) == step
+    assert checkpoints.step_of(checkpoints.latest(_train(chief))) == step
+
+    spec = spec_of(2)
+    procs = start_clients(processes, [chief, other], data_dir, *forever, spec=spec)
+    wait_for_checkpoint(procs[0], _train(chief), step + 2)
+    procs[1].kill()
+    killed = time.time()
+    _, err = procs[0].communicate(timeout=90)
+    assert time.time() - killed < 60
+    assert procs[0].returncode == 1, err[-3000:]
+    lost = spec.split(',')[1]
+    assert f'error: lost trainer task 1 ({lost})' in err, err[-3000:]
+    last = checkpoints.latest(_train(chief))
+    th.model_values(last)  # loadable: no partial checkpoint is listed
+
+    resumed = start_clients(processes, [chief, other], data_dir,
+                            *th.fast_flags(checkpoints.step_of(last) + 1, 2))
+    errs = finish(resumed)
+    assert f'at step {checkpoints.step_of(last)}' in errs[0]
+
+
+def wait_for_checkpoint(proc: subprocess.Popen, train_dir: str, step: int) -> None:
+    """Returns once `proc` has saved a checkpoint of `step` or later, still running."""
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        path = checkpoints.latest(train_dir) if os.path.isdir(train_dir) else None
+        if path and checkpoints.step_of(path) >= step:
+            return
+        time.sleep(0.1)
+    assert proc.poll() is None, proc.stderr.read()[-3000:]
+    raise AssertionError(f'no checkpoint of step {step} in {train_dir} within 240 s')

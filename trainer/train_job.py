@@ -160,6 +160,7 @@ class Trainer:
             self.checkpoint, train_dir, checkpoint_name='ckpt',
             max_to_keep=options.save_max_to_keep or tp.save_max_to_keep)
         self._stop_signal: Optional[int] = None
+        self._peer_stopping = False  # across clients: some client got SIGINT/SIGTERM (agreed)
         self._restored: Optional[str] = None
         self._saved_this_run = False
         # (last finished step, when it or a later save finished), None before the first
@@ -209,6 +210,26 @@ class Trainer:
     def _receive_chief_state(self):
         across_clients.broadcast_from_chief(self.peers, self._checkpointed_variables(),
                                             self.task.pipe.devices[0])
+
+    @tf.function
+    def _any_client_stopping(self, stopping):
+        flag, = across_clients.all_reduce_sum(self.peers, [stopping], self.task.pipe.devices[0])
+        return flag > 0
+
+    @property
+    def _stopping(self) -> bool:
+        return self._peer_stopping if self.peers is not None else self._stop_signal is not None
+
+    def _agree_on_stop(self) -> None:
+        """After each step of a client: stop when any client got a signal, all at this step.
+
+        A client acts on the agreed flag, never on its own signal alone: one that
+        stopped by itself would leave the others waiting in the next step's
+        collectives. (TensorFlow's PreemptionCheckpointHandler agrees on a step
+        the same way, through the coordination service.)
+        """
+        own = tf.constant(0.0 if self._stop_signal is None else 1.0)
+        self._peer_stopping = bool(self._any_client_stopping(own))
 
     @tf.function
     def _step(self, batch):
@@ -268,7 +289,7 @@ class Trainer:
             logging.warning('--pipeline_trace_step=%d: step %d is already done in %s; no '
                             'timeline recorded', self.trace_step, self.trace_step,
                             self.train_dir)
-        while step < self.max_steps and self._stop_signal is None:
+        while step < self.max_steps and not self._stopping:
             try:
                 batch = next(self.iterator)
             except StopIteration:
@@ -284,6 +305,8 @@ class Trainer:
             if not (math.isfinite(loss) and math.isfinite(norm)):
                 self._non_finite(f'loss is {loss} and gradient norm {norm} at step {step}')
             step += 1
+            if self.peers is not None:
+                self._agree_on_stop()
             self.heartbeat = (step, time.monotonic())
             progress.step_done(step, time.time())
             if step % self.summary_interval == 0 or step == self.max_steps:
@@ -295,10 +318,10 @@ class Trainer:
                             'repeat): saving a checkpoint and stopping; set '
                             'input.train.repeat=True to train to max_steps', step,
                             self.max_steps)
-        if self._stop_signal is not None:
-            logging.info('signal %d: saving a checkpoint at step %d and stopping',
-                         self._stop_signal, step)
-        if (out_of_data or self._stop_signal is not None) and (
+        if self._stopping:
+            logging.info('signal %s: saving a checkpoint at step %d and stopping',
+                         self._stop_signal or 'to another client', step)
+        if (out_of_data or self._stopping) and (
                 self.manager.latest_checkpoint is None or
                 checkpoints.step_of(self.manager.latest_checkpoint) != step):
             self.save(step)
