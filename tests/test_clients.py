@@ -233,7 +233,7 @@ def test_sigterm_stops_all_at_one_step_and_sigkill_ends_the_chief(tmp_path, data
     chief, other = str(tmp_path / 'chief'), str(tmp_path / 'other')
     forever = th.fast_flags(100000, 2)
     procs = start_clients(processes, [chief, other], data_dir, *forever)
-    wait_for_checkpoint(procs[0], _train(chief), 2)
+    th.wait_for_checkpoint(procs[0], _train(chief), 2)
     procs[1].send_signal(signal.SIGTERM)
     errs = finish(procs, timeout=120)
     step = _logged_stop_step(errs[0])
@@ -242,7 +242,7 @@ def test_sigterm_stops_all_at_one_step_and_sigkill_ends_the_chief(tmp_path, data
 
     spec = spec_of(2)
     procs = start_clients(processes, [chief, other], data_dir, *forever, spec=spec)
-    wait_for_checkpoint(procs[0], _train(chief), step + 2)
+    th.wait_for_checkpoint(procs[0], _train(chief), step + 2)
     procs[1].kill()
     killed = time.time()
     _, err = procs[0].communicate(timeout=90)
@@ -258,14 +258,3 @@ def test_sigterm_stops_all_at_one_step_and_sigkill_ends_the_chief(tmp_path, data
     errs = finish(resumed)
     assert f'at step {checkpoints.step_of(last)}' in errs[0]
 
-
-def wait_for_checkpoint(proc: subprocess.Popen, train_dir: str, step: int) -> None:
-    """Returns once `proc` has saved a checkpoint of `step` or later, still running."""
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        path = checkpoints.latest(train_dir) if os.path.isdir(train_dir) else None
-        if path and checkpoints.step_of(path) >= step:
-            return
-        time.sleep(0.1)
-    assert proc.poll() is None, proc.stderr.read()[-3000:]
-    raise AssertionError(f'no checkpoint of step {step} in {train_dir} within 240 s')

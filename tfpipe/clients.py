@@ -58,6 +58,11 @@ class ClientCluster:
     def describe(self, task: int) -> str:
         return f'{TRAINER} task {task} ({self.addresses[task]})'
 
+    @property
+    def restart_hint(self) -> str:
+        return ('restart every trainer client, which resumes from the chief\'s last '
+                'checkpoint')
+
     def cluster_spec(self):
         import tensorflow as tf
         return tf.train.ClusterSpec({TRAINER: list(self.addresses)})

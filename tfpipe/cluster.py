@@ -70,6 +70,10 @@ class Cluster:
     def describe(self, task: int) -> str:
         return f'worker task {task} ({self.workers[task]})'
 
+    @property
+    def restart_hint(self) -> str:
+        return 'restart the worker and rerun the trainer, which resumes from the last checkpoint'
+
     def cluster_spec(self):
         import tensorflow as tf
         return tf.train.ClusterSpec({job: list(addrs) for job, addrs in self.jobs.items()})
@@ -320,8 +324,7 @@ def _one_line(error: BaseException) -> str:
 def _lost(cluster: Cluster, tasks: Sequence[int], unnamed: str = '') -> WorkerUnavailableError:
     names = ', '.join(cluster.describe(t) for t in tasks) or unnamed
     return WorkerUnavailableError(
-        f'lost {names}: training stopped without saving; restart the worker and rerun the '
-        'trainer, which resumes from the last checkpoint')
+        f'lost {names}: training stopped without saving; {cluster.restart_hint}')
 
 
 class Watchdog:

@@ -52,8 +52,8 @@ flags.DEFINE_bool('list_models', False, 'Print the registered models (of params/
                   'installed packages\' tfpipe.models entry points) and exit.')
 flags.DEFINE_string('cluster_spec', None, 'worker=HOST:PORT,HOST:PORT[@chief=HOST:PORT]: the '
                     'worker servers (and the trainer\'s own address); or '
-                    'trainer=HOST:PORT,HOST:PORT: one trainer client per replica (docs/clients.md); '
-                    'default: TF_CONFIG.')
+                    'trainer=HOST:PORT,HOST:PORT: one trainer client per replica '
+                    '(docs/clients.md); default: TF_CONFIG.')
 flags.DEFINE_integer('task', None, 'With --job=worker: this worker\'s index in --cluster_spec; '
                      'with --job=trainer and a trainer cluster: this client\'s index.')
 flags.DEFINE_float('cluster_wait_seconds', 60.0, 'How long the trainer waits for every worker '

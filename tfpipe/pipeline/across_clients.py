@@ -17,8 +17,9 @@ NCCL on GPUs where TensorFlow picks it):
   Adding zeros is exact, so the table is bit for bit the statistics themselves.
 
 Keys: the collectives on local device d form the group of device d on every
-client (its group key is a function of d's type and index). Instance keys come from one counter in trace order: every client traces
-the same step functions in the same order, so the keys agree without messages.
+client (its group key is a function of d's type and index). Instance keys come
+from one counter in trace order: every client traces the same step functions in
+the same order, so the keys agree without messages.
 """
 from __future__ import annotations
 
