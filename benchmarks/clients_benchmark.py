@@ -103,6 +103,7 @@ def trainer_cmd(logdir: str, data_dir: str, cpus: int, steps: int, replicas: int
 
 
 def run_clients(root: str, data_dir: str, count: int, steps: int) -> list[Run]:
+    """`count` clients, each in a fresh logdir (`root` is fresh per section)."""
     spec = 'trainer=' + ','.join(f'127.0.0.1:{free_port()}' for _ in range(count))
     return [Run(trainer_cmd(os.path.join(root, f'clients{count}_{r}'), data_dir,
                             CPUS_PER_CLIENT, steps, count, f'--task={r}',
@@ -238,8 +239,8 @@ def main() -> None:
           f'{"client CPU / R=1 client":>24}')
     first_cpu = {}
     for r in (1, 2, 4):
-        clients = run_clients(root, data_dir, r, 2)
-        single = run_single(root, data_dir, r, 2)
+        clients = run_clients(os.path.join(root, 'first'), data_dir, r, 2)
+        single = run_single(os.path.join(root, 'first'), data_dir, r, 2)
         for run in [*clients, single]:
             run.wait()
         wall = max(c.first[0] for c in clients)
@@ -255,8 +256,8 @@ def main() -> None:
               f'{traced_ops(r, 1, data_dir):>6}', flush=True)
 
     print(f'\n3. Throughput, {args.steps} steps, R=2 (2 x {PER_REPLICA_BATCH} examples):')
-    clients = run_clients(root, data_dir, 2, args.steps)
-    single = run_single(root, data_dir, 2, args.steps)
+    clients = run_clients(os.path.join(root, 'rate'), data_dir, 2, args.steps)
+    single = run_single(os.path.join(root, 'rate'), data_dir, 2, args.steps)
     for run in [*clients, single]:
         run.wait()
     batch = 2 * PER_REPLICA_BATCH
