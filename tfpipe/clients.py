@@ -163,8 +163,10 @@ def start(clients: ClientCluster, wait_seconds: float) -> Peers:
     address = clients.addresses[clients.task_index]
     cluster_lib.check_port_free(address, clients.describe(clients.task_index))
     ctx = context.context()
+    # No scoped-allocator rewrite: tfpipe packs each cell's gradients itself, and the
+    # rewrite logs an error for every group that mixes dtypes (the start-up broadcast).
     ctx.configure_collective_ops(
-        collective_leader=f'/job:{TRAINER}/replica:0/task:0',
+        collective_leader=f'/job:{TRAINER}/replica:0/task:0', scoped_allocator_enabled_ops=(),
         device_filters=(f'/job:{TRAINER}/task:{clients.task_index}',))
     server_def = tensorflow_server_pb2.ServerDef(
         cluster=clients.cluster_spec().as_cluster_def(), default_session_config=ctx.config,
