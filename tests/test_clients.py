@@ -258,3 +258,16 @@ def test_sigterm_stops_all_at_one_step_and_sigkill_ends_the_chief(tmp_path, data
     errs = finish(resumed)
     assert f'at step {checkpoints.step_of(last)}' in errs[0]
 
+
+
+def test_a_client_replica_holds_one_replica_and_only_trains():
+    from tests import model_zoo as mz
+    from tfpipe.pipeline.across_clients import Peers
+    with pytest.raises(ValueError, match='num_replicas=2 in a client of 2: each trainer client '
+                                         'holds one replica'):
+        mz.pipeline(mz.mlp_body(), 2, 2, num_replicas=2).JoinClients(Peers(2, 0))
+    pipe = mz.pipeline(mz.mlp_body(), 2, 2)
+    pipe.JoinClients(Peers(2, 1))
+    x, _ = mz.inputs_for(mz.mlp_body())
+    with pytest.raises(ValueError, match='a trainer client trains with ForwardBackward only'):
+        pipe.FProp(pipe.theta, x)
