@@ -89,17 +89,6 @@ def start_long_run(cwd: str, logdir: str, data_dir: str, spec: str,
                             stderr=subprocess.PIPE, text=True)
 
 
-def wait_for_checkpoint(proc: subprocess.Popen, train_dir: str, step: int) -> None:
-    """Returns once `proc` has saved a checkpoint of `step` or later, still running."""
-    deadline = time.time() + 180
-    while time.time() < deadline and proc.poll() is None:
-        path = checkpoints.latest(train_dir) if os.path.isdir(train_dir) else None
-        if path and checkpoints.step_of(path) >= step:
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, proc.stderr.read()[-3000:]
-
-
 def losses(train_dir: str) -> dict[int, float]:
     """The loss summary at every step, from the trainer's event files."""
     out = {}
@@ -213,7 +202,7 @@ def test_lost_worker_fails_fast_and_rerun_resumes(tmp_path, data_dir, workers):
     train_dir = os.path.join(logdir, 'train')
     proc = start_long_run(str(tmp_path), logdir, data_dir, workers.spec)
     try:
-        wait_for_checkpoint(proc, train_dir, 4)
+        th.wait_for_checkpoint(proc, train_dir, 4)
         workers.procs[1].kill()  # SIGKILL, at whatever point the step is
         workers.procs[1].wait()
         killed_at = time.time()
@@ -250,7 +239,7 @@ def test_frozen_worker_ends_the_step_at_its_deadline(tmp_path, data_dir, workers
                           '--gin_bindings=trainer.step_timeout_seconds=8')
     frozen = workers.procs[1]
     try:
-        wait_for_checkpoint(proc, train_dir, 2)
+        th.wait_for_checkpoint(proc, train_dir, 2)
         frozen.send_signal(signal.SIGSTOP)
         stopped_at = time.time()
         _, stderr = proc.communicate(timeout=120)

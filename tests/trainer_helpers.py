@@ -110,3 +110,18 @@ def losses_by_step(train_dir: str) -> dict[int, float]:
                 if value.tag == 'loss':
                     out[event.step] = float(tf.make_ndarray(value.tensor))
     return out
+
+
+def wait_for_checkpoint(proc: subprocess.Popen, train_dir: str, step: int,
+                        timeout: float = 240) -> None:
+    """Returns once `proc` has saved a checkpoint of `step` or later while still running."""
+    import time
+    from tfpipe import checkpoints
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        path = checkpoints.latest(train_dir) if os.path.isdir(train_dir) else None
+        if path and checkpoints.step_of(path) >= step:
+            return
+        time.sleep(0.1)
+    assert proc.poll() is None, proc.stderr.read()[-3000:]
+    raise AssertionError(f'no checkpoint of step {step} in {train_dir} within {timeout} s')

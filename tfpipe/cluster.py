@@ -70,12 +70,16 @@ class Cluster:
     def describe(self, task: int) -> str:
         return f'worker task {task} ({self.workers[task]})'
 
+    @property
+    def restart_hint(self) -> str:
+        return 'restart the worker and rerun the trainer, which resumes from the last checkpoint'
+
     def cluster_spec(self):
         import tensorflow as tf
         return tf.train.ClusterSpec({job: list(addrs) for job, addrs in self.jobs.items()})
 
 
-def _split_address(address: str, where: str) -> tuple[str, int]:
+def split_address(address: str, where: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(':')
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ClusterError(f'{where}: bad address {address!r}: write HOST:PORT with a port '
@@ -100,7 +104,7 @@ def _checked_jobs(jobs: Mapping[str, Sequence[str]], where: str, help_text: str
             if not isinstance(address, str):
                 raise ClusterError(f'{where}: address {address!r} of job {job!r} is not a '
                                    f'string; {help_text}')
-            _split_address(address, where)
+            split_address(address, where)
             if address in seen:
                 raise ClusterError(f'{where}: address {address} is listed twice ({seen[address]} '
                                    f'and {job}): give every task its own HOST:PORT')
@@ -199,7 +203,7 @@ def from_flags(cluster_spec: Optional[str], job: Optional[str], task: Optional[i
 
 def check_port_free(address: str, where: str) -> None:
     """Refuses a port another process listens on (gRPC itself would share it silently)."""
-    _, port = _split_address(address, where)
+    _, port = split_address(address, where)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -250,7 +254,7 @@ def start_server(cluster: Cluster, num_cpus: Optional[int] = None,
 
 
 def accepts_connections(address: str, timeout: float = 2.0) -> bool:
-    host, port = _split_address(address, address)
+    host, port = split_address(address, address)
     try:
         with socket.create_connection((host, port), timeout=timeout):
             return True
@@ -320,8 +324,7 @@ def _one_line(error: BaseException) -> str:
 def _lost(cluster: Cluster, tasks: Sequence[int], unnamed: str = '') -> WorkerUnavailableError:
     names = ', '.join(cluster.describe(t) for t in tasks) or unnamed
     return WorkerUnavailableError(
-        f'lost {names}: training stopped without saving; restart the worker and rerun the '
-        'trainer, which resumes from the last checkpoint')
+        f'lost {names}: training stopped without saving; {cluster.restart_hint}')
 
 
 class Watchdog:

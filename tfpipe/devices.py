@@ -19,7 +19,9 @@ from typing import Optional, Sequence
 
 import tensorflow as tf
 
-LOCAL_JOBS = ('localhost', 'chief')  # the trainer's own job: TF's default, or the listed chief
+# The trainer's own job: TF's default, the listed chief, or one of several trainer clients
+# (tfpipe/clients.py), whose task index is its own.
+LOCAL_JOBS = ('localhost', 'chief', 'trainer')
 
 _THREAD_ENV = ('TF_NUM_INTRAOP_THREADS', 'TF_NUM_INTEROP_THREADS')
 
@@ -126,19 +128,26 @@ def _canonical(name: str) -> tf.DeviceSpec:
     spec = spec.replace(device_type=spec.device_type.upper(),
                         device_index=spec.device_index or 0)
     if spec.job is None:
-        spec = spec.replace(job=_local_job())
+        job, task = _local_task()
+        spec = spec.replace(job=job, task=task)
     return spec.replace(replica=spec.replica or 0, task=spec.task or 0)
 
 
-def _local_job() -> str:
-    """'chief' when the trainer connected as the cluster's chief, else 'localhost'."""
+def _local_task() -> tuple[str, int]:
+    """This process's own (job, task): ('chief', 0) when the trainer connected as the
+    cluster's chief, ('trainer', r) for trainer client r, else ('localhost', 0)."""
     names = [d.name for d in tf.config.list_logical_devices()]
-    return 'chief' if any(n.startswith('/job:chief/') for n in names) else 'localhost'
+    for job in LOCAL_JOBS[1:]:
+        for name in names:
+            if name.startswith(f'/job:{job}/'):
+                return job, tf.DeviceSpec.from_string(name).task or 0
+    return 'localhost', 0
 
 
 def local_cpu() -> str:
     """This process's first CPU: where its own file I/O and input pipeline run."""
-    return f'/job:{_local_job()}/replica:0/task:0/device:CPU:0'
+    job, task = _local_task()
+    return f'/job:{job}/replica:0/task:{task}/device:CPU:0'
 
 
 def _is_remote(spec: tf.DeviceSpec) -> bool:

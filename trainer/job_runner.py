@@ -27,11 +27,12 @@ class BuiltJobs(list):
 
 
 def build_jobs(params: Params, options: train_job.RuntimeOptions, jobs: list[str],
-               logdir: str, model: str, default_jobs: bool) -> BuiltJobs:
+               logdir: str, model: str, default_jobs: bool, peers=None) -> BuiltJobs:
     """Builds (and so validates) every job before anything is written to the logdir.
 
     With `default_jobs` (no --job flag) the evaler and decoder of a split the model does not
-    define are skipped instead of refused.
+    define are skipped instead of refused. `peers`: the trainer is the chief of several
+    trainer clients (tfpipe/clients.py).
     """
     experiment.check_logdir(logdir, model)
     train_dir = train_job.train_dir_of(logdir)
@@ -47,7 +48,7 @@ def build_jobs(params: Params, options: train_job.RuntimeOptions, jobs: list[str
     built = BuiltJobs()
     for job in jobs:
         if job == 'trainer':
-            trainer = train_job.Trainer(params, train_dir, options)
+            trainer = train_job.Trainer(params, train_dir, options, peers)
             trainer.restore_latest()
             built.append((job, trainer))
             continue

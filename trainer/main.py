@@ -5,6 +5,8 @@
     python -m trainer --list_models
     python -m trainer --job=worker --task=0 --cluster_spec=worker=HOST:PORT,HOST:PORT
     python -m trainer --model=... --logdir=... --job=trainer --cluster_spec=worker=HOST:PORT,...
+    python -m trainer --model=... --logdir=... --job=trainer --task=R \
+        --cluster_spec=trainer=HOST:PORT,HOST:PORT   # one trainer client per replica
 
 With no --job, one process runs the trainer and, in threads, an evaler on dev
 and a decoder on test (when the model defines those splits), as Lingvo does
@@ -60,10 +62,13 @@ flags.DEFINE_string('tfds_data_dir', None, 'tensorflow-datasets data dir (defaul
 flags.DEFINE_bool('list_models', False, 'Print the registered models (of params/ and of '
                   'installed packages\' tfpipe.models entry points) and exit.')
 flags.DEFINE_string('cluster_spec', None, 'worker=HOST:PORT,HOST:PORT[@chief=HOST:PORT]: the '
-                    'worker servers (and the trainer\'s own address); default: TF_CONFIG.')
-flags.DEFINE_integer('task', None, 'With --job=worker: this worker\'s index in --cluster_spec.')
+                    'worker servers (and the trainer\'s own address); or '
+                    'trainer=HOST:PORT,HOST:PORT: one trainer client per replica '
+                    '(docs/clients.md); default: TF_CONFIG.')
+flags.DEFINE_integer('task', None, 'With --job=worker: this worker\'s index in --cluster_spec; '
+                     'with --job=trainer and a trainer cluster: this client\'s index.')
 flags.DEFINE_float('cluster_wait_seconds', 60.0, 'How long the trainer waits for every worker '
-                   'to accept connections before it gives up.')
+                   '(or every other trainer client) to accept connections before it gives up.')
 flags.DEFINE_integer('pipeline_trace_step', None, 'Record the measured timeline of this '
                      'training step (1 = the first): train/pipeline_trace-<step>.json (Chrome '
                      'trace format) and .png, and the bubble per device in the log and '
@@ -159,9 +164,13 @@ def _run_inspect_mode(params) -> int:
 def main(argv) -> int:
     """The binary in named steps: each mode returns its exit status."""
     del argv
+    from tfpipe import clients
     from tfpipe import cluster as cluster_lib
     if FLAGS.list_models:
         return _list_models()
+    client_cluster = clients.from_flags(FLAGS.cluster_spec, FLAGS.job, FLAGS.task, os.environ)
+    if client_cluster is not None:
+        return _run_client(client_cluster)
     cluster = cluster_lib.from_flags(FLAGS.cluster_spec, FLAGS.job, FLAGS.task, os.environ)
     if cluster is not None and cluster.task_type == cluster_lib.WORKER:
         return _serve_worker(cluster)
@@ -191,6 +200,40 @@ def _export(params) -> int:
                            FLAGS.export_dir, FLAGS.export_placement, FLAGS.overwrite)
     print(f'exported SavedModel to {path}')
     return 0
+
+
+def _run_client(client_cluster) -> int:
+    """One of several trainer clients (tfpipe/clients.py): replica `--task` of R.
+
+    Everything that can refuse bad input runs before the collective runtime
+    starts and before the chief's logdir is written; non-chief clients never
+    write to their --logdir.
+    """
+    from tfpipe import clients
+    from trainer import job_runner, train_job
+    _check_required_flags()
+    if FLAGS.mode != 'sync':
+        raise UsageError(f'--mode={FLAGS.mode} with a cluster of trainer clients: inspect the '
+                         'model in one process (drop --cluster_spec and TF_CONFIG)')
+    if client_cluster.task_index == 0:
+        logdir_access.check_directory(FLAGS.logdir, '--logdir')
+    _configure_devices()
+    params, options = _load_params_and_options()
+    clients.check_num_replicas(params.task.pipeline.num_replicas, client_cluster.count)
+    params.task.pipeline.num_replicas = 1  # this process holds one replica of R
+    peers = clients.start(client_cluster, FLAGS.cluster_wait_seconds)
+    if peers.is_chief:
+        built = job_runner.build_jobs(params, options, ['trainer'], FLAGS.logdir, FLAGS.model,
+                                      default_jobs=False, peers=peers)
+        locks = job_runner.claim_job_dirs(built, FLAGS.logdir, FLAGS.model, params)
+    else:
+        trainer = train_job.Trainer(params, train_job.train_dir_of(FLAGS.logdir), options,
+                                    peers)
+        built, locks = job_runner.BuiltJobs([('trainer', trainer)]), []
+    code = job_runner.run_jobs(built, client_cluster, options)
+    for lock in locks:
+        lock.release()
+    return code
 
 
 def _list_models() -> int:

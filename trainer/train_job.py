@@ -14,6 +14,12 @@ copies stay identical; only replica 0's copy and optimizer are checkpointed,
 and a restore copies them into the others. With `task.train.shard_optimizer_states`
 one ShardedOptimizer holds every replica's part of the slots instead, and
 checkpoints them whole.
+
+As one of several trainer clients (`peers`, tfpipe/clients.py) the trainer holds
+one replica; only the chief (client 0) touches its train dir: it restores,
+saves and writes summaries. The others need no logdir: at the start of `run()`
+every client receives the chief's weights, optimizer slots, step and input
+position over the collective runtime.
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ from tfpipe import checkpoints, fprop_context
 from tfpipe.base_layer import flatten_by_path
 from tfpipe.hyperparams import Params
 from tfpipe.optimizers import BaseOptimizer, clip_by_global_norm
+from tfpipe.pipeline import across_clients
 from tfpipe.pipeline.recorder import Recorder
 from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
 from tfpipe.tuning import timeline
@@ -123,7 +130,8 @@ class NonFiniteLossError(RuntimeError):
 class Trainer:
     """Builds the task, optimizer, input and checkpoint; `run()` trains."""
 
-    def __init__(self, params: Params, train_dir: str, options: RuntimeOptions):
+    def __init__(self, params: Params, train_dir: str, options: RuntimeOptions,
+                 peers: Optional[across_clients.Peers] = None):
         tp = params.task.train
         for name in ('max_steps', 'save_interval_steps', 'summary_interval_steps',
                      'save_max_to_keep'):
@@ -139,6 +147,9 @@ class Trainer:
                              f'{self.max_steps}: pick a step in 1..{self.max_steps}')
         self.task = params.task.Instantiate()
         self.task.CheckInput(params.input.train)
+        self.peers = peers
+        if peers is not None:
+            self.task.pipe.JoinClients(peers)
         self.replica_variables = [{p: v for p, v in copy.items() if v.trainable}
                                   for copy in self.task.pipe.ReplicaVariablesByPath()]
         self.variables = self.replica_variables[0]
@@ -164,6 +175,7 @@ class Trainer:
             self.checkpoint, train_dir, checkpoint_name='ckpt',
             max_to_keep=options.save_max_to_keep or tp.save_max_to_keep)
         self._stop_signal: Optional[int] = None
+        self._peer_stopping = False  # across clients: some client got SIGINT/SIGTERM (agreed)
         self._restored: Optional[str] = None
         self._saved_this_run = False
         # (last finished step, when it or a later save finished), None before the first
@@ -178,6 +190,8 @@ class Trainer:
         train dir is locked, in case a trainer that held it saved meanwhile
         (a no-op when the newest checkpoint is still the one restored).
         """
+        if not self._is_chief:
+            return int(self.global_step.numpy())  # run() receives the chief's state
         path = checkpoints.latest(self.train_dir)
         if path is not None and path != self._restored:
             checkpoints.check_readable(path)
@@ -196,6 +210,43 @@ class Trainer:
             optimizer.iterations.assign(self.optimizer.iterations)
             for source, mirror in zip(self.optimizer.slot_variables, optimizer.slot_variables):
                 mirror.assign(source)
+
+    @property
+    def _is_chief(self) -> bool:
+        return self.peers is None or self.peers.is_chief
+
+    def _checkpointed_variables(self) -> list[tf.Variable]:
+        """Everything a checkpoint restores, in an order every client agrees on."""
+        out = [self.variables[path] for path in sorted(self.variables)]
+        out += [v for path, v in sorted(self.task.VariablesByPath().items())
+                if not v.trainable]
+        out += [self.optimizer.iterations, *self.optimizer.slot_variables, self.global_step]
+        return out + list(getattr(self.iterator, 'variables', ()))  # the input's position
+
+    @tf.function
+    def _receive_chief_state(self):
+        across_clients.broadcast_from_chief(self.peers, self._checkpointed_variables(),
+                                            self.task.pipe.devices[0])
+
+    @tf.function
+    def _any_client_stopping(self, stopping):
+        flag, = across_clients.all_reduce_sum(self.peers, [stopping], self.task.pipe.devices[0])
+        return flag > 0
+
+    @property
+    def _stopping(self) -> bool:
+        return self._peer_stopping if self.peers is not None else self._stop_signal is not None
+
+    def _agree_on_stop(self) -> None:
+        """After each step of a client: stop when any client got a signal, all at this step.
+
+        A client acts on the agreed flag, never on its own signal alone: one that
+        stopped by itself would leave the others waiting in the next step's
+        collectives. (TensorFlow's PreemptionCheckpointHandler agrees on a step
+        the same way, through the coordination service.)
+        """
+        own = tf.constant(0.0 if self._stop_signal is None else 1.0)
+        self._peer_stopping = bool(self._any_client_stopping(own))
 
     @tf.function
     def _step(self, batch):
@@ -243,8 +294,11 @@ class Trainer:
                 signal.signal(sig, handler)
 
     def _loop(self) -> int:
+        if self.peers is not None:
+            self._receive_chief_state()
         step = int(self.global_step.numpy())
-        writer = tf.summary.create_file_writer(self.train_dir)
+        writer = (tf.summary.create_file_writer(self.train_dir) if self._is_chief
+                  else tf.summary.create_noop_writer())
         start_step, start_time = step, time.time()
         progress = Progress(self.max_steps, start_time)
         out_of_data = False
@@ -252,7 +306,7 @@ class Trainer:
             logging.warning('--pipeline_trace_step=%d: step %d is already done in %s; no '
                             'timeline recorded', self.trace_step, self.trace_step,
                             self.train_dir)
-        while step < self.max_steps and self._stop_signal is None:
+        while step < self.max_steps and not self._stopping:
             try:
                 batch = next(self.iterator)
             except StopIteration:
@@ -260,13 +314,16 @@ class Trainer:
                 break
             if step + 1 == self.trace_step:
                 loss, norm, lr, stamps = self._recorded_step(batch)
-                self._write_timeline(step + 1, stamps.numpy(), writer)
+                if self._is_chief:
+                    self._write_timeline(step + 1, stamps.numpy(), writer)
             else:
                 loss, norm, lr = self._step(batch)
             loss, norm = float(loss), float(norm)
             if not (math.isfinite(loss) and math.isfinite(norm)):
                 self._non_finite(f'loss is {loss} and gradient norm {norm} at step {step}')
             step += 1
+            if self.peers is not None:
+                self._agree_on_stop()
             self.heartbeat = (step, time.monotonic())
             progress.step_done(step, time.time())
             if step % self.summary_interval == 0 or step == self.max_steps:
@@ -278,10 +335,10 @@ class Trainer:
                             'repeat): saving a checkpoint and stopping; set '
                             'input.train.repeat=True to train to max_steps', step,
                             self.max_steps)
-        if self._stop_signal is not None:
-            logging.info('signal %d: saving a checkpoint at step %d and stopping',
-                         self._stop_signal, step)
-        if (out_of_data or self._stop_signal is not None) and (
+        if self._stopping:
+            logging.info('signal %s: saving a checkpoint at step %d and stopping',
+                         self._stop_signal or 'to another client', step)
+        if (out_of_data or self._stopping) and (
                 self.manager.latest_checkpoint is None or
                 checkpoints.step_of(self.manager.latest_checkpoint) != step):
             self.save(step)
@@ -322,7 +379,12 @@ class Trainer:
             'Lower task.train.learning_rate or set task.train.clip_gradient_norm_to_value')
 
     def save(self, step: int) -> None:
-        """Saves a checkpoint numbered `step`; a failed save leaves no partial files."""
+        """Saves a checkpoint numbered `step`; a failed save leaves no partial files.
+
+        Only the chief saves: every client holds the same values.
+        """
+        if not self._is_chief:
+            return
         if not bool(self._weights_are_finite()):
             self._non_finite(f'the weights after step {step} are not finite')
         try:

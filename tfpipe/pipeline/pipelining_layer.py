@@ -25,6 +25,10 @@ simple, and what FProp under a tape needs); `ForwardBackward` also accepts a
 list of R thetas, one per replica (`ReplicaThetas()`), and then returns R
 gradient dicts, all-reduced so that every replica can apply the same update to
 its own copy: the trainer's step.
+
+With several trainer clients (`JoinClients`, tfpipe/clients.py) this layer is
+one client's replica of R: it runs its own group of the R*M micro-batches, and
+`across_clients` sums the gradients, loss and BatchNorm statistics over the clients.
 """
 from __future__ import annotations
 
@@ -37,7 +41,8 @@ import tensorflow as tf
 from tfpipe import devices as devices_lib
 from tfpipe import fprop_context
 from tfpipe.base_layer import BaseLayer, body_meta
-from tfpipe.pipeline import costs, microbatch, partition, recorder, replicas, schedule, ties
+from tfpipe.pipeline import (across_clients, costs, microbatch, partition, recorder, replicas,
+                             schedule, ties)
 from tfpipe.pipeline.cell import RECOMPUTE_POLICIES, Cell, cell_dtypes, recompute_flags
 from tfpipe.pipeline.cell_functions import FunctionalPipelineRun
 from tfpipe.pipeline.executor import PipelineRun, float_leaves, is_differentiable
@@ -182,6 +187,7 @@ class PipeliningLayer(BaseLayer):
             replicas.mirror_cells(self, p, self.balance, devices, flags, self.ties)
             for devices in self.replica_devices[1:]]
         self._recorder: recorder.Recorder | None = None
+        self._peers: across_clients.Peers | None = None
 
     def _Balance(self) -> list[int]:
         p = self.params
@@ -235,6 +241,17 @@ class PipeliningLayer(BaseLayer):
         """Copies replica 0's variables into the mirrors: call after restoring a checkpoint."""
         replicas.sync(self.ReplicaVariablesByPath())
 
+    def JoinClients(self, peers: across_clients.Peers) -> None:
+        """Makes this layer client `peers.index`'s replica of `peers.count` (one per process).
+
+        Only the trainer's ForwardBackward runs across clients; the layer's own
+        num_replicas must then be 1 (each client holds one replica).
+        """
+        if self.num_replicas != 1:
+            raise ValueError(f'{self.path}: num_replicas={self.num_replicas} in a client of '
+                             f'{peers.count}: each trainer client holds one replica')
+        self._peers = peers
+
     @contextlib.contextmanager
     def RecordTimeline(self) -> Iterator[recorder.Recorder]:
         """Stamps every task of the steps built inside (within a tf.function).
@@ -256,13 +273,15 @@ class PipeliningLayer(BaseLayer):
     def _Split(self, inputs: Any, device: str) -> tuple[list, list[int], list[range]]:
         """R*M micro-batches, their offsets in the mini-batch, and each replica's share."""
         p = self.params
+        num_groups = self.num_replicas * (self._peers.count if self._peers else 1)
         with tf.device(device), tf.name_scope('split'):
             inputs = tf.nest.map_structure(tf.convert_to_tensor, inputs)
             groups = replicas.micro_batch_groups(microbatch.batch_size(inputs),
-                                                 p.num_micro_batches, self.num_replicas,
-                                                 self.path)
-            micro = microbatch.split(inputs, p.num_micro_batches * self.num_replicas)
+                                                 p.num_micro_batches, num_groups, self.path)
+            micro = microbatch.split(inputs, p.num_micro_batches * num_groups)
         sizes = [tf.nest.flatten(mb)[0].shape[0] for mb in micro]
+        if self._peers is not None:  # this client's group only, at its global offsets
+            groups = groups[self._peers.index:self._peers.index + 1]
         return micro, microbatch.offsets(sizes), groups
 
     def _Runs(self, thetas: list[list[dict]], micro: list, offsets: list[int],
@@ -294,6 +313,9 @@ class PipeliningLayer(BaseLayer):
     @tf.autograph.experimental.do_not_convert  # see PipelineRun.run: no tensor branches
     def FProp(self, theta: dict, inputs: Any) -> Any:
         """Pipelined forward; differentiable with any outer tf.GradientTape."""
+        if self._peers is not None:
+            raise ValueError(f'{self.path}: a trainer client trains with ForwardBackward only; '
+                             'evaluate in an evaler job (one process)')
         if isinstance(theta, list):
             raise ValueError(f'{self.path}: FProp takes one theta (every replica reads it); a '
                              'list of per-replica thetas is for ForwardBackward')
@@ -325,8 +347,12 @@ class PipeliningLayer(BaseLayer):
         with tf.device(self.devices[-1]), tf.name_scope('merge'):
             return microbatch.merge(micro_outputs)
 
-    def _ApplyBatchStats(self, runs: list[PipelineRun]) -> None:
-        if len(runs) == 1:
+    def _ApplyBatchStats(self, runs: list[PipelineRun], groups: list[range],
+                         num_micro_batches: int) -> None:
+        if self._peers is not None:
+            across_clients.apply_batch_stats(self._peers, self.cells, runs[0].sinks, groups[0],
+                                             num_micro_batches)
+        elif len(runs) == 1:
             runs[0].apply_batch_stats()
         else:
             replicas.apply_batch_stats(self.replica_cells, [run.sinks for run in runs])
@@ -371,7 +397,7 @@ class PipeliningLayer(BaseLayer):
             for run, group in zip(runs, groups):
                 run.run(t for tick in self._Ticks(self.params.schedule, len(group)) for t in tick
                         if t.phase == schedule.FORWARD)
-            self._ApplyBatchStats(runs)
+            self._ApplyBatchStats(runs, groups, len(micro))
             y = self._Merge([out for run in runs for out in run.outputs])
             out_structure.append(y)
 
@@ -482,12 +508,17 @@ class PipeliningLayer(BaseLayer):
                                                         ticks)]
         for run, run_ticks in zip(runs, ticks):
             run.run(t for tick in run_ticks for t in tick)
-        self._ApplyBatchStats(runs)
+        self._ApplyBatchStats(runs, groups, len(micro))
         with tf.device(self.devices[-1]), tf.name_scope('loss'):
             loss = tf.add_n(losses)
+        if self._peers is not None:
+            loss, = across_clients.all_reduce_sum(self._peers, [loss], self.devices[-1])
         if not isinstance(theta, list):
             grads: dict = {}
             for k, cell_grads in enumerate(self._SumOverReplicas(runs)):
+                if self._peers is not None:
+                    cell_grads = across_clients.all_reduce_sum(self._peers, cell_grads,
+                                                               self.cells[k].device)
                 grads.update(tf.nest.pack_sequence_as(runs[0].thetas[k], cell_grads))
             ties.fold(grads, self.ties, self.CellDevices(0))
             return loss, {name: grads[name] for name in theta}

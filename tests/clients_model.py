@@ -1,0 +1,26 @@
+"""SmallConvPipe with BatchNorm and Dropout: the multi-client tests' model.
+
+Loaded by the trainer as `--model=tests.clients_model.SmallConvBNPipe`. BatchNorm's
+moving statistics and Dropout's masks are what a step split over clients could get
+wrong (statistics combined across processes, masks by global example index), and
+SmallConvPipe has neither; the built-in model with both (AmoebaNetPipe) takes ~40 s to
+its first step on this machine.
+"""
+from model_registry import RegisterSingleTaskModel
+from params.image.shapes import SmallConvPipe
+from tfpipe import layers
+
+
+@RegisterSingleTaskModel
+class SmallConvBNPipe(SmallConvPipe):
+    """conv0, bn0 | conv1, drop, bn1, pool | logits: K=2, M=2."""
+
+    def Task(self):
+        p = super().Task()
+        body = list(p.pipeline.body)
+        body.insert(1, layers.BatchNorm.Params().Set(name='bn0', dim=8, decay=0.9))
+        body.insert(4, layers.Dropout.Params().Set(name='drop', keep_prob=0.8))
+        body.insert(5, layers.BatchNorm.Params().Set(name='bn1', dim=16, decay=0.9))
+        p.pipeline.body = body
+        p.pipeline.balance = [3, 5]
+        return p

@@ -1,0 +1,122 @@
+"""One replica per trainer process: the collectives that make R clients one step.
+
+With several trainer clients (tfpipe/clients.py) each process builds one replica
+of the K cells on its own devices. The step stays the step of one pipeline over
+R*M micro-batches because every client cuts the global mini-batch into the same
+R*M micro-batches and runs the r-th group of M (global offsets, so Dropout masks
+keep their global example index), and three things are summed across clients
+by TensorFlow's collective runtime (`collective_ops.all_reduce`: a ring on CPUs,
+NCCL on GPUs where TensorFlow picks it):
+
+- each cell's weight gradients, on that cell's device, packed into one buffer
+  per dtype (one collective per cell and dtype, as `replicas.all_reduce_sum`);
+- the loss (each client's part is already divided by the global batch size);
+- each BatchNorm's per-micro-batch statistics: every client writes its rows
+  into a zero table of all R*M micro-batches, and the sum hands every client
+  the whole table, so all apply the same full-batch moving-statistics update.
+  Adding zeros is exact, so the table is bit for bit the statistics themselves.
+
+Keys: the collectives on local device d form the group of device d on every
+client (its group key is a function of d's type and index). Instance keys come
+from one counter in trace order: every client traces the same step functions in
+the same order, so the keys agree without messages.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+from typing import Sequence
+
+import tensorflow as tf
+from tensorflow.python.ops import collective_ops  # the public tf.distribute wraps these
+
+from tfpipe import fprop_context
+from tfpipe.pipeline.cell import Cell
+
+_lock = threading.Lock()
+_instance_keys = itertools.count(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Peers:
+    """This process is client `index` of `count`, each holding one replica."""
+    count: int
+    index: int
+
+    @property
+    def is_chief(self) -> bool:
+        return self.index == 0
+
+
+def _next_instance() -> int:
+    with _lock:
+        return next(_instance_keys)
+
+
+def _group_key(device: str) -> int:
+    """The same key for local device d on every client, one per device type and index."""
+    spec = tf.DeviceSpec.from_string(device)
+    return 1 + (spec.device_index or 0) + (0 if spec.device_type == 'CPU' else 100000)
+
+
+def all_reduce_sum(peers: Peers, tensors: Sequence[tf.Tensor], device: str) -> list[tf.Tensor]:
+    """Sums each tensor over the clients, on this client's `device`.
+
+    Tensors of one dtype are packed into one flat buffer, so every client
+    receives the same bits from one collective per dtype.
+    """
+    out: list = [None] * len(tensors)
+    by_dtype: dict[tf.DType, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    with tf.device(device), tf.name_scope('across_clients'):
+        for indices in by_dtype.values():
+            shapes = [tensors[i].shape for i in indices]
+            sizes = [s.num_elements() for s in shapes]
+            packed = tf.concat([tf.reshape(tensors[i], [-1]) for i in indices], 0)
+            summed = collective_ops.all_reduce(packed, peers.count, _group_key(device),
+                                               _next_instance(), 'Add', 'Id',
+                                               communication_hint='auto')
+            for i, piece, shape in zip(indices, tf.split(summed, sizes), shapes):
+                out[i] = tf.reshape(piece, shape)
+    return out
+
+
+def apply_batch_stats(peers: Peers, cells: Sequence[Cell],
+                      sinks: Sequence[fprop_context.BatchStatsSink], group: range,
+                      num_micro_batches: int) -> None:
+    """One moving-statistics update per BatchNorm from every client's micro-batches.
+
+    `group` is this client's range of the `num_micro_batches` global micro-batches.
+    """
+    for cell, sink in zip(cells, sinks):
+        records = list(sink.records.values())
+        if not records:
+            continue
+        with tf.device(cell.device), tf.name_scope(f'cell_{cell.index}/batch_stats'):
+            tables = []
+            for _, stats in records:
+                rows = tf.stack([tf.concat([tf.reshape(c, [1]), m, v], 0)
+                                 for c, m, v in stats])
+                tables.append(tf.pad(rows, [[group.start, num_micro_batches - group.stop],
+                                            [0, 0]]))
+            tables = all_reduce_sum(peers, tables, cell.device)
+            for (layer, stats), table in zip(records, tables):
+                dim = stats[0][1].shape[0]
+                layer.ApplyBatchStatistics([(row[0], row[1:1 + dim], row[1 + dim:])
+                                            for row in tf.unstack(table)])
+
+
+def broadcast_from_chief(peers: Peers, variables: Sequence[tf.Variable], device: str) -> None:
+    """Gives every client the chief's values of `variables` (call inside a tf.function).
+
+    The chief contributes its values and the others zeros, so the sum is the
+    chief's values exactly: a broadcast built from the all-reduce that works
+    across processes on every device type.
+    """
+    with tf.device(device):
+        values = [v.read_value() if peers.is_chief else tf.zeros(v.shape, v.dtype)
+                  for v in variables]
+    for var, value in zip(variables, all_reduce_sum(peers, values, device)):
+        var.assign(value)
