@@ -25,6 +25,8 @@ setup(
         # TensorFlow is an extra so CPU-only machines avoid the 500 MB CUDA build.
         'cpu': ['tensorflow-cpu==2.21.*'],
         'gpu': ['tensorflow[and-cuda]==2.21.*'],
-        'test': ['pytest'],
+        # pytest-xdist: the suite runs in two processes (`-n 2`), its tests being mostly
+        # single-threaded tracing and trainer subprocesses; serial it passes 12 minutes.
+        'test': ['pytest', 'pytest-xdist'],
     },
 )
