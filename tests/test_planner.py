@@ -2,6 +2,9 @@
 import dataclasses
 import json
 import os
+import shlex
+
+import gin
 
 import pytest
 
@@ -93,7 +96,24 @@ def _inspect_pipeline(tmp_path, data_dir, *flags):
 
 def test_inspect_pipeline_prints_the_best_and_writes_json(tmp_path, data_dir):
     stdout, report = _inspect_pipeline(tmp_path, data_dir, '--device_memory=1GiB')
-    assert '--params_override="task.pipeline.num_cells=' in stdout
+    # The recommendation pastes into a shell unchanged and reads back as the best config,
+    # and the gin file written beside the report sets the same params.
+    flag = next(line for line in stdout.splitlines() if '--params_override=' in line)
+    [arg] = shlex.split(flag)
+    from trainer import experiment
+    pasted = experiment.load_params(trainer_helpers.FAST, arg.split('=', 1)[1])
+    try:
+        from_gin = experiment.load_params(
+            trainer_helpers.FAST, gin_files=[str(tmp_path / 'plan' / 'inspect_pipeline.gin')])
+    finally:
+        gin.clear_config()
+    best = report['best']
+    for params in (pasted, from_gin):
+        pipe = params.task.pipeline
+        assert (pipe.num_cells, pipe.balance, pipe.num_micro_batches, pipe.recompute,
+                pipe.schedule) == tuple(best[k] for k in ('num_cells', 'balance',
+                                                          'num_micro_batches', 'recompute',
+                                                          'schedule'))
     assert len(report['layers']) == 5
     assert report['best']['num_cells'] <= 2 and report['best']['fits']
     assert report['params_override'] in stdout

@@ -22,6 +22,7 @@ from tfpipe.pipeline.cell import recompute_flags
 from tfpipe.pipeline.partition import cell_ranges
 
 PLAN_FILE = 'inspect_pipeline.json'
+PLAN_GIN_FILE = 'inspect_pipeline.gin'
 CHECK_TOLERANCE = 1e-5
 NOISE_FLOOR = 1e-3  # of the largest gradient: below it a gradient is rounding noise
 WEIGHT_FLOOR = 1e-2  # of the largest weight: the least scale a weight is compared at
@@ -210,9 +211,13 @@ def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[f
     print(f'best: K={best.num_cells} M={best.num_micro_batches} recompute={best.recompute} '
           f'schedule={best.schedule}: predicted {1e3 * best.step_time:.2f} ms/step, bubble '
           f'{best.bubble:.2f}, peak {_mib(max(best.peak_bytes))}')
-    print(f'--params_override="{best.params_override()}"')
+    print(best.shell_flag())
     if logdir:
         os.makedirs(logdir, exist_ok=True)
+        gin_path = os.path.join(logdir, PLAN_GIN_FILE)
+        with open(gin_path, 'w') as f:
+            f.write(best.gin_text())
+        print(f'wrote {gin_path} (the same as --gin_file={gin_path})')
         report = {'batch_size': batch_size, 'num_devices': num_devices,
                   'device_memory': device.memory, 'device_model': dataclasses.asdict(device.model),
                   'calibration': dataclasses.asdict(calibration),
@@ -236,8 +241,9 @@ def _largest(arrays) -> float:
     return max((float(np.max(np.abs(a))) for a in arrays if a.size), default=0.0)
 
 
-def _one_step(params: Params, batch) -> tuple[float, dict, dict]:
-    """Loss, gradients and updated weights (by path) of one training step of `params`.
+def _one_step(params: Params, batch) -> tuple[tuple[float, dict, dict], list[int]]:
+    """Loss, gradients and updated weights (by path) of one training step of `params`, and
+    the balance that ran (the automatic one when `params` set none).
 
     The trainer's own task, optimizer, clipping and learning-rate schedule, in
     one tf.function that also returns the gradients (one trace per model:
@@ -264,7 +270,8 @@ def _one_step(params: Params, batch) -> tuple[float, dict, dict]:
 
         loss, grads = train_step(batch)
         weights = {p: v.numpy() for p, v in task.VariablesByPath().items()}
-    return float(loss), {p: g.numpy() for p, g in grads.items()}, weights
+        balance = list(task.pipe.balance)
+    return (float(loss), {p: g.numpy() for p, g in grads.items()}, weights), balance
 
 
 def check_pipeline(params: Params) -> tuple[int, str]:
@@ -284,8 +291,9 @@ def check_pipeline(params: Params) -> tuple[int, str]:
     pipe.Set(balance=[len(pipe.body)], num_cells=None, recompute='never', devices=None,
              num_micro_batches=pipe.num_micro_batches * pipe.num_replicas, num_replicas=1,
              schedule='fill_drain', virtual_stages=1)
-    code, lines = compare_steps(_one_step(params, batch), _one_step(reference, batch))
-    return code, (f'check_pipeline: balance {list(params.task.pipeline.balance or [])} vs K=1 '
+    step, balance = _one_step(params, batch)
+    code, lines = compare_steps(step, _one_step(reference, batch)[0])
+    return code, (f'check_pipeline: balance {balance} vs K=1 '
                   f'(same M, no recompute), float32 tolerance {CHECK_TOLERANCE:g} relative\n'
                   + lines)
 

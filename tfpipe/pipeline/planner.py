@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Optional, Sequence
+import shlex
+from typing import Any, Optional, Sequence
 
 from tfpipe.pipeline import schedule, simulator
 from tfpipe.pipeline.calibration import SCHEDULES, Calibration, balance_for, cell_costs, simulate
@@ -47,11 +48,26 @@ class Config:
     peak_bytes: list[float]
     fits: bool = True
 
+    def overrides(self, prefix: str = 'task.pipeline') -> dict[str, Any]:
+        """The model params this configuration sets, by path."""
+        return {f'{prefix}.num_cells': self.num_cells, f'{prefix}.balance': list(self.balance),
+                f'{prefix}.num_micro_batches': self.num_micro_batches,
+                f'{prefix}.recompute': self.recompute, f'{prefix}.schedule': self.schedule}
+
     def params_override(self, prefix: str = 'task.pipeline') -> str:
-        """The --params_override text that applies this configuration to a model."""
-        return (f'{prefix}.num_cells={self.num_cells},{prefix}.balance={self.balance},'
-                f'{prefix}.num_micro_batches={self.num_micro_batches},'
-                f"{prefix}.recompute='{self.recompute}',{prefix}.schedule='{self.schedule}'")
+        """The --params_override text that applies this configuration to a model: strings
+        as bare words and lists without spaces, so it needs no inner quotes."""
+        return ','.join(f'{key}={value}' if isinstance(value, str) else
+                        f'{key}={value!r}'.replace(' ', '')
+                        for key, value in self.overrides(prefix).items())
+
+    def shell_flag(self, prefix: str = 'task.pipeline') -> str:
+        """The --params_override flag quoted so it pastes into a POSIX shell unchanged."""
+        return shlex.quote(f'--params_override={self.params_override(prefix)}')
+
+    def gin_text(self, prefix: str = 'task.pipeline') -> str:
+        """A gin file setting this configuration (`--gin_file`): model.overrides = {...}."""
+        return f'model.overrides = {self.overrides(prefix)!r}\n'
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
