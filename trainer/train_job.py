@@ -35,6 +35,7 @@ from tfpipe.base_layer import flatten_by_path
 from tfpipe.hyperparams import Params
 from tfpipe.optimizers import BaseOptimizer, clip_by_global_norm
 from tfpipe.pipeline import timeline
+from tfpipe.tasks import classifier
 from trainer import experiment
 
 
@@ -242,12 +243,18 @@ class Trainer:
             except StopIteration:
                 out_of_data = True
                 break
-            if step + 1 == self.trace_step:
-                loss, norm, lr, stamps = self._recorded_step(batch)
-                self._write_timeline(step + 1, stamps.numpy(), writer)
-            else:
-                loss, norm, lr = self._step(batch)
-            loss, norm = float(loss), float(norm)
+            try:
+                if step + 1 == self.trace_step:
+                    loss, norm, lr, stamps = self._recorded_step(batch)
+                    self._write_timeline(step + 1, stamps.numpy(), writer)
+                else:
+                    loss, norm, lr = self._step(batch)
+                loss, norm = float(loss), float(norm)
+            except tf.errors.InvalidArgumentError as e:
+                label = classifier.bad_label(e)
+                if label is None:
+                    raise
+                raise ValueError(self._bad_label_message(label, step + 1)) from None
             if not (math.isfinite(loss) and math.isfinite(norm)):
                 self._non_finite(f'loss is {loss} and gradient norm {norm} at step {step}')
             step += 1
@@ -299,6 +306,16 @@ class Trainer:
         with writer.as_default():
             line.write_summaries(step)
         logging.info('step %d: %s; wrote %s', step, line.summary(), ' and '.join(paths))
+
+    def _bad_label_message(self, label: int, step: int) -> str:
+        """Bad input found only while training: the label, the class count and the input."""
+        train = self.params.input.train
+        source = (f'examples_fn {train.examples_fn}({train.split!r})' if 'examples_fn' in train
+                  else f'dataset {train.dataset}, split {train.split}')
+        return (f'input.train ({source}) gave label {label} at step {step}, outside [0, '
+                f'{self.params.task.num_classes}) for task.num_classes='
+                f'{self.params.task.num_classes}: fix the labels the input yields or set '
+                'task.num_classes to the number of classes')
 
     def _non_finite(self, what: str) -> None:
         raise NonFiniteLossError(
