@@ -107,6 +107,13 @@ def test_inspect_pipeline_prints_the_best_and_writes_json(tmp_path, data_dir):
             trainer_helpers.FAST, gin_files=[str(tmp_path / 'plan' / 'inspect_pipeline.gin')])
     finally:
         gin.clear_config()
+    # Before recommending, the best predicted configuration of K=1 and of K=2 was measured,
+    # and the pick is one of them.
+    measured = [m['config'] for m in report['measured']]
+    assert sorted(c['num_cells'] for c in measured) == [1, 2]
+    assert all(len(m['step_seconds']) == 12 for m in report['measured'])
+    assert report['best'] in measured
+    assert stdout.count('measured median') == 2 and stdout.count('<- picked') == 1
     best = report['best']
     for params in (pasted, from_gin):
         pipe = params.task.pipeline
@@ -128,6 +135,31 @@ def test_inspect_pipeline_prints_the_best_and_writes_json(tmp_path, data_dir):
     assert calibration['forward_scale'] > 0 and calibration['backward_scale'] > 0
     assert calibration['forward_fixed_scale'] > 0 and calibration['backward_fixed_scale'] > 0
     assert calibration['step_overhead'] > 0  # the update and the norm are never free
+
+
+def _config(k, m, recompute='always', schedule='fill_drain', step_time=1.0, fits=True):
+    return planner.Config(k, [1] * k, m, recompute, schedule, step_time, 0.0, [0.0], fits)
+
+
+def test_the_best_predicted_of_each_k_is_measured_once():
+    configs = [_config(1, 1, 'except_last', step_time=1.0), _config(1, 1, 'never', step_time=1.0),
+               _config(2, 1, 'never', '1f1b', 1.01), _config(2, 4, step_time=1.02),
+               _config(3, 2, step_time=1.03, fits=False), _config(4, 4, step_time=1.04),
+               _config(3, 4, step_time=1.05)]
+    picked = planner.measurement_candidates(configs, 3)
+    # K=1 'never' runs as 'except_last' does; K=3 M=2 does not fit the budget.
+    assert picked == [configs[0], configs[2], configs[5]]
+    assert planner.measurement_candidates(configs, 5)[-1] == configs[6]
+
+
+def test_the_fastest_measured_is_picked_and_near_ties_go_to_fewer_cells():
+    candidates = [_config(2, 4), _config(1, 1), _config(4, 4)]
+    clear = [[0.10, 0.11, 0.30], [0.13, 0.14, 0.12], [0.20, 0.21, 0.19]]
+    assert planner.pick_measured(candidates, clear) == 0
+    # K=2 measures 3% faster than K=1: within noise, so K=1 wins, whatever the order.
+    close = [[0.097, 0.1, 0.2], [0.103, 0.104, 0.09], [0.2, 0.2, 0.2]]
+    assert planner.pick_measured(candidates, close) == 1
+    assert planner.pick_measured(candidates, close, tolerance=0.01) == 0
 
 
 def test_inspect_pipeline_for_other_devices_uses_the_profile_alone(tmp_path, data_dir):

@@ -5,9 +5,11 @@ training logdir's checkpoints: inspect_pipeline only adds its JSON report.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import statistics
 import tempfile
 import time
 from typing import Optional
@@ -75,6 +77,12 @@ def inspect_model(params: Params) -> None:
 
 
 CALIBRATION_STEPS = 5
+# Before recommending, inspect_pipeline measures this many of the best predicted
+# configurations for CANDIDATE_ROUNDS interleaved rounds of CANDIDATE_STEPS steps each.
+CANDIDATES = 3
+CANDIDATE_ROUNDS = 4
+CANDIDATE_STEPS = 3
+PICK_TOLERANCE = 0.05  # measured medians closer than this are a tie (planner.pick_measured)
 
 
 def timed_steps(trainer, batch, steps: int) -> tuple[list, list[float]]:
@@ -172,14 +180,68 @@ def calibrate_here(params: Params, profiles: list[profile.LayerProfile],
     return fit_calibration(measured[0], profiles, runs, parallelism)
 
 
+def with_config(params: Params, config: planner.Config) -> Params:
+    """`params` as the recommendation's --params_override flag would set them."""
+    return params.Copy().Set(**config.overrides())
+
+
+def measure_candidates(params: Params, candidates: list[planner.Config],
+                       rounds: int = CANDIDATE_ROUNDS, steps: int = CANDIDATE_STEPS
+                       ) -> list[list[float]]:
+    """Wall seconds of `rounds` x `steps` training steps of each candidate, in throwaway
+    train dirs.
+
+    The rounds are interleaved (each in another order) so that every candidate sees the
+    same load: on a shared machine load comes and goes in bursts longer than a step.
+    """
+    from trainer import train_job
+
+    with contextlib.ExitStack() as stack:
+        runs = []
+        for config in candidates:
+            train_dir = stack.enter_context(tempfile.TemporaryDirectory())
+            trainer = train_job.Trainer(with_config(params, config), train_dir,
+                                        train_job.RuntimeOptions())
+            batch = next(trainer.iterator)
+            for _ in range(2):  # trace, then one warm step
+                trainer._step(batch)[0].numpy()  # noqa: SLF001 - the trainer's real step
+            runs.append((trainer, batch))
+        seconds: list[list[float]] = [[] for _ in candidates]
+        for r in range(rounds):
+            for i in [(r + j) % len(runs) for j in range(len(runs))]:
+                trainer, batch = runs[i]
+                for _ in range(steps):
+                    begin = time.perf_counter()
+                    trainer._step(batch)[0].numpy()  # noqa: SLF001
+                    seconds[i].append(time.perf_counter() - begin)
+    return seconds
+
+
+def _measured_report(candidates: list[planner.Config], seconds: list[list[float]],
+                     pick: int, elapsed: float) -> str:
+    lines = [f'measured before recommending ({CANDIDATE_ROUNDS} interleaved rounds of '
+             f'{CANDIDATE_STEPS} steps each, {elapsed:.0f} s): the best predicted of each K']
+    for i, (c, s) in enumerate(zip(candidates, seconds)):
+        lines.append(f'  K={c.num_cells} M={c.num_micro_batches} recompute={c.recompute} '
+                     f'schedule={c.schedule}: predicted {1e3 * c.step_time:.2f} ms, measured '
+                     f'median {1e3 * statistics.median(s):.2f} ms (fastest '
+                     f'{1e3 * min(s):.2f})' + ('  <- picked' if i == pick else ''))
+    lines.append(f'picked: the fastest median; candidates within {PICK_TOLERANCE:.0%} of it '
+                 'are a tie, won by fewer cells, then fewer micro-batches')
+    return '\n'.join(lines)
+
+
 def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[float],
                      device_profile: str, intra_op_threads: int,
                      logdir: Optional[str]) -> None:
     """Profiles the body, searches configurations, prints the best and writes JSON.
 
     Planning for this machine's logical CPUs, the costs are first calibrated on
-    measured steps of the model's configured pipeline (`calibrate_here`); for other
-    devices (`device_profile`) the profile is used as measured here. A budget
+    measured steps of the model's configured pipeline (`calibrate_here`), and then the
+    best predicted configuration of each K (up to CANDIDATES of them) is measured and the
+    fastest measured recommended (`planner.pick_measured`): predictions of CPU steps can
+    put configurations within 1% that run 1.4x apart. For other devices
+    (`device_profile`) the profile is used as measured here. A budget
     no configuration fits is a ValueError (exit 2) raised before the report is
     written.
     """
@@ -198,16 +260,25 @@ def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[f
     configs = planner.search(profiles, batch_size, num_devices, device)
     best = planner.best_fitting(configs, device.memory)  # memory needs no calibration
     calibration = Calibration()
+    measured, candidates, seconds = '', [], []
     if not device_profile:
         calibration = calibrate_here(params, profiles, device.model.parallelism)
         configs = planner.search(profiles, batch_size, num_devices, device,
                                  calibration=calibration)
         best = planner.best_fitting(configs, device.memory)
+        begin = time.perf_counter()
+        candidates = planner.measurement_candidates(configs, CANDIDATES)
+        seconds = measure_candidates(params, candidates)
+        pick = planner.pick_measured(candidates, seconds, PICK_TOLERANCE)
+        measured = _measured_report(candidates, seconds, pick, time.perf_counter() - begin)
+        best = candidates[pick]
     print(f'{len(profiles)} layers profiled on {task.pipe.devices[0]}, batch {batch_size}; '
           f'{len(configs)} configurations simulated for up to {num_devices} devices'
           + (f', budget {_mib(device.memory)} per device' if device.memory else ''))
     print(calibration.describe())
     print(planner.format_table(configs))
+    if measured:
+        print(measured)
     print(f'best: K={best.num_cells} M={best.num_micro_batches} recompute={best.recompute} '
           f'schedule={best.schedule}: predicted {1e3 * best.step_time:.2f} ms/step, bubble '
           f'{best.bubble:.2f}, peak {_mib(max(best.peak_bytes))}')
@@ -223,7 +294,9 @@ def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[f
                   'calibration': dataclasses.asdict(calibration),
                   'layers': [p.to_json() for p in profiles],
                   'best': best.to_json(), 'params_override': best.params_override(),
-                  'configs': [c.to_json() for c in configs]}
+                  'configs': [c.to_json() for c in configs],
+                  'measured': [{'config': c.to_json(), 'step_seconds': s}
+                               for c, s in zip(candidates, seconds)]}
         path = os.path.join(logdir, PLAN_FILE)
         with open(path, 'w') as f:
             json.dump(report, f, indent=1)

@@ -14,11 +14,12 @@ import dataclasses
 import os
 import re
 import shlex
+import statistics
 from typing import Any, Optional, Sequence
 
 from tfpipe.pipeline import schedule, simulator
 from tfpipe.pipeline.calibration import SCHEDULES, Calibration, balance_for, cell_costs, simulate
-from tfpipe.pipeline.cell import RECOMPUTE_POLICIES
+from tfpipe.pipeline.cell import RECOMPUTE_POLICIES, recompute_flags
 from tfpipe.pipeline.profile import LayerProfile
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -151,6 +152,47 @@ def best_fitting(configs: Sequence[Config], budget: Optional[float]) -> Config:
         f'is {max(least.peak_bytes):.4g} bytes (K={least.num_cells}, '
         f'M={least.num_micro_batches}, recompute={least.recompute}); raise --device_memory, '
         'allow more devices (--num_devices) or shrink the batch')
+
+
+def _effect(config: Config) -> tuple:
+    """What a configuration runs: policies and schedules that run alike compare equal
+    (one cell: 'never' and 'except_last'; one cell or one micro-batch: every schedule)."""
+    flags = tuple(recompute_flags(config.recompute, config.num_cells))
+    plays = config.schedule if config.num_cells > 1 and config.num_micro_batches > 1 else ''
+    return tuple(config.balance), config.num_micro_batches, flags, plays
+
+
+def measurement_candidates(configs: Sequence[Config], count: int) -> list[Config]:
+    """The configurations worth measuring before recommending one: the best predicted
+    fitting configuration of each number of cells, fastest predicted first, `count` of them.
+
+    One per K because that is where predictions go wrong most (how logical CPUs share the
+    cores); configurations that run alike are one candidate.
+    """
+    chosen: dict[int, Config] = {}
+    effects = set()
+    for config in configs:
+        if config.fits and config.num_cells not in chosen and _effect(config) not in effects:
+            chosen[config.num_cells] = config
+            effects.add(_effect(config))
+    return list(chosen.values())[:count]
+
+
+def pick_measured(candidates: Sequence[Config], step_seconds: Sequence[Sequence[float]],
+                  tolerance: float = 0.05) -> int:
+    """The index of the candidate to recommend from its measured steps (interleaved).
+
+    Each candidate's median step stands for it (load only adds time and comes in bursts
+    that interleaving spreads over all of them). Candidates within `tolerance` of the
+    fastest median are ties that noise could order either way, so among them the pick is
+    the one that needs least (fewest cells, then fewest micro-batches, then the better
+    prediction): the same pick on every run unless two candidates really differ.
+    """
+    medians = [statistics.median(s) for s in step_seconds]
+    fastest = min(medians)
+    ties = [i for i, m in enumerate(medians) if m <= fastest * (1 + tolerance)]
+    return min(ties, key=lambda i: (candidates[i].num_cells, candidates[i].num_micro_batches,
+                                    i))
 
 
 def format_table(configs: Sequence[Config], limit: int = 8) -> str:
