@@ -79,7 +79,7 @@ def inspect_model(params: Params) -> None:
 CALIBRATION_STEPS = 5
 # Before recommending, inspect_pipeline measures this many of the best predicted
 # configurations for CANDIDATE_ROUNDS interleaved rounds of CANDIDATE_STEPS steps each.
-CANDIDATES = 3
+CANDIDATES = 4
 CANDIDATE_ROUNDS = 4
 CANDIDATE_STEPS = 3
 PICK_TOLERANCE = 0.05  # measured medians closer than this are a tie (planner.pick_measured)
@@ -220,7 +220,8 @@ def measure_candidates(params: Params, candidates: list[planner.Config],
 def _measured_report(candidates: list[planner.Config], seconds: list[list[float]],
                      pick: int, elapsed: float) -> str:
     lines = [f'measured before recommending ({CANDIDATE_ROUNDS} interleaved rounds of '
-             f'{CANDIDATE_STEPS} steps each, {elapsed:.0f} s): the best predicted of each K']
+             f'{CANDIDATE_STEPS} steps each, {elapsed:.0f} s): the best predicted of each K, and '
+             'of those that run cells at once']
     for i, (c, s) in enumerate(zip(candidates, seconds)):
         lines.append(f'  K={c.num_cells} M={c.num_micro_batches} recompute={c.recompute} '
                      f'schedule={c.schedule}: predicted {1e3 * c.step_time:.2f} ms, measured '
@@ -237,10 +238,10 @@ def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[f
     """Profiles the body, searches configurations, prints the best and writes JSON.
 
     Planning for this machine's logical CPUs, the costs are first calibrated on
-    measured steps of the model's configured pipeline (`calibrate_here`), and then the
-    best predicted configuration of each K (up to CANDIDATES of them) is measured and the
-    fastest measured recommended (`planner.pick_measured`): predictions of CPU steps can
-    put configurations within 1% that run 1.4x apart. For other devices
+    measured steps of the model's configured pipeline (`calibrate_here`), and then
+    CANDIDATES of the best predicted (`planner.measurement_candidates`) are measured and
+    the fastest measured recommended (`planner.pick_measured`): predictions of CPU steps
+    can put configurations within 1% that run 1.4x apart. For other devices
     (`device_profile`) the profile is used as measured here. A budget
     no configuration fits is a ValueError (exit 2) raised before the report is
     written.

@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 
 from tfpipe.pipeline import schedule, simulator
 from tfpipe.pipeline.calibration import SCHEDULES, Calibration, balance_for, cell_costs, simulate
-from tfpipe.pipeline.cell import RECOMPUTE_POLICIES, recompute_flags
+from tfpipe.pipeline.cell import RECOMPUTE_POLICIES
 from tfpipe.pipeline.profile import LayerProfile
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -154,28 +154,28 @@ def best_fitting(configs: Sequence[Config], budget: Optional[float]) -> Config:
         'allow more devices (--num_devices) or shrink the batch')
 
 
-def _effect(config: Config) -> tuple:
-    """What a configuration runs: policies and schedules that run alike compare equal
-    (one cell: 'never' and 'except_last'; one cell or one micro-batch: every schedule)."""
-    flags = tuple(recompute_flags(config.recompute, config.num_cells))
-    plays = config.schedule if config.num_cells > 1 and config.num_micro_batches > 1 else ''
-    return tuple(config.balance), config.num_micro_batches, flags, plays
-
-
 def measurement_candidates(configs: Sequence[Config], count: int) -> list[Config]:
     """The configurations worth measuring before recommending one: the best predicted
-    fitting configuration of each number of cells, fastest predicted first, `count` of them.
+    fitting configuration of each number of cells, fastest predicted first, and the best
+    predicted one whose cells can work at once (K > 1 and M > 1) unless one of those is;
+    `count` in all.
 
     One per K because that is where predictions go wrong most (how logical CPUs share the
-    cores); configurations that run alike are one candidate.
+    cores), and one that overlaps its cells because that is the one way to more than one
+    core's worth.
     """
+    fitting = [c for c in configs if c.fits]
+    overlapping = next((c for c in fitting if c.num_cells > 1 and c.num_micro_batches > 1),
+                       None)
     chosen: dict[int, Config] = {}
-    effects = set()
-    for config in configs:
-        if config.fits and config.num_cells not in chosen and _effect(config) not in effects:
+    for config in fitting:
+        if config.num_cells not in chosen:
             chosen[config.num_cells] = config
-            effects.add(_effect(config))
-    return list(chosen.values())[:count]
+    picked = list(chosen.values())[:count]
+    if overlapping is not None and overlapping not in picked and not any(
+            c.num_cells > 1 and c.num_micro_batches > 1 for c in picked):
+        picked = picked[:count - 1] + [overlapping]
+    return picked
 
 
 def pick_measured(candidates: Sequence[Config], step_seconds: Sequence[Sequence[float]],
