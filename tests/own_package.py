@@ -34,6 +34,12 @@ def make_bad_label(split):
     return make(split).map(lambda ex: {'image': ex['image'], 'label': ex['label'] * 2})
 
 
+def make_from_generator(split):
+    examples = make(split)
+    return tf.data.Dataset.from_generator(lambda: examples.as_numpy_iterator(),
+                                          output_signature=examples.element_spec)
+
+
 def make_list(split):
     return [1, 2, 3]
 

@@ -95,6 +95,9 @@ BAD_DATA = [
      r"yields features \['label', 'pixels'\], without 'image'"),
     ('non-static shapes', 'byomodels.data.make_dynamic',
      r"feature 'image' has shape \(None, 8, 1\), not static"),
+    ('from_generator', 'byomodels.data.make_from_generator',
+     r"make_from_generator\('train'\) returned a dataset made with "
+     r"tf.data.Dataset.from_generator, whose position a checkpoint cannot hold"),
 ]
 
 

@@ -404,6 +404,15 @@ def _import_function(name: str) -> Callable:
     return fn
 
 
+def _reads_a_generator(dataset: tf.data.Dataset) -> bool:
+    """Whether `dataset` reads a Python generator (`from_generator`) anywhere in its graph."""
+    serialized = tf.raw_ops.DatasetToGraphV2(input_dataset=dataset._variant_tensor,  # noqa: SLF001
+                                             external_state_policy=0)  # 0: warn, not fail
+    graph = tf.compat.v1.GraphDef.FromString(serialized.numpy())
+    nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+    return any(n.op == 'GeneratorDataset' for n in nodes)
+
+
 class _ExamplesSource:
     """Stands in for a tfds builder: TfdsInput reads a split only through `as_dataset`.
 
@@ -479,6 +488,13 @@ class DatasetInput(TfdsInput):
             if not _KIND_DTYPES[kind](s.dtype) or s.shape.rank != rank:
                 raise ValueError(f'examples_fn {p.examples_fn}({p.split!r}): feature {key!r} is '
                                  f'{s.dtype.name} {s.shape}: {want}')
+        if _reads_a_generator(examples):
+            raise ValueError(
+                f'examples_fn {p.examples_fn}({p.split!r}) returned a dataset made with '
+                'tf.data.Dataset.from_generator, whose position a checkpoint cannot hold: a '
+                'resumed run would start the generator again; build it with '
+                'from_tensor_slices (e.g. on the generator\'s output as arrays), range or '
+                'files')
         processed = examples.map(PREPROCESSORS[p.preprocess](p)).element_spec
         for key, s in processed.items():
             if not s.shape.is_fully_defined():
