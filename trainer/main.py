@@ -219,7 +219,7 @@ def _run_jobs(params, options, jobs: list[str], cluster) -> int:
     # The first write to the logdir. The locks are held while the jobs run: one live job
     # per job dir (a lock lives in its open file, which garbage collection would close).
     locks = job_runner.claim_job_dirs(built, logdir, FLAGS.model, params)
-    code = job_runner.run_jobs(built, cluster, options)
+    code = job_runner.run_jobs(built, cluster)
     for lock in locks:
         lock.release()
     return code

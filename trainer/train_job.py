@@ -15,6 +15,7 @@ and a restore copies them into the others.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import glob
@@ -23,6 +24,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import time
 from typing import Optional, Sequence
 
@@ -54,8 +56,9 @@ class RuntimeOptions:
     eval_idle_timeout_seconds: Optional[float] = None  # None: evalers wait for the last step
     pipeline_trace_step: Optional[int] = None  # record the timeline of this step (1 = first)
     # Across processes: how long a step (or a save) may go without finishing before the
-    # trainer gives up on a worker that accepts connections but does not answer.
-    step_timeout_seconds: float = 600.0
+    # trainer gives up on a worker that accepts connections but does not answer. None:
+    # derived from the measured steps (Trainer.step_timeout).
+    step_timeout_seconds: Optional[float] = None
 
     def __post_init__(self):
         for name in ('max_steps', 'save_interval_steps', 'summary_interval_steps',
@@ -109,6 +112,14 @@ def guarded_update(loss: tf.Tensor, replica_grads: Sequence[dict], clip_norm: Op
     return norm
 
 
+# The derived step deadline (Trainer.step_timeout): a multiple of the median of the last
+# STEP_TIMEOUT_WINDOW steps, never below MIN_STEP_TIMEOUT seconds.
+STEP_TIMEOUT_FACTOR = 20.0
+MIN_STEP_TIMEOUT = 60.0
+UNMEASURED_STEP_TIMEOUT = 600.0
+STEP_TIMEOUT_WINDOW = 50
+
+
 class NonFiniteLossError(RuntimeError):
     pass
 
@@ -156,7 +167,26 @@ class Trainer:
         # (last finished step, when it or a later save finished), None before the first
         # step: what the cluster watchdog reads to tell a frozen worker from a slow step.
         self.heartbeat: Optional[tuple[int, float]] = None
+        self._step_timeout = options.step_timeout_seconds
+        self._step_seconds: collections.deque = collections.deque(maxlen=STEP_TIMEOUT_WINDOW)
         self._recorder: Optional[timeline.Recorder] = None
+
+    def step_timeout(self) -> float:
+        """Seconds a step may take before the cluster watchdog gives up on a frozen worker.
+
+        trainer.step_timeout_seconds when set; else STEP_TIMEOUT_FACTOR x the median of the
+        latest measured steps, at least MIN_STEP_TIMEOUT, so that a frozen worker is named
+        within a minute where steps take milliseconds; UNMEASURED_STEP_TIMEOUT until
+        STEP_TIMEOUT_WINDOW // 10 steps after the first (whose tracing may take minutes)
+        are measured. TensorFlow's coordination service cannot tell sooner: a frozen worker
+        still completes TCP handshakes, and the trainer's workers are plain gRPC servers.
+        """
+        if self._step_timeout is not None:
+            return self._step_timeout
+        measured = list(self._step_seconds)
+        if len(measured) < STEP_TIMEOUT_WINDOW // 10:
+            return UNMEASURED_STEP_TIMEOUT
+        return max(MIN_STEP_TIMEOUT, STEP_TIMEOUT_FACTOR * statistics.median(measured))
 
     def restore_latest(self) -> int:
         """Restores the newest complete checkpoint, if any; returns the global step.
@@ -243,6 +273,7 @@ class Trainer:
             except StopIteration:
                 out_of_data = True
                 break
+            begin = time.monotonic()
             try:
                 if step + 1 == self.trace_step:
                     loss, norm, lr, stamps = self._recorded_step(batch)
@@ -257,6 +288,8 @@ class Trainer:
                 raise ValueError(self._bad_label_message(label, step + 1)) from None
             if not (math.isfinite(loss) and math.isfinite(norm)):
                 self._non_finite(f'loss is {loss} and gradient norm {norm} at step {step}')
+            if self.heartbeat is not None:  # the run's first step traces: not a measure
+                self._step_seconds.append(time.monotonic() - begin)
             step += 1
             self.heartbeat = (step, time.monotonic())
             progress.step_done(step, time.time())
