@@ -203,7 +203,7 @@ def run_inspect_pipeline(data_dir: str, logdir: str) -> tuple[dict, float]:
 
 
 def pick_section(args) -> None:
-    from trainer import experiment, train_job
+    from trainer import experiment, inspect_modes, train_job
 
     runs, rounds, steps = 3, (3 if args.quick else 6), 5
     print(f'\n## pick: inspect_pipeline on {PICK_MODEL} {runs} times, then its picks and the '
@@ -237,18 +237,11 @@ def pick_section(args) -> None:
         for _ in range(2):
             trainer._step(batch)[0].numpy()  # noqa: SLF001 - trace and warm up the real step
         trainers[name] = (trainer, batch)
-    seconds = {name: [] for name in trainers}
-    loads = []
     names = list(trainers)
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            trainer, batch = trainers[name]
-            for _ in range(steps):
-                begin = time.perf_counter()
-                trainer._step(batch)[0].numpy()  # noqa: SLF001
-                seconds[name].append(time.perf_counter() - begin)
-        loads.append(os.getloadavg()[0])
-    median = {name: statistics.median(v) for name, v in seconds.items()}
+    loads = [os.getloadavg()[0]]
+    measured = inspect_modes.interleaved_steps([trainers[n] for n in names], rounds, steps)
+    loads.append(os.getloadavg()[0])
+    median = {name: statistics.median(v) for name, v in zip(names, measured)}
     best_grid = min(median[('grid',) + key] for key in HELD_OUT)
     print(f'{"":<6} {"K":>2} {"M":>2} {"recompute":<11} {"median ms":>9} {"/best grid":>10}  '
           f'(load average {min(loads):.1f}-{max(loads):.1f})')

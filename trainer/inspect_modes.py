@@ -185,15 +185,27 @@ def with_config(params: Params, config: planner.Config) -> Params:
     return params.Copy().Set(**config.overrides())
 
 
+def interleaved_steps(runs: list, rounds: int, steps: int) -> list[list[float]]:
+    """Wall seconds of `rounds` x `steps` training steps of each (warmed-up trainer, batch).
+
+    The rounds are interleaved (each in another order) so that every run sees the same
+    load: on a shared machine load comes and goes in bursts longer than a step.
+    """
+    seconds: list[list[float]] = [[] for _ in runs]
+    for r in range(rounds):
+        for i in [(r + j) % len(runs) for j in range(len(runs))]:
+            trainer, batch = runs[i]
+            for _ in range(steps):
+                begin = time.perf_counter()
+                trainer._step(batch)[0].numpy()  # noqa: SLF001 - the trainer's real step
+                seconds[i].append(time.perf_counter() - begin)
+    return seconds
+
+
 def measure_candidates(params: Params, candidates: list[planner.Config],
                        rounds: int = CANDIDATE_ROUNDS, steps: int = CANDIDATE_STEPS
                        ) -> list[list[float]]:
-    """Wall seconds of `rounds` x `steps` training steps of each candidate, in throwaway
-    train dirs.
-
-    The rounds are interleaved (each in another order) so that every candidate sees the
-    same load: on a shared machine load comes and goes in bursts longer than a step.
-    """
+    """`interleaved_steps` of each candidate, traced and warmed up in throwaway train dirs."""
     from trainer import train_job
 
     with contextlib.ExitStack() as stack:
@@ -204,17 +216,9 @@ def measure_candidates(params: Params, candidates: list[planner.Config],
                                         train_job.RuntimeOptions())
             batch = next(trainer.iterator)
             for _ in range(2):  # trace, then one warm step
-                trainer._step(batch)[0].numpy()  # noqa: SLF001 - the trainer's real step
+                trainer._step(batch)[0].numpy()  # noqa: SLF001
             runs.append((trainer, batch))
-        seconds: list[list[float]] = [[] for _ in candidates]
-        for r in range(rounds):
-            for i in [(r + j) % len(runs) for j in range(len(runs))]:
-                trainer, batch = runs[i]
-                for _ in range(steps):
-                    begin = time.perf_counter()
-                    trainer._step(batch)[0].numpy()  # noqa: SLF001
-                    seconds[i].append(time.perf_counter() - begin)
-    return seconds
+        return interleaved_steps(runs, rounds, steps)
 
 
 def _measured_report(candidates: list[planner.Config], seconds: list[list[float]],
