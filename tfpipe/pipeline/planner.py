@@ -155,27 +155,30 @@ def best_fitting(configs: Sequence[Config], budget: Optional[float]) -> Config:
 
 
 def measurement_candidates(configs: Sequence[Config], count: int) -> list[Config]:
-    """The configurations worth measuring before recommending one: the best predicted
-    fitting configuration of each number of cells, fastest predicted first, and the best
-    predicted one whose cells can work at once (K > 1 and M > 1) unless one of those is;
-    `count` in all.
+    """The configurations worth measuring before recommending one, `count` of them.
 
-    One per K because that is where predictions go wrong most (how logical CPUs share the
-    cores), and one that overlaps its cells because that is the one way to more than one
-    core's worth.
+    In this order, each the best predicted fitting configuration of its kind: on one
+    cell (no pipeline, no hand-over: the baseline a pipeline must beat); of any kind;
+    whose cells work at once (K > 1 and M > 1, the one way to more than one core's
+    worth); the same on the fewest cells (the least hand-over and per-task cost); then
+    the best of each further K. Predictions of logical CPUs sharing cores go wrong most
+    between these kinds, while they order configurations of one kind well enough.
     """
     fitting = [c for c in configs if c.fits]
-    overlapping = next((c for c in fitting if c.num_cells > 1 and c.num_micro_batches > 1),
-                       None)
-    chosen: dict[int, Config] = {}
+    overlapping = [c for c in fitting if c.num_cells > 1 and c.num_micro_batches > 1]
+    fewest = min((c.num_cells for c in overlapping), default=None)
+    kinds = ([c for c in fitting if c.num_cells == 1][:1] + fitting[:1] + overlapping[:1]
+             + [c for c in overlapping if c.num_cells == fewest][:1])
+    ks = {c.num_cells for c in kinds}
     for config in fitting:
-        if config.num_cells not in chosen:
-            chosen[config.num_cells] = config
-    picked = list(chosen.values())[:count]
-    if overlapping is not None and overlapping not in picked and not any(
-            c.num_cells > 1 and c.num_micro_batches > 1 for c in picked):
-        picked = picked[:count - 1] + [overlapping]
-    return picked
+        if config.num_cells not in ks:
+            kinds.append(config)
+            ks.add(config.num_cells)
+    picked: list[Config] = []
+    for config in kinds:
+        if config not in picked:
+            picked.append(config)
+    return picked[:count]
 
 
 def pick_measured(candidates: Sequence[Config], step_seconds: Sequence[Sequence[float]],
