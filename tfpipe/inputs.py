@@ -405,12 +405,22 @@ def _import_function(name: str) -> Callable:
 
 
 def _reads_a_generator(dataset: tf.data.Dataset) -> bool:
-    """Whether `dataset` reads a Python generator (`from_generator`) anywhere in its graph."""
-    serialized = tf.raw_ops.DatasetToGraphV2(input_dataset=dataset._variant_tensor,  # noqa: SLF001
-                                             external_state_policy=0)  # 0: warn, not fail
-    graph = tf.compat.v1.GraphDef.FromString(serialized.numpy())
-    nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
-    return any(n.op == 'GeneratorDataset' for n in nodes)
+    """Whether `dataset` reads a Python generator (`from_generator`) anywhere upstream.
+
+    `from_generator` is a flat_map whose function runs a GeneratorDataset, so the
+    datasets upstream (`_inputs`) and the graphs of their functions (`_map_func`) are
+    searched: private tf.data attributes, read only, and cheap where serialising the
+    dataset's graph would copy every in-memory array in it.
+    """
+    pending = [dataset]
+    while pending:
+        current = pending.pop()
+        function = getattr(current, '_map_func', None)
+        if function is not None and any(op.type == 'GeneratorDataset'
+                                        for op in function.function.graph.get_operations()):
+            return True
+        pending.extend(current._inputs())  # noqa: SLF001
+    return False
 
 
 class _ExamplesSource:
