@@ -145,14 +145,14 @@ def _config(k, m, recompute='always', schedule='fill_drain', step_time=1.0, fits
 def test_the_baseline_the_best_and_the_best_overlapping_pipelines_are_measured():
     configs = [_config(6, 1, step_time=1.0), _config(3, 2, step_time=1.01, fits=False),
                _config(7, 1, step_time=1.02), _config(4, 4, step_time=1.03),
-               _config(2, 8, step_time=1.04), _config(1, 1, 'never', step_time=1.05),
-               _config(2, 2, step_time=1.06)]
-    # K=1, the best, the best with cells at once and that on the fewest cells (K=3 M=2
-    # does not fit the budget), then the best of another K.
-    assert planner.measurement_candidates(configs, 5) == [configs[5], configs[0], configs[3],
+               _config(2, 8, step_time=1.04), _config(1, 1, step_time=1.045),
+               _config(1, 1, 'never', step_time=1.05), _config(2, 2, step_time=1.06)]
+    # K=1 without recompute, the best, the best with cells at once and that on the fewest
+    # cells (K=3 M=2 does not fit the budget), then the best of another K.
+    assert planner.measurement_candidates(configs, 5) == [configs[6], configs[0], configs[3],
                                                           configs[4], configs[2]]
-    assert planner.measurement_candidates(configs, 2) == [configs[5], configs[0]]
-    # Fewer kinds than asked for: each measured once.
+    assert planner.measurement_candidates(configs, 2) == [configs[6], configs[0]]
+    # Fewer kinds than asked for: each measured once; on one cell, recompute if it must.
     assert planner.measurement_candidates(configs[5:6], 4) == [configs[5]]
 
 

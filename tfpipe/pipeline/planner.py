@@ -158,7 +158,8 @@ def measurement_candidates(configs: Sequence[Config], count: int) -> list[Config
     """The configurations worth measuring before recommending one, `count` of them.
 
     In this order, each the best predicted fitting configuration of its kind: on one
-    cell (no pipeline, no hand-over: the baseline a pipeline must beat); of any kind;
+    cell without recompute if that fits (no pipeline, no hand-over, no second forward:
+    the baseline a pipeline must beat); of any kind;
     whose cells work at once (K > 1 and M > 1, the one way to more than one core's
     worth); the same on the fewest cells (the least hand-over and per-task cost); then
     the best of each further K. Predictions of logical CPUs sharing cores go wrong most
@@ -167,7 +168,9 @@ def measurement_candidates(configs: Sequence[Config], count: int) -> list[Config
     fitting = [c for c in configs if c.fits]
     overlapping = [c for c in fitting if c.num_cells > 1 and c.num_micro_batches > 1]
     fewest = min((c.num_cells for c in overlapping), default=None)
-    kinds = ([c for c in fitting if c.num_cells == 1][:1] + fitting[:1] + overlapping[:1]
+    one_cell = [c for c in fitting if c.num_cells == 1]
+    plain = [c for c in one_cell if c.recompute == 'never'] or one_cell
+    kinds = (plain[:1] + fitting[:1] + overlapping[:1]
              + [c for c in overlapping if c.num_cells == fewest][:1])
     ks = {c.num_cells for c in kinds}
     for config in fitting:
