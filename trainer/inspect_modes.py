@@ -224,8 +224,9 @@ def measure_candidates(params: Params, candidates: list[planner.Config],
 def _measured_report(candidates: list[planner.Config], seconds: list[list[float]],
                      pick: int, elapsed: float) -> str:
     lines = [f'measured before recommending ({CANDIDATE_ROUNDS} interleaved rounds of '
-             f'{CANDIDATE_STEPS} steps each, {elapsed:.0f} s): the best predicted on one cell, of '
-             'any kind, running cells at once, that on the fewest cells, of other K']
+             f'{CANDIDATE_STEPS} steps each, {elapsed:.0f} s): the best predicted on one cell '
+             '(without recompute), of any kind, running cells at once, that on the fewest '
+             'cells, of other K']
     for i, (c, s) in enumerate(zip(candidates, seconds)):
         lines.append(f'  K={c.num_cells} M={c.num_micro_batches} recompute={c.recompute} '
                      f'schedule={c.schedule}: predicted {1e3 * c.step_time:.2f} ms, measured '
