@@ -122,9 +122,10 @@ def _refusal(layer: keras.layers.Layer) -> Optional[str]:
                     'update of the moving statistics)')
         rates = _rnn_dropout(sub)
         if rates is not None and any(rates.values()):
-            return (f'{where} draws dropout masks ({", ".join(f"{k}={v}" for k, v in rates.items())}'
-                    '), which a recomputed forward pass would not reproduce; set both to 0 '
-                    'and put a keras.layers.Dropout between layers instead')
+            named = ', '.join(f'{k}={v}' for k, v in rates.items())
+            return (f'{where} draws dropout masks ({named}), which a recomputed forward pass '
+                    'would not reproduce; set both to 0 and put a keras.layers.Dropout between '
+                    'layers instead')
         if isinstance(sub, keras.layers.Dropout) or (
                 rates is None and getattr(sub, 'seed_generator', None)):
             return (f'{where} draws random numbers, which a recomputed forward pass would not '
