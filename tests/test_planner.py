@@ -154,6 +154,9 @@ def test_the_baseline_the_best_and_the_best_overlapping_pipelines_are_measured()
     assert planner.measurement_candidates(configs, 2) == [configs[6], configs[0]]
     # Fewer kinds than asked for: each measured once; on one cell, recompute if it must.
     assert planner.measurement_candidates(configs[5:6], 4) == [configs[5]]
+    # On one cell 'except_last' runs as 'never' does, and one micro-batch as any schedule.
+    alike = [_config(1, 1, 'except_last', '1f1b'), _config(1, 1, 'never'), _config(2, 4)]
+    assert planner.measurement_candidates(alike, 4) == [alike[1], alike[2]]
 
 
 def test_the_fastest_measured_is_picked_and_near_ties_go_to_fewer_cells():

@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 
 from tfpipe.pipeline import schedule, simulator
 from tfpipe.pipeline.calibration import SCHEDULES, Calibration, balance_for, cell_costs, simulate
-from tfpipe.pipeline.cell import RECOMPUTE_POLICIES
+from tfpipe.pipeline.cell import RECOMPUTE_POLICIES, recompute_flags
 from tfpipe.pipeline.profile import LayerProfile
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -164,6 +164,7 @@ def measurement_candidates(configs: Sequence[Config], count: int) -> list[Config
     worth); the same on the fewest cells (the least hand-over and per-task cost); then
     the best of each further K. Predictions of logical CPUs sharing cores go wrong most
     between these kinds, while they order configurations of one kind well enough.
+    Configurations that run alike are measured once.
     """
     fitting = [c for c in configs if c.fits]
     overlapping = [c for c in fitting if c.num_cells > 1 and c.num_micro_batches > 1]
@@ -179,9 +180,17 @@ def measurement_candidates(configs: Sequence[Config], count: int) -> list[Config
             ks.add(config.num_cells)
     picked: list[Config] = []
     for config in kinds:
-        if config not in picked:
+        if _runs_as(config) not in map(_runs_as, picked):
             picked.append(config)
     return picked[:count]
+
+
+def _runs_as(config: Config) -> tuple:
+    """What a configuration runs: policies and schedules that run alike compare equal (on
+    one cell 'never' and 'except_last'; on one cell or one micro-batch every schedule)."""
+    plays = config.schedule if config.num_cells > 1 and config.num_micro_batches > 1 else ''
+    return (tuple(config.balance), config.num_micro_batches,
+            tuple(recompute_flags(config.recompute, config.num_cells)), plays)
 
 
 def pick_measured(candidates: Sequence[Config], step_seconds: Sequence[Sequence[float]],
