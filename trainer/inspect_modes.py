@@ -266,7 +266,7 @@ def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[f
     configs = planner.search(profiles, batch_size, num_devices, device)
     best = planner.best_fitting(configs, device.memory)  # memory needs no calibration
     calibration = Calibration()
-    measured, candidates, seconds = '', [], []
+    measured, candidates, seconds, measuring = '', [], [], 0.0
     if not device_profile:
         calibration = calibrate_here(params, profiles, device.model.parallelism)
         configs = planner.search(profiles, batch_size, num_devices, device,
@@ -276,7 +276,8 @@ def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[f
         candidates = planner.measurement_candidates(configs, CANDIDATES)
         seconds = measure_candidates(params, candidates)
         pick = planner.pick_measured(candidates, seconds, PICK_TOLERANCE)
-        measured = _measured_report(candidates, seconds, pick, time.perf_counter() - begin)
+        measuring = time.perf_counter() - begin
+        measured = _measured_report(candidates, seconds, pick, measuring)
         best = candidates[pick]
     print(f'{len(profiles)} layers profiled on {task.pipe.devices[0]}, batch {batch_size}; '
           f'{len(configs)} configurations simulated for up to {num_devices} devices'
@@ -302,7 +303,8 @@ def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[f
                   'best': best.to_json(), 'params_override': best.params_override(),
                   'configs': [c.to_json() for c in configs],
                   'measured': [{'config': c.to_json(), 'step_seconds': s}
-                               for c, s in zip(candidates, seconds)]}
+                               for c, s in zip(candidates, seconds)],
+                  'measuring_seconds': measuring}
         path = os.path.join(logdir, PLAN_FILE)
         with open(path, 'w') as f:
             json.dump(report, f, indent=1)
