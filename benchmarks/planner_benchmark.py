@@ -2,6 +2,7 @@
 
     python benchmarks/planner_benchmark.py                  # both sections (~10 min on 2 cores)
     python benchmarks/planner_benchmark.py --section=predict --quick
+    python benchmarks/planner_benchmark.py --section=pick --data_dir=/tmp/tfds
 
 Sections (the thread-pool default is measured by threads_benchmark.py):
 - predict: for the models in params/ whose data is generated here and a Dense stack, the
@@ -11,6 +12,10 @@ Sections (the thread-pool default is measured by threads_benchmark.py):
   inspect_pipeline does: on measured steps of the model's configured pipeline, of the same
   with twice the micro-batches, of the same on one device and of that under the other
   recompute policy;
+- pick: inspect_pipeline run 3 times on AmoebaNetPipe (it measures its best predicted
+  configurations before recommending), then its picks and a held-out grid (K=1 M=1 no
+  recompute, K=2 M=4, K=2 M=2, K=4 M=4) measured side by side: pick/best ratios, how many
+  distinct picks, and inspect_pipeline's time;
 - table2: the shape of GPipe's Table 2 (normalised throughput over K and M) simulated from
   profiled AmoebaNet and Transformer bodies under an accelerator device profile.
 """
@@ -35,7 +40,7 @@ TOLERANCE = 0.25
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument('--section', choices=('all', 'predict', 'table2'), default='all')
+    ap.add_argument('--section', choices=('all', 'predict', 'pick', 'table2'), default='all')
     ap.add_argument('--quick', action='store_true', help='fewer steps and rounds')
     ap.add_argument('--models', default=','.join(PREDICT_MODELS),
                     help='comma list for the predict section')
@@ -173,6 +178,87 @@ def predict_section(args) -> None:
               f'{max(values):.2f}, {within}/{len(values)} within {TOLERANCE:.0%}')
 
 
+# -- pick ----------------------------------------------------------------------------------
+
+PICK_MODEL = 'image.shapes.AmoebaNetPipe'
+# Held out: never among the planner's inputs. (K, M, recompute) of the default model.
+HELD_OUT = ((1, 1, 'never'), (2, 4, 'always'), (2, 2, 'always'), (4, 4, 'always'))
+
+
+def run_inspect_pipeline(data_dir: str, logdir: str) -> tuple[dict, float]:
+    """One `--mode=inspect_pipeline` of PICK_MODEL in a subprocess: (JSON report, seconds)."""
+    import json
+    import subprocess
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get('PYTHONPATH', ''))
+    begin = time.perf_counter()
+    out = subprocess.run([sys.executable, '-m', 'trainer', f'--model={PICK_MODEL}',
+                          '--mode=inspect_pipeline', f'--logdir={logdir}',
+                          f'--tfds_data_dir={data_dir}'], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=1800)
+    seconds = time.perf_counter() - begin
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-3000:])
+    with open(os.path.join(logdir, 'inspect_pipeline.json')) as f:
+        return json.load(f), seconds
+
+
+def pick_section(args) -> None:
+    from trainer import experiment, inspect_modes, train_job
+
+    runs, rounds, steps = 3, (3 if args.quick else 6), 5
+    print(f'\n## pick: inspect_pipeline on {PICK_MODEL} {runs} times, then its picks and the '
+          f'held-out grid measured side by side ({rounds} interleaved rounds of {steps} steps; '
+          'median step)')
+    picks, extra, whole = [], [], []
+    for i in range(runs):
+        report, seconds = run_inspect_pipeline(args.data_dir, tempfile.mkdtemp())
+        best = report['best']
+        key = (best['num_cells'], best['num_micro_batches'], best['recompute'])
+        steps_measured = sum(len(m['step_seconds']) for m in report['measured'])
+        candidates = ', '.join(f"K={c['num_cells']} M={c['num_micro_batches']} {c['recompute']}"
+                               for c in (m['config'] for m in report['measured']))
+        print(f'run {i + 1}: picked K={key[0]} M={key[1]} {key[2]} {best["schedule"]} '
+              f'(balance {best["balance"]}) of {candidates}; inspect_pipeline took '
+              f'{seconds:.0f} s, of which measuring the candidates '
+              f'{report["measuring_seconds"]:.0f} s ({steps_measured} steps; load '
+              f'{os.getloadavg()[0]:.1f})')
+        picks.append((key, best))
+        extra.append(report['measuring_seconds'])
+        whole.append(seconds)
+    configs = {('grid',) + key: {'num_cells': key[0], 'num_micro_batches': key[1],
+                                 'recompute': key[2]} for key in HELD_OUT}
+    for key, best in picks:
+        configs.setdefault(('pick',) + key, {k: best[k] for k in (
+            'num_cells', 'balance', 'num_micro_batches', 'recompute', 'schedule')})
+    trainers = {}
+    for name, overrides in configs.items():
+        p = experiment.load_params(PICK_MODEL)
+        p.input.train.data_dir = args.data_dir
+        p.task.pipeline.Set(**overrides)
+        trainer = train_job.Trainer(p, tempfile.mkdtemp(), train_job.RuntimeOptions())
+        batch = next(trainer.iterator)
+        for _ in range(2):
+            trainer._step(batch)[0].numpy()  # noqa: SLF001 - trace and warm up the real step
+        trainers[name] = (trainer, batch)
+    names = list(trainers)
+    loads = [os.getloadavg()[0]]
+    measured = inspect_modes.interleaved_steps([trainers[n] for n in names], rounds, steps)
+    loads.append(os.getloadavg()[0])
+    median = {name: statistics.median(v) for name, v in zip(names, measured)}
+    best_grid = min(median[('grid',) + key] for key in HELD_OUT)
+    print(f'{"":<6} {"K":>2} {"M":>2} {"recompute":<11} {"median ms":>9} {"/best grid":>10}  '
+          f'(load average {min(loads):.1f}-{max(loads):.1f})')
+    for name in names:
+        print(f'{name[0]:<6} {name[1]:>2} {name[2]:>2} {name[3]:<11} '
+              f'{1e3 * median[name]:>9.2f} {median[name] / best_grid:>10.2f}')
+    ratios = [median[('pick',) + key] / best_grid for key, _ in picks]
+    print(f'pick/best of the held-out grid in {runs} runs: '
+          + ', '.join(f'{r:.2f}' for r in ratios)
+          + f'; {len({key for key, _ in picks})} distinct pick(s); inspect_pipeline '
+          f'{min(whole):.0f}-{max(whole):.0f} s per run, of which measuring the candidates '
+          f'{min(extra):.0f}-{max(extra):.0f} s')
+
+
 # -- table2 --------------------------------------------------------------------------------
 
 PAPER_TABLE2 = {
@@ -220,6 +306,8 @@ def main() -> int:
     tfpipe.configure_logical_cpus(8)
     if args.section in ('all', 'predict'):
         predict_section(args)
+    if args.section in ('all', 'pick'):
+        pick_section(args)
     if args.section in ('all', 'table2'):
         table2_section(args)
     return 0

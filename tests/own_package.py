@@ -30,6 +30,16 @@ def make(split):
     return tf.data.Dataset.from_tensor_slices({'image': images, 'label': labels})
 
 
+def make_bad_label(split):
+    return make(split).map(lambda ex: {'image': ex['image'], 'label': ex['label'] * 2})
+
+
+def make_from_generator(split):
+    examples = make(split)
+    return tf.data.Dataset.from_generator(lambda: examples.as_numpy_iterator(),
+                                          output_signature=examples.element_spec)
+
+
 def make_list(split):
     return [1, 2, 3]
 

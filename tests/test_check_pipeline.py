@@ -4,6 +4,8 @@ image.cifar10.AmoebaNetD and mt.wmt14_ende.TransformerPipe are not run: their da
 WMT14) is not on this machine and is never downloaded; their bodies are built from the same
 layer classes (AmoebaCell, TransformerBlock) as the generated-data models checked here.
 """
+import ast
+
 import pytest
 import tensorflow as tf
 
@@ -41,9 +43,15 @@ def test_check_pipeline_cli_passes_on_the_fast_model(tmp_path, data_dir):
 
 @pytest.mark.parametrize('model', ['image.shapes.AmoebaNetPipe', 'mt.reverse.TransformerPipe'])
 def test_check_pipeline_passes_on_registered_models(model, data_dir):
-    code, report = inspect_modes.check_pipeline(_params(model, data_dir))
+    params = _params(model, data_dir)
+    code, report = inspect_modes.check_pipeline(params)
     assert code == 0, report
     assert 'PASS' in report
+    # The report names the balance that ran, also the automatic one (AmoebaNetPipe's).
+    pipe = params.task.pipeline
+    balance = ast.literal_eval(report.split('balance ')[1].split(' vs')[0])
+    assert sum(balance) == len(pipe.body) and min(balance) >= 1
+    assert balance == list(pipe.balance) if pipe.balance else len(balance) == pipe.num_cells
 
 
 @pytest.mark.parametrize('overrides', [

@@ -1,6 +1,7 @@
 """tfpipe.cluster and the cluster half of tfpipe.devices, in this process (no servers)."""
 import json
 import socket
+import time
 
 import pytest
 
@@ -175,6 +176,35 @@ def test_lost_worker_error_names_the_task():
         # Other failures are not a lost worker.
         assert cluster.lost_worker_error(c, tf.errors.InternalError(None, None, 'x')) is None
         assert cluster.lost_worker_error(c, ValueError('x')) is None
+
+
+def test_the_default_step_deadline_follows_the_measured_steps(tmp_path, data_dir):
+    from tests import trainer_helpers
+    from trainer import experiment, train_job
+    params = experiment.load_params(trainer_helpers.FAST)
+    params.input.train.data_dir = data_dir
+    trainer = train_job.Trainer(params, str(tmp_path / 'a'),
+                                train_job.RuntimeOptions(max_steps=3))
+    assert trainer.step_timeout() == train_job.UNMEASURED_STEP_TIMEOUT  # nothing measured
+    trainer.run()
+    assert len(trainer._step_seconds) == 2  # the steps after the first (which traces)
+    trainer._step_seconds.clear()
+    trainer._step_seconds.extend([0.01] * 10)
+    assert trainer.step_timeout() == train_job.MIN_STEP_TIMEOUT  # 20 x 10 ms is too short
+    trainer._step_seconds.extend([5.0] * 30)
+    assert trainer.step_timeout() == 20 * 5.0
+    explicit = train_job.Trainer(params, str(tmp_path / 'b'),
+                                 train_job.RuntimeOptions(step_timeout_seconds=30))
+    explicit._step_seconds.extend([5.0] * 10)
+    assert explicit.step_timeout() == 30  # a gin value wins
+    # The watchdog asks for the current deadline at each look.
+    c = cluster.Cluster({'worker': ('127.0.0.1:1',)})
+    beat = (3, time.monotonic() - 90)
+    assert cluster.Watchdog(c, heartbeat=lambda: beat,
+                            step_timeout=trainer.step_timeout)._stalled_step() is None
+    trainer._step_seconds.extend([0.01] * 40)
+    assert 'step 4 has not finished 60 s after step 3' in cluster.Watchdog(
+        c, heartbeat=lambda: beat, step_timeout=trainer.step_timeout)._stalled_step()
 
 
 def test_step_deadline_is_armed_by_the_first_step_and_names_the_workers():

@@ -154,6 +154,9 @@ REFUSED = [
     ('shared layer', _shared, r"layer 'twice' appears twice"),
     ('stateful rnn', lambda: [keras.layers.LSTM(4, stateful=True, name='rnn')],
      r"layer 'rnn' is stateful"),
+    ('rnn dropout', lambda: [keras.layers.LSTM(4, recurrent_dropout=0.2, name='rnn')],
+     r"layer 'lstm_cell' \(inside 'rnn'\) draws dropout masks \(dropout=0.0, "
+     r"recurrent_dropout=0.2\).*set both to 0"),
     ('random layer', lambda: [keras.layers.GaussianNoise(0.1, name='noise')],
      r"layer 'noise' draws random numbers"),
     ('nested dropout', lambda: [keras.Sequential([keras.layers.Dropout(0.1, name='inner')],
@@ -166,6 +169,24 @@ REFUSED = [
 def test_unpipelinable_layers_are_refused_by_name(what, build, message):
     with pytest.raises(ValueError, match=message):
         tk.pipeline(build(), num_cells=1)
+
+
+def test_an_lstm_without_dropout_trains_as_the_original():
+    # Its cell owns a seed generator for dropout it does not use: nothing to refuse.
+    def make():
+        keras.utils.set_random_seed(7)
+        return keras.Sequential([keras.Input((5, 6)), keras.layers.LSTM(8, name='rnn'),
+                                 keras.layers.Dense(3)])
+    x, y = data()
+    x = np.stack([np.roll(x, i, axis=1) for i in range(5)], axis=1)  # [42, 5, 6]
+    trained = make()
+    for model in (trained, tk.pipeline(make(), num_cells=2, num_micro_batches=2)):
+        model.compile(optimizer=keras.optimizers.Adam(0.01),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert len(model.get_weights()) == len(trained.get_weights())
+    for a, b in zip(model.get_weights(), trained.get_weights()):
+        assert_close(a, b)
 
 
 def test_bad_partition_arguments():

@@ -95,6 +95,9 @@ BAD_DATA = [
      r"yields features \['label', 'pixels'\], without 'image'"),
     ('non-static shapes', 'byomodels.data.make_dynamic',
      r"feature 'image' has shape \(None, 8, 1\), not static"),
+    ('from_generator', 'byomodels.data.make_from_generator',
+     r"make_from_generator\('train'\) returned a dataset made with "
+     r"tf.data.Dataset.from_generator, whose position a checkpoint cannot hold"),
 ]
 
 
@@ -128,6 +131,16 @@ def test_bad_input_through_the_trainer(package, tmp_path, model, flags, message)
     assert result.returncode == 2, result.stderr[-3000:]
     assert re.search(message, th.error_line(result)), th.error_line(result)
     assert not os.path.exists(logdir)
+
+
+def test_a_label_out_of_range_is_one_line_naming_it(package, tmp_path):
+    result = run(package, MODEL, str(tmp_path / 'run'), '--job=trainer',
+                 "--params_override=input.train.examples_fn='byomodels.data.make_bad_label'")
+    assert result.returncode == 2, result.stderr[-3000:]
+    line = th.error_line(result)
+    assert ("input.train (examples_fn byomodels.data.make_bad_label('train')) gave label 2 "
+            'at step 1, outside [0, 2) for task.num_classes=2') in line, line
+    assert 'Traceback' not in result.stderr
 
 
 def test_module_raising_on_import_shows_its_own_error(package, tmp_path):

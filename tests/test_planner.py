@@ -2,6 +2,9 @@
 import dataclasses
 import json
 import os
+import shlex
+
+import gin
 
 import pytest
 
@@ -93,7 +96,32 @@ def _inspect_pipeline(tmp_path, data_dir, *flags):
 
 def test_inspect_pipeline_prints_the_best_and_writes_json(tmp_path, data_dir):
     stdout, report = _inspect_pipeline(tmp_path, data_dir, '--device_memory=1GiB')
-    assert '--params_override="task.pipeline.num_cells=' in stdout
+    # The recommendation pastes into a shell unchanged and reads back as the best config,
+    # and the gin file written beside the report sets the same params.
+    flag = next(line for line in stdout.splitlines() if '--params_override=' in line)
+    [arg] = shlex.split(flag)
+    from trainer import experiment
+    pasted = experiment.load_params(trainer_helpers.FAST, arg.split('=', 1)[1])
+    try:
+        from_gin = experiment.load_params(
+            trainer_helpers.FAST, gin_files=[str(tmp_path / 'plan' / 'inspect_pipeline.gin')])
+    finally:
+        gin.clear_config()
+    # Before recommending, the best predicted configuration of K=1 and of K=2 was measured
+    # and one whose two cells work at once (the same or another), and one of them picked.
+    measured = [m['config'] for m in report['measured']]
+    assert {c['num_cells'] for c in measured} == {1, 2}
+    assert any(c['num_cells'] == 2 and c['num_micro_batches'] > 1 for c in measured)
+    assert all(len(m['step_seconds']) == 12 for m in report['measured'])
+    assert report['best'] in measured and report['measuring_seconds'] > 0
+    assert stdout.count('measured median') == len(measured) and stdout.count('<- picked') == 1
+    best = report['best']
+    for params in (pasted, from_gin):
+        pipe = params.task.pipeline
+        assert (pipe.num_cells, pipe.balance, pipe.num_micro_batches, pipe.recompute,
+                pipe.schedule) == tuple(best[k] for k in ('num_cells', 'balance',
+                                                          'num_micro_batches', 'recompute',
+                                                          'schedule'))
     assert len(report['layers']) == 5
     assert report['best']['num_cells'] <= 2 and report['best']['fits']
     assert report['params_override'] in stdout
@@ -108,6 +136,37 @@ def test_inspect_pipeline_prints_the_best_and_writes_json(tmp_path, data_dir):
     assert calibration['forward_scale'] > 0 and calibration['backward_scale'] > 0
     assert calibration['forward_fixed_scale'] > 0 and calibration['backward_fixed_scale'] > 0
     assert calibration['step_overhead'] > 0  # the update and the norm are never free
+
+
+def _config(k, m, recompute='always', schedule='fill_drain', step_time=1.0, fits=True):
+    return planner.Config(k, [1] * k, m, recompute, schedule, step_time, 0.0, [0.0], fits)
+
+
+def test_the_baseline_the_best_and_the_best_overlapping_pipelines_are_measured():
+    configs = [_config(6, 1, step_time=1.0), _config(3, 2, step_time=1.01, fits=False),
+               _config(7, 1, step_time=1.02), _config(4, 4, step_time=1.03),
+               _config(2, 8, step_time=1.04), _config(1, 1, step_time=1.045),
+               _config(1, 1, 'never', step_time=1.05), _config(2, 2, step_time=1.06)]
+    # K=1 without recompute, the best, the best with cells at once and that on the fewest
+    # cells (K=3 M=2 does not fit the budget), then the best of another K.
+    assert planner.measurement_candidates(configs, 5) == [configs[6], configs[0], configs[3],
+                                                          configs[4], configs[2]]
+    assert planner.measurement_candidates(configs, 2) == [configs[6], configs[0]]
+    # Fewer kinds than asked for: each measured once; on one cell, recompute if it must.
+    assert planner.measurement_candidates(configs[5:6], 4) == [configs[5]]
+    # On one cell 'except_last' runs as 'never' does, and one micro-batch as any schedule.
+    alike = [_config(1, 1, 'except_last', '1f1b'), _config(1, 1, 'never'), _config(2, 4)]
+    assert planner.measurement_candidates(alike, 4) == [alike[1], alike[2]]
+
+
+def test_the_fastest_measured_is_picked_and_near_ties_go_to_fewer_cells():
+    candidates = [_config(2, 4), _config(1, 1), _config(4, 4)]
+    clear = [[0.10, 0.11, 0.30], [0.13, 0.14, 0.12], [0.20, 0.21, 0.19]]
+    assert planner.pick_measured(candidates, clear) == 0
+    # K=2 measures 3% faster than K=1: within noise, so K=1 wins, whatever the order.
+    close = [[0.097, 0.1, 0.2], [0.103, 0.104, 0.09], [0.2, 0.2, 0.2]]
+    assert planner.pick_measured(candidates, close) == 1
+    assert planner.pick_measured(candidates, close, tolerance=0.01) == 0
 
 
 def test_inspect_pipeline_for_other_devices_uses_the_profile_alone(tmp_path, data_dir):

@@ -87,6 +87,25 @@ def test_overrides_are_typed_and_checked():
         experiment.load_params(th.FAST, "task.train.max_steps=__import__('os')")
 
 
+def test_a_bare_word_is_a_str_where_the_param_expects_one():
+    params = experiment.load_params(
+        th.FAST, 'task.pipeline.recompute=never,task.pipeline.schedule=1f1b,task.train.max_steps=7,'
+                 'input.train.dataset=tfpipe_shapes')
+    assert params.task.pipeline.recompute == 'never'
+    assert params.task.pipeline.schedule == '1f1b'
+    assert params.task.train.max_steps == 7  # a number stays a number
+    # Elsewhere a bare word keeps its meaning: a name is refused, a module path is checked
+    # against the trusted packages, and nothing is imported or evaluated.
+    with pytest.raises(ValueError, match=r"unknown name 'ten'"):
+        experiment.load_params(th.FAST, 'task.train.max_steps=ten')
+    with pytest.raises(ValueError, match=r"outside the trusted packages"):
+        experiment.load_params(th.FAST, 'task.pipeline.recompute=os.system')
+    with pytest.raises(ValueError, match=r'is not allowed'):
+        experiment.load_params(th.FAST, "task.pipeline.recompute=__import__('os')")
+    with pytest.raises(ValueError, match=r"did you mean 'recompute'"):
+        experiment.load_params(th.FAST, 'task.pipeline.recompte=never')
+
+
 def test_params_file_override_round_trips_a_dumped_tree(tmp_path):
     changed = experiment.load_params(th.FAST, 'task.train.learning_rate=0.5')
     path = tmp_path / 'params.txt'

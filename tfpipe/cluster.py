@@ -32,7 +32,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 WORKER = 'worker'
 CHIEF = 'chief'
@@ -344,14 +344,15 @@ class Watchdog:
     its kernel completes TCP handshakes) passes the probe, and gRPC waits on it
     forever. So, given `heartbeat` (the trainer's (last step, when it finished)),
     the watchdog also ends a step that has not finished `step_timeout` seconds
-    after the previous one. It is armed after the first step, whose tracing may
-    take minutes.
+    after the previous one (a number, or a function giving the current one: the
+    trainer derives it from its measured steps). It is armed after the first
+    step, whose tracing may take minutes.
     """
 
     def __init__(self, cluster: Cluster, interval_seconds: float = 2.0,
                  grace_seconds: float = 20.0,
                  heartbeat: Optional[Callable[[], Optional[tuple[int, float]]]] = None,
-                 step_timeout: float = 600.0):
+                 step_timeout: Union[float, Callable[[], float]] = 600.0):
         self.cluster = cluster
         self.interval = interval_seconds
         self.grace = grace_seconds
@@ -391,10 +392,11 @@ class Watchdog:
     def _stalled_step(self) -> Optional[str]:
         """The error for a step past its deadline, or None."""
         beat = self.heartbeat() if self.heartbeat is not None else None
-        if beat is None or time.monotonic() - beat[1] < self.step_timeout:
+        timeout = self.step_timeout() if callable(self.step_timeout) else self.step_timeout
+        if beat is None or time.monotonic() - beat[1] < timeout:
             return None
         workers = ', '.join(f'task {i} ({a})' for i, a in enumerate(self.cluster.workers))
-        return (f'step {beat[0] + 1} has not finished {self.step_timeout:.0f} s after step '
+        return (f'step {beat[0] + 1} has not finished {timeout:.0f} s after step '
                 f'{beat[0]}, though every worker accepts connections: one may be frozen '
                 f'(stopped, swapping or a hung device) among {workers}; restart the workers '
                 'and this trainer (it resumes from the last checkpoint), or raise '

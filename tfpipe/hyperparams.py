@@ -307,6 +307,16 @@ class Params:
             obj = _step(obj, token, path[:i])
         return obj
 
+    def ExpectedType(self, key: str) -> Any:
+        """The type family the param's default fixed ('str', 'int', 'float', ...; None when
+        the default was None and any value goes), for a name or a path.
+
+        Text that carries no type of its own (a --params_override value) can then be read
+        as the param expects it: a bare word where a str is expected is that str.
+        """
+        owner, name, prefix = self._Owner(key)
+        return owner._Lookup(name, prefix).kind
+
     def Delete(self, *keys: str) -> Params:
         """Removes params (names or paths ending in a name); returns self."""
         self._CheckNotFrozen(())

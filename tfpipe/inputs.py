@@ -440,6 +440,25 @@ def _import_function(name: str, param: str = 'examples_fn',
     return fn
 
 
+def _reads_a_generator(dataset: tf.data.Dataset) -> bool:
+    """Whether `dataset` reads a Python generator (`from_generator`) anywhere upstream.
+
+    `from_generator` is a flat_map whose function runs a GeneratorDataset, so the
+    datasets upstream (`_inputs`) and the graphs of their functions (`_map_func`) are
+    searched: private tf.data attributes, read only, and cheap where serialising the
+    dataset's graph would copy every in-memory array in it.
+    """
+    pending = [dataset]
+    while pending:
+        current = pending.pop()
+        function = getattr(current, '_map_func', None)
+        if function is not None and any(op.type == 'GeneratorDataset'
+                                        for op in function.function.graph.get_operations()):
+            return True
+        pending.extend(current._inputs())  # noqa: SLF001
+    return False
+
+
 class _ExamplesSource:
     """Stands in for a tfds builder: TfdsInput reads a split only through `as_dataset`.
 
@@ -515,6 +534,13 @@ class DatasetInput(TfdsInput):
             if not _KIND_DTYPES[kind](s.dtype) or s.shape.rank != rank:
                 raise ValueError(f'examples_fn {p.examples_fn}({p.split!r}): feature {key!r} is '
                                  f'{s.dtype.name} {s.shape}: {want}')
+        if _reads_a_generator(examples):
+            raise ValueError(
+                f'examples_fn {p.examples_fn}({p.split!r}) returned a dataset made with '
+                'tf.data.Dataset.from_generator, whose position a checkpoint cannot hold: a '
+                'resumed run would start the generator again; build it with '
+                'from_tensor_slices (e.g. on the generator\'s output as arrays), range or '
+                'files')
         regrouped = _regroup(p, examples)
         if p.preprocess in STREAM_REGROUPERS and not any(True for _ in regrouped.take(1)):
             raise ValueError(f'examples_fn {p.examples_fn}({p.split!r}) gave an empty corpus '

@@ -16,7 +16,8 @@ What is pipelined exactly, and what is refused (with an error naming the layer):
 - `Dropout` is replaced by tfpipe's stateless dropout (the mask is a function
   of layer, step and example index), so a recomputed forward pass drops the
   same units and the result does not depend on K or M; other layers that draw
-  random numbers are refused.
+  random numbers (GaussianNoise, an RNN with dropout or recurrent_dropout above
+  0) are refused. An RNN without them (LSTM, GRU) is pipelined.
 - `BatchNormalization` is refused: its moving statistics would be updated once
   per micro-batch; use `tfpipe.layers.BatchNorm` (micro-batch statistics,
   one full-batch update of the moving statistics) in a tfpipe model instead.
@@ -94,6 +95,17 @@ class _KerasLayer:
         return tf.where(keep, x / (1.0 - rate), tf.zeros_like(x))
 
 
+def _rnn_dropout(layer: keras.layers.Layer) -> Optional[dict[str, float]]:
+    """An RNN cell's dropout rates, None for other layers.
+
+    Keras RNN cells (LSTMCell, GRUCell, SimpleRNNCell) own a seed generator whether or
+    not they drop anything: they draw random numbers only with a rate above 0.
+    """
+    if not all(hasattr(layer, a) for a in ('dropout', 'recurrent_dropout', 'seed_generator')):
+        return None
+    return {'dropout': layer.dropout, 'recurrent_dropout': layer.recurrent_dropout}
+
+
 def _refusal(layer: keras.layers.Layer) -> Optional[str]:
     """Why `layer` cannot be pipelined exactly, or None."""
     if isinstance(layer, keras.layers.Dropout):
@@ -108,17 +120,27 @@ def _refusal(layer: keras.layers.Layer) -> Optional[str]:
                     'updated once per micro-batch; build the model with tfpipe layers and '
                     'use tfpipe.layers.BatchNorm (micro-batch statistics, one full-batch '
                     'update of the moving statistics)')
-        if isinstance(sub, keras.layers.Dropout) or getattr(sub, 'seed_generator', None):
+        rates = _rnn_dropout(sub)
+        if rates is not None and any(rates.values()):
+            named = ', '.join(f'{k}={v}' for k, v in rates.items())
+            return (f'{where} draws dropout masks ({named}), which a recomputed forward pass '
+                    'would not reproduce; set both to 0 and put a keras.layers.Dropout between '
+                    'layers instead')
+        if isinstance(sub, keras.layers.Dropout) or (
+                rates is None and getattr(sub, 'seed_generator', None)):
             return (f'{where} draws random numbers, which a recomputed forward pass would not '
                     'reproduce; only top-level keras.layers.Dropout is supported')
         if getattr(sub, 'stateful', False):
             return f'{where} is stateful (it carries state across batches); use stateful=False'
+    # An RNN cell without dropout never draws from (nor advances) its seed generator.
+    unused_seeds = {id(sub.seed_generator.state) for sub in inner
+                    if _rnn_dropout(sub) is not None and sub.seed_generator is not None}
     for sub in inner:  # generic checks after the specific ones, which name the inner layer
         where = f'layer {sub.name!r}' + ('' if sub is layer else f' (inside {layer.name!r})')
-        if sub.non_trainable_variables:
-            return (f'{where} has non-trainable state '
-                    f'{[v.path for v in sub.non_trainable_variables]}, which the pipeline '
-                    'would update once per micro-batch')
+        state = [v.path for v in sub.non_trainable_variables if id(v) not in unused_seeds]
+        if state:
+            return (f'{where} has non-trainable state {state}, which the pipeline would '
+                    'update once per micro-batch')
         regularizers = [a for a in ('kernel_regularizer', 'bias_regularizer',
                                     'activity_regularizer') if getattr(sub, a, None)]
         if regularizers:

@@ -7,6 +7,7 @@ the checkpoints have been validated.
 from __future__ import annotations
 
 import os
+import re
 from typing import Optional, Sequence
 
 import gin
@@ -14,13 +15,15 @@ import gin
 import model_registry
 from tfpipe import params_text
 from trainer import logdir_access
-from tfpipe.hyperparams import Params
+from tfpipe.hyperparams import Params, ParamsError
 
 MODEL_FILE = 'model.txt'
 # In train/: params.txt holds the params of the checkpoints (the trainer rewrites it once
 # the first checkpoint of a run is saved), params-attempt.txt those of the latest start,
 # which may have died before saving anything (a NaN, a bad override).
 PARAMS_FILE = 'params.txt'
+_BARE_WORD = re.compile(r'[\w-]+')  # e.g. never, except_last, 1f1b
+_LITERAL_WORDS = {'True', 'False', 'None'}  # read as the values they name, as numbers are
 ATTEMPT_PARAMS_FILE = 'params-attempt.txt'
 
 
@@ -60,11 +63,32 @@ def split_overrides(text: str) -> list[tuple[str, str]]:
     return items
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _typed_text(params: Params, key: str, value: str) -> str:
+    """`value` as params text: a bare word (``never``) is quoted where the param expects a
+    str, as Lingvo reads it; anything else stays as written, so a name that would import
+    or evaluate code is still refused by FromText."""
+    if not _BARE_WORD.fullmatch(value) or value in _LITERAL_WORDS or _is_number(value):
+        return value
+    try:
+        expects_str = params.ExpectedType(key) == 'str' or isinstance(params.Get(key), str)
+    except ParamsError:  # an unknown key: FromText names it and suggests a close one
+        return repr(value)
+    return repr(value) if expects_str else value
+
+
 def apply_overrides(params: Params, pairs: Sequence[tuple[str, str]], source: str) -> None:
     """Sets each key from its text value through Params.FromText (typed, never eval'd)."""
     for key, value in pairs:
         try:
-            params.FromText(f'{key} : {value}')
+            params.FromText(f'{key} : {_typed_text(params, key, value)}')
         except Exception as e:  # noqa: BLE001 - re-raised with the source named
             raise ValueError(f"{source}: {e}") from None
 

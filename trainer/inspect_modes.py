@@ -5,9 +5,11 @@ training logdir's checkpoints: inspect_pipeline only adds its JSON report.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import statistics
 import tempfile
 import time
 from typing import Optional
@@ -22,6 +24,7 @@ from tfpipe.pipeline.cell import recompute_flags
 from tfpipe.pipeline.partition import cell_ranges
 
 PLAN_FILE = 'inspect_pipeline.json'
+PLAN_GIN_FILE = 'inspect_pipeline.gin'
 CHECK_TOLERANCE = 1e-5
 NOISE_FLOOR = 1e-3  # of the largest gradient: below it a gradient is rounding noise
 WEIGHT_FLOOR = 1e-2  # of the largest weight: the least scale a weight is compared at
@@ -74,6 +77,12 @@ def inspect_model(params: Params) -> None:
 
 
 CALIBRATION_STEPS = 5
+# Before recommending, inspect_pipeline measures this many of the best predicted
+# configurations for CANDIDATE_ROUNDS interleaved rounds of CANDIDATE_STEPS steps each.
+CANDIDATES = 4
+CANDIDATE_ROUNDS = 4
+CANDIDATE_STEPS = 3
+PICK_TOLERANCE = 0.05  # measured medians closer than this are a tie (planner.pick_measured)
 
 
 def timed_steps(trainer, batch, steps: int) -> tuple[list, list[float]]:
@@ -171,14 +180,74 @@ def calibrate_here(params: Params, profiles: list[profile.LayerProfile],
     return fit_calibration(measured[0], profiles, runs, parallelism)
 
 
+def with_config(params: Params, config: planner.Config) -> Params:
+    """`params` as the recommendation's --params_override flag would set them."""
+    return params.Copy().Set(**config.overrides())
+
+
+def interleaved_steps(runs: list, rounds: int, steps: int) -> list[list[float]]:
+    """Wall seconds of `rounds` x `steps` training steps of each (warmed-up trainer, batch).
+
+    The rounds are interleaved (each in another order) so that every run sees the same
+    load: on a shared machine load comes and goes in bursts longer than a step.
+    """
+    seconds: list[list[float]] = [[] for _ in runs]
+    for r in range(rounds):
+        for i in [(r + j) % len(runs) for j in range(len(runs))]:
+            trainer, batch = runs[i]
+            for _ in range(steps):
+                begin = time.perf_counter()
+                trainer._step(batch)[0].numpy()  # noqa: SLF001 - the trainer's real step
+                seconds[i].append(time.perf_counter() - begin)
+    return seconds
+
+
+def measure_candidates(params: Params, candidates: list[planner.Config],
+                       rounds: int = CANDIDATE_ROUNDS, steps: int = CANDIDATE_STEPS
+                       ) -> list[list[float]]:
+    """`interleaved_steps` of each candidate, traced and warmed up in throwaway train dirs."""
+    from trainer import train_job
+
+    with contextlib.ExitStack() as stack:
+        runs = []
+        for config in candidates:
+            train_dir = stack.enter_context(tempfile.TemporaryDirectory())
+            trainer = train_job.Trainer(with_config(params, config), train_dir,
+                                        train_job.RuntimeOptions())
+            batch = next(trainer.iterator)
+            for _ in range(2):  # trace, then one warm step
+                trainer._step(batch)[0].numpy()  # noqa: SLF001
+            runs.append((trainer, batch))
+        return interleaved_steps(runs, rounds, steps)
+
+
+def _measured_report(candidates: list[planner.Config], seconds: list[list[float]],
+                     pick: int, elapsed: float) -> str:
+    lines = [f'measured before recommending ({CANDIDATE_ROUNDS} interleaved rounds of '
+             f'{CANDIDATE_STEPS} steps each, {elapsed:.0f} s): the best predicted on one cell '
+             '(without recompute), of any kind, running cells at once, that on the fewest '
+             'cells, of other K']
+    for i, (c, s) in enumerate(zip(candidates, seconds)):
+        lines.append(f'  K={c.num_cells} M={c.num_micro_batches} recompute={c.recompute} '
+                     f'schedule={c.schedule}: predicted {1e3 * c.step_time:.2f} ms, measured '
+                     f'median {1e3 * statistics.median(s):.2f} ms (fastest '
+                     f'{1e3 * min(s):.2f})' + ('  <- picked' if i == pick else ''))
+    lines.append(f'picked: the fastest median; candidates within {PICK_TOLERANCE:.0%} of it '
+                 'are a tie, won by fewer cells, then fewer micro-batches')
+    return '\n'.join(lines)
+
+
 def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[float],
                      device_profile: str, intra_op_threads: int,
                      logdir: Optional[str]) -> None:
     """Profiles the body, searches configurations, prints the best and writes JSON.
 
     Planning for this machine's logical CPUs, the costs are first calibrated on
-    measured steps of the model's configured pipeline (`calibrate_here`); for other
-    devices (`device_profile`) the profile is used as measured here. A budget
+    measured steps of the model's configured pipeline (`calibrate_here`), and then
+    CANDIDATES of the best predicted (`planner.measurement_candidates`) are measured and
+    the fastest measured recommended (`planner.pick_measured`): predictions of CPU steps
+    can put configurations within 1% that run 1.4x apart. For other devices
+    (`device_profile`) the profile is used as measured here. A budget
     no configuration fits is a ValueError (exit 2) raised before the report is
     written.
     """
@@ -197,28 +266,45 @@ def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[f
     configs = planner.search(profiles, batch_size, num_devices, device)
     best = planner.best_fitting(configs, device.memory)  # memory needs no calibration
     calibration = Calibration()
+    measured, candidates, seconds, measuring = '', [], [], 0.0
     if not device_profile:
         calibration = calibrate_here(params, profiles, device.model.parallelism)
         configs = planner.search(profiles, batch_size, num_devices, device,
                                  calibration=calibration)
         best = planner.best_fitting(configs, device.memory)
+        begin = time.perf_counter()
+        candidates = planner.measurement_candidates(configs, CANDIDATES)
+        seconds = measure_candidates(params, candidates)
+        pick = planner.pick_measured(candidates, seconds, PICK_TOLERANCE)
+        measuring = time.perf_counter() - begin
+        measured = _measured_report(candidates, seconds, pick, measuring)
+        best = candidates[pick]
     print(f'{len(profiles)} layers profiled on {task.pipe.devices[0]}, batch {batch_size}; '
           f'{len(configs)} configurations simulated for up to {num_devices} devices'
           + (f', budget {_mib(device.memory)} per device' if device.memory else ''))
     print(calibration.describe())
     print(planner.format_table(configs))
+    if measured:
+        print(measured)
     print(f'best: K={best.num_cells} M={best.num_micro_batches} recompute={best.recompute} '
           f'schedule={best.schedule}: predicted {1e3 * best.step_time:.2f} ms/step, bubble '
           f'{best.bubble:.2f}, peak {_mib(max(best.peak_bytes))}')
-    print(f'--params_override="{best.params_override()}"')
+    print(best.shell_flag())
     if logdir:
         os.makedirs(logdir, exist_ok=True)
+        gin_path = os.path.join(logdir, PLAN_GIN_FILE)
+        with open(gin_path, 'w') as f:
+            f.write(best.gin_text())
+        print(f'wrote {gin_path} (the same as --gin_file={gin_path})')
         report = {'batch_size': batch_size, 'num_devices': num_devices,
                   'device_memory': device.memory, 'device_model': dataclasses.asdict(device.model),
                   'calibration': dataclasses.asdict(calibration),
                   'layers': [p.to_json() for p in profiles],
                   'best': best.to_json(), 'params_override': best.params_override(),
-                  'configs': [c.to_json() for c in configs]}
+                  'configs': [c.to_json() for c in configs],
+                  'measured': [{'config': c.to_json(), 'step_seconds': s}
+                               for c, s in zip(candidates, seconds)],
+                  'measuring_seconds': measuring}
         path = os.path.join(logdir, PLAN_FILE)
         with open(path, 'w') as f:
             json.dump(report, f, indent=1)
@@ -236,8 +322,9 @@ def _largest(arrays) -> float:
     return max((float(np.max(np.abs(a))) for a in arrays if a.size), default=0.0)
 
 
-def _one_step(params: Params, batch) -> tuple[float, dict, dict]:
-    """Loss, gradients and updated weights (by path) of one training step of `params`.
+def _one_step(params: Params, batch) -> tuple[tuple[float, dict, dict], list[int]]:
+    """Loss, gradients and updated weights (by path) of one training step of `params`, and
+    the balance that ran (the automatic one when `params` set none).
 
     The trainer's own task, optimizer, clipping and learning-rate schedule, in
     one tf.function that also returns the gradients (one trace per model:
@@ -264,7 +351,8 @@ def _one_step(params: Params, batch) -> tuple[float, dict, dict]:
 
         loss, grads = train_step(batch)
         weights = {p: v.numpy() for p, v in task.VariablesByPath().items()}
-    return float(loss), {p: g.numpy() for p, g in grads.items()}, weights
+        balance = list(task.pipe.balance)
+    return (float(loss), {p: g.numpy() for p, g in grads.items()}, weights), balance
 
 
 def check_pipeline(params: Params) -> tuple[int, str]:
@@ -284,8 +372,9 @@ def check_pipeline(params: Params) -> tuple[int, str]:
     pipe.Set(balance=[len(pipe.body)], num_cells=None, recompute='never', devices=None,
              num_micro_batches=pipe.num_micro_batches * pipe.num_replicas, num_replicas=1,
              schedule='fill_drain', virtual_stages=1)
-    code, lines = compare_steps(_one_step(params, batch), _one_step(reference, batch))
-    return code, (f'check_pipeline: balance {list(params.task.pipeline.balance or [])} vs K=1 '
+    step, balance = _one_step(params, batch)
+    code, lines = compare_steps(step, _one_step(reference, batch)[0])
+    return code, (f'check_pipeline: balance {balance} vs K=1 '
                   f'(same M, no recompute), float32 tolerance {CHECK_TOLERANCE:g} relative\n'
                   + lines)
 

@@ -79,7 +79,7 @@ def claim_job_dirs(built: BuiltJobs, logdir: str, model: str,
     return locks
 
 
-def run_jobs(built: BuiltJobs, cluster, options: train_job.RuntimeOptions) -> int:
+def run_jobs(built: BuiltJobs, cluster) -> int:
     """Runs the trainer on this thread and the other jobs in threads; 1 if any job failed."""
     from tfpipe import cluster as cluster_lib
     errors = []
@@ -96,7 +96,7 @@ def run_jobs(built: BuiltJobs, cluster, options: train_job.RuntimeOptions) -> in
     for thread in threads:
         thread.start()
     trainers = [runner for job, runner in built if job == 'trainer']
-    watchdog = _watchdog(cluster_lib, cluster, trainers[0] if trainers else None, options)
+    watchdog = _watchdog(cluster_lib, cluster, trainers[0] if trainers else None)
     try:
         with watchdog:
             for trainer in trainers:
@@ -111,10 +111,11 @@ def run_jobs(built: BuiltJobs, cluster, options: train_job.RuntimeOptions) -> in
     return 0
 
 
-def _watchdog(cluster_lib, cluster, trainer: Optional[train_job.Trainer],
-              options: train_job.RuntimeOptions):
+def _watchdog(cluster_lib, cluster, trainer: Optional[train_job.Trainer]):
     """Ends the process when a step blocks on a lost worker (cluster runs only)."""
     if cluster is None:
         return contextlib.nullcontext()
-    return cluster_lib.Watchdog(cluster, heartbeat=(lambda: trainer.heartbeat) if trainer
-                                else None, step_timeout=options.step_timeout_seconds)
+    if trainer is None:
+        return cluster_lib.Watchdog(cluster)
+    return cluster_lib.Watchdog(cluster, heartbeat=lambda: trainer.heartbeat,
+                                step_timeout=trainer.step_timeout)

@@ -230,7 +230,7 @@ def _run_client(client_cluster) -> int:
         trainer = train_job.Trainer(params, train_job.train_dir_of(FLAGS.logdir), options,
                                     peers)
         built, locks = job_runner.BuiltJobs([('trainer', trainer)]), []
-    code = job_runner.run_jobs(built, client_cluster, options)
+    code = job_runner.run_jobs(built, client_cluster)
     for lock in locks:
         lock.release()
     return code
@@ -285,7 +285,7 @@ def _run_jobs(params, options, jobs: list[str], cluster) -> int:
     # The first write to the logdir. The locks are held while the jobs run: one live job
     # per job dir (a lock lives in its open file, which garbage collection would close).
     locks = job_runner.claim_job_dirs(built, logdir, FLAGS.model, params)
-    code = job_runner.run_jobs(built, cluster, options)
+    code = job_runner.run_jobs(built, cluster)
     for lock in locks:
         lock.release()
     return code

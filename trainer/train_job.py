@@ -23,6 +23,7 @@ position over the collective runtime.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import glob
@@ -31,6 +32,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import time
 from typing import Optional, Sequence
 
@@ -45,6 +47,7 @@ from tfpipe.optimizers import BaseOptimizer, clip_by_global_norm
 from tfpipe.pipeline import across_clients
 from tfpipe.pipeline.recorder import Recorder
 from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
+from tfpipe.tasks import classifier
 from tfpipe.tuning import timeline
 from trainer import experiment
 
@@ -64,8 +67,9 @@ class RuntimeOptions:
     eval_idle_timeout_seconds: Optional[float] = None  # None: evalers wait for the last step
     pipeline_trace_step: Optional[int] = None  # record the timeline of this step (1 = first)
     # Across processes: how long a step (or a save) may go without finishing before the
-    # trainer gives up on a worker that accepts connections but does not answer.
-    step_timeout_seconds: float = 600.0
+    # trainer gives up on a worker that accepts connections but does not answer. None:
+    # derived from the measured steps (Trainer.step_timeout).
+    step_timeout_seconds: Optional[float] = None
 
     def __post_init__(self):
         for name in ('max_steps', 'save_interval_steps', 'summary_interval_steps',
@@ -121,6 +125,14 @@ def guarded_update(loss: tf.Tensor, replica_grads: Sequence[dict], clip_norm: Op
 
     tf.cond(finite, update, lambda: tf.constant(False))
     return norm
+
+
+# The derived step deadline (Trainer.step_timeout): a multiple of the median of the last
+# STEP_TIMEOUT_WINDOW steps, never below MIN_STEP_TIMEOUT seconds.
+STEP_TIMEOUT_FACTOR = 20.0
+MIN_STEP_TIMEOUT = 60.0
+UNMEASURED_STEP_TIMEOUT = 600.0
+STEP_TIMEOUT_WINDOW = 50
 
 
 class NonFiniteLossError(RuntimeError):
@@ -181,7 +193,26 @@ class Trainer:
         # (last finished step, when it or a later save finished), None before the first
         # step: what the cluster watchdog reads to tell a frozen worker from a slow step.
         self.heartbeat: Optional[tuple[int, float]] = None
+        self._step_timeout = options.step_timeout_seconds
+        self._step_seconds: collections.deque = collections.deque(maxlen=STEP_TIMEOUT_WINDOW)
         self._recorder: Optional[Recorder] = None
+
+    def step_timeout(self) -> float:
+        """Seconds a step may take before the cluster watchdog gives up on a frozen worker.
+
+        trainer.step_timeout_seconds when set; else STEP_TIMEOUT_FACTOR x the median of the
+        latest measured steps, at least MIN_STEP_TIMEOUT, so that a frozen worker is named
+        within a minute where steps take milliseconds; UNMEASURED_STEP_TIMEOUT until
+        STEP_TIMEOUT_WINDOW // 10 steps after the first (whose tracing may take minutes)
+        are measured. TensorFlow's coordination service cannot tell sooner: a frozen worker
+        still completes TCP handshakes, and the trainer's workers are plain gRPC servers.
+        """
+        if self._step_timeout is not None:
+            return self._step_timeout
+        measured = list(self._step_seconds)
+        if len(measured) < STEP_TIMEOUT_WINDOW // 10:
+            return UNMEASURED_STEP_TIMEOUT
+        return max(MIN_STEP_TIMEOUT, STEP_TIMEOUT_FACTOR * statistics.median(measured))
 
     def restore_latest(self) -> int:
         """Restores the newest complete checkpoint, if any; returns the global step.
@@ -312,15 +343,24 @@ class Trainer:
             except StopIteration:
                 out_of_data = True
                 break
-            if step + 1 == self.trace_step:
-                loss, norm, lr, stamps = self._recorded_step(batch)
-                if self._is_chief:
-                    self._write_timeline(step + 1, stamps.numpy(), writer)
-            else:
-                loss, norm, lr = self._step(batch)
-            loss, norm = float(loss), float(norm)
+            begin = time.monotonic()
+            try:
+                if step + 1 == self.trace_step:
+                    loss, norm, lr, stamps = self._recorded_step(batch)
+                    if self._is_chief:
+                        self._write_timeline(step + 1, stamps.numpy(), writer)
+                else:
+                    loss, norm, lr = self._step(batch)
+                loss, norm = float(loss), float(norm)
+            except tf.errors.InvalidArgumentError as e:
+                label = classifier.bad_label(e)
+                if label is None:
+                    raise
+                raise ValueError(self._bad_label_message(label, step + 1)) from None
             if not (math.isfinite(loss) and math.isfinite(norm)):
                 self._non_finite(f'loss is {loss} and gradient norm {norm} at step {step}')
+            if self.heartbeat is not None:  # the run's first step traces: not a measure
+                self._step_seconds.append(time.monotonic() - begin)
             step += 1
             if self.peers is not None:
                 self._agree_on_stop()
@@ -372,6 +412,16 @@ class Trainer:
         with writer.as_default():
             line.write_summaries(step)
         logging.info('step %d: %s; wrote %s', step, line.summary(), ' and '.join(paths))
+
+    def _bad_label_message(self, label: int, step: int) -> str:
+        """Bad input found only while training: the label, the class count and the input."""
+        train = self.params.input.train
+        source = (f'examples_fn {train.examples_fn}({train.split!r})' if 'examples_fn' in train
+                  else f'dataset {train.dataset}, split {train.split}')
+        return (f'input.train ({source}) gave label {label} at step {step}, outside [0, '
+                f'{self.params.task.num_classes}) for task.num_classes='
+                f'{self.params.task.num_classes}: fix the labels the input yields or set '
+                'task.num_classes to the number of classes')
 
     def _non_finite(self, what: str) -> None:
         raise NonFiniteLossError(

@@ -1,10 +1,23 @@
 """Image classification with a pipelined body (the paper's AmoebaNet workload)."""
 from __future__ import annotations
 
+import re
+from typing import Optional
+
 import numpy as np
 import tensorflow as tf
 
 from tfpipe.tasks.base_task import BaseTask, ServingSignature
+
+
+_LABEL_CHECK = 'tfpipe: label outside [0, num_classes):'
+_LABEL_CHECK_RE = re.compile(re.escape(_LABEL_CHECK) + r'\] \[(-?\d+)\]')
+
+
+def bad_label(error: tf.errors.OpError) -> Optional[int]:
+    """The label that failed ImageClassifier's range check, if that is what `error` is."""
+    match = _LABEL_CHECK_RE.search(error.message)
+    return int(match.group(1)) if match else None
 
 
 class ImageClassifier(BaseTask):
@@ -28,6 +41,14 @@ class ImageClassifier(BaseTask):
         return batch['label']
 
     def PerExampleLoss(self, logits, labels):
+        # Checked here, where every loss of the task is computed: a label out of range is
+        # an InvalidArgumentError deep in TensorFlow on CPU and a silent NaN on GPU, while
+        # this assert's message `bad_label` reads back for a one-line error.
+        in_range = (labels >= 0) & (labels < self.params.num_classes)
+        first_bad = labels[tf.argmin(tf.cast(in_range, tf.int32))]
+        check = tf.debugging.Assert(tf.reduce_all(in_range), [_LABEL_CHECK, first_bad])
+        with tf.control_dependencies([check]):
+            labels = tf.identity(labels)
         return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
 
     def ComputeLoss(self, theta, logits, batch):

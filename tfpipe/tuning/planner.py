@@ -13,12 +13,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Optional, Sequence
+import shlex
+import statistics
+from typing import Any, Optional, Sequence
 
 from tfpipe.pipeline import schedule
+from tfpipe.pipeline.cell import RECOMPUTE_POLICIES, recompute_flags
 from tfpipe.tuning import simulator
 from tfpipe.tuning.calibration import SCHEDULES, Calibration, balance_for, cell_costs, simulate
-from tfpipe.pipeline.cell import RECOMPUTE_POLICIES
 from tfpipe.tuning.profile import LayerProfile
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -48,11 +50,26 @@ class Config:
     peak_bytes: list[float]
     fits: bool = True
 
+    def overrides(self, prefix: str = 'task.pipeline') -> dict[str, Any]:
+        """The model params this configuration sets, by path."""
+        return {f'{prefix}.num_cells': self.num_cells, f'{prefix}.balance': list(self.balance),
+                f'{prefix}.num_micro_batches': self.num_micro_batches,
+                f'{prefix}.recompute': self.recompute, f'{prefix}.schedule': self.schedule}
+
     def params_override(self, prefix: str = 'task.pipeline') -> str:
-        """The --params_override text that applies this configuration to a model."""
-        return (f'{prefix}.num_cells={self.num_cells},{prefix}.balance={self.balance},'
-                f'{prefix}.num_micro_batches={self.num_micro_batches},'
-                f"{prefix}.recompute='{self.recompute}',{prefix}.schedule='{self.schedule}'")
+        """The --params_override text that applies this configuration to a model: strings
+        as bare words and lists without spaces, so it needs no inner quotes."""
+        return ','.join(f'{key}={value}' if isinstance(value, str) else
+                        f'{key}={value!r}'.replace(' ', '')
+                        for key, value in self.overrides(prefix).items())
+
+    def shell_flag(self, prefix: str = 'task.pipeline') -> str:
+        """The --params_override flag quoted so it pastes into a POSIX shell unchanged."""
+        return shlex.quote(f'--params_override={self.params_override(prefix)}')
+
+    def gin_text(self, prefix: str = 'task.pipeline') -> str:
+        """A gin file setting this configuration (`--gin_file`): model.overrides = {...}."""
+        return f'model.overrides = {self.overrides(prefix)!r}\n'
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -136,6 +153,62 @@ def best_fitting(configs: Sequence[Config], budget: Optional[float]) -> Config:
         f'is {max(least.peak_bytes):.4g} bytes (K={least.num_cells}, '
         f'M={least.num_micro_batches}, recompute={least.recompute}); raise --device_memory, '
         'allow more devices (--num_devices) or shrink the batch')
+
+
+def measurement_candidates(configs: Sequence[Config], count: int) -> list[Config]:
+    """The configurations worth measuring before recommending one, `count` of them.
+
+    In this order, each the best predicted fitting configuration of its kind: on one
+    cell without recompute if that fits (no pipeline, no hand-over, no second forward:
+    the baseline a pipeline must beat); of any kind;
+    whose cells work at once (K > 1 and M > 1, the one way to more than one core's
+    worth); the same on the fewest cells (the least hand-over and per-task cost); then
+    the best of each further K. Predictions of logical CPUs sharing cores go wrong most
+    between these kinds, while they order configurations of one kind well enough.
+    Configurations that run alike are measured once.
+    """
+    fitting = [c for c in configs if c.fits]
+    overlapping = [c for c in fitting if c.num_cells > 1 and c.num_micro_batches > 1]
+    fewest = min((c.num_cells for c in overlapping), default=None)
+    one_cell = [c for c in fitting if c.num_cells == 1]
+    plain = [c for c in one_cell if c.recompute == 'never'] or one_cell
+    kinds = (plain[:1] + fitting[:1] + overlapping[:1]
+             + [c for c in overlapping if c.num_cells == fewest][:1])
+    ks = {c.num_cells for c in kinds}
+    for config in fitting:
+        if config.num_cells not in ks:
+            kinds.append(config)
+            ks.add(config.num_cells)
+    picked: list[Config] = []
+    for config in kinds:
+        if _runs_as(config) not in map(_runs_as, picked):
+            picked.append(config)
+    return picked[:count]
+
+
+def _runs_as(config: Config) -> tuple:
+    """What a configuration runs: policies and schedules that run alike compare equal (on
+    one cell 'never' and 'except_last'; on one cell or one micro-batch every schedule)."""
+    plays = config.schedule if config.num_cells > 1 and config.num_micro_batches > 1 else ''
+    return (tuple(config.balance), config.num_micro_batches,
+            tuple(recompute_flags(config.recompute, config.num_cells)), plays)
+
+
+def pick_measured(candidates: Sequence[Config], step_seconds: Sequence[Sequence[float]],
+                  tolerance: float = 0.05) -> int:
+    """The index of the candidate to recommend from its measured steps (interleaved).
+
+    Each candidate's median step stands for it (load only adds time and comes in bursts
+    that interleaving spreads over all of them). Candidates within `tolerance` of the
+    fastest median are ties that noise could order either way, so among them the pick is
+    the one that needs least (fewest cells, then fewest micro-batches, then the better
+    prediction): the same pick on every run unless two candidates really differ.
+    """
+    medians = [statistics.median(s) for s in step_seconds]
+    fastest = min(medians)
+    ties = [i for i, m in enumerate(medians) if m <= fastest * (1 + tolerance)]
+    return min(ties, key=lambda i: (candidates[i].num_cells, candidates[i].num_micro_batches,
+                                    i))
 
 
 def format_table(configs: Sequence[Config], limit: int = 8) -> str:
