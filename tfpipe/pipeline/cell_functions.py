@@ -27,11 +27,17 @@ once instead of K*M copies. Inlined calls would save only the Python tracing.
 `jit_compile=True` compiles each cell function with XLA (never inlined).
 
 A recomputing cell's backward function also adds its weight gradients into the
-cell's running sum (passed in, zeros at first, and returned), which keeps those adds
-out of the step's graph. The exception is a weight the cell only gathers from (an
-embedding table, found in the forward function's graph): its gradient is an
-IndexedSlices, which the function returns as it is, and which is summed outside
-by accumulate.py, sparse while that is smaller, as the unrolled executor does.
+cell's running sums, which keeps those adds out of the step's graph. Each sum lies
+on a per-step stack (zeros pushed before the cell's first backward): the call pops
+it, adds in place and pushes it back, so a cell holds one running sum, never the
+old and the new one across a call (see `_add_into`). The cell's last backward runs
+as the unrolled executor's ops on the popped sums, so the final sums are free to go
+one by one as they exist, not all when a call ends. With XLA (which compiles no
+stack) the sums are passed in and returned, and every backward is a call. The
+exception is a weight the cell only gathers from (an embedding table, found in the
+forward function's graph): its gradient is an IndexedSlices, which the function
+returns as it is, and which is summed outside by accumulate.py, sparse while that
+is smaller, as the unrolled executor does. docs/memory.md has the measured peaks.
 
 With a timeline recorder (`PipeliningLayer.RecordTimeline`) the executor stamps
 each call's start and end outside the call, as it stamps an unrolled task. The
@@ -71,7 +77,6 @@ class CellFunctions:
         self.training = training
         self.boundary = boundary
         self.stamp_recompute = stamp_recompute
-        self.jit_compile = jit_compile
         self._layers: dict[str, Any] = {}  # path -> a layer that recorded statistics
         # Per flat theta leaf: only gathered from, so summed sparsely outside (learnt while
         # tracing the forward, which always runs before the cell's first backward).
@@ -99,9 +104,10 @@ class CellFunctions:
     def _backward(self, theta: dict, x: Any, dy: list, offset: tf.Tensor, step: Any,
                   acc: list) -> tuple:
         """Recomputes the forward from `x`, differentiates, and returns (the gradients of
-        the boundary's input leaves, the running sum `acc` plus the flat weight gradients):
-        summing here keeps those adds out of the step's graph. Where `acc` has None (a
-        gathered weight), the weight's own gradient is returned, IndexedSlices or not.
+        the boundary's input leaves, per flat weight the running sum `acc` plus its
+        gradient): summing here keeps those adds out of the step's graph. Where `acc`
+        has a stack, the sum stays on it and a token of the push is returned; where it
+        has None (a gathered weight), the weight's own gradient, IndexedSlices or not.
         With stamp_recompute, also a tf.timestamp taken once the recomputed outputs exist,
         which the differentiation waits for: the end of the recompute."""
         with tf.device(self.cell.device):
@@ -301,25 +307,3 @@ def _add_into(acc: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
     total = tf.raw_ops.StackPopV2(handle=acc, elem_type=g.dtype) + g
     with tf.control_dependencies([tf.raw_ops.StackPushV2(handle=acc, elem=total)]):
         return tf.zeros([0], g.dtype)  # a token: returning the sum would hold its buffer
-
-
-def _static_shape(g: Any, weight: tf.Tensor) -> Any:
-    """A gradient returned by a call, IndexedSlices with the weight's static dense shape
-    (a call's outputs have none), which accumulate.py needs to size the sparse sum."""
-    if not isinstance(g, tf.IndexedSlices):
-        return g
-    return tf.IndexedSlices(g.values, g.indices,
-                            tf.constant(weight.shape.as_list(), g.dense_shape.dtype))
-
-
-def _opaque(value: tf.Tensor) -> tf.Tensor:
-    """`value`, hidden from grappler's constant propagation.
-
-    Grappler's function optimizer specialises a function call per distinct constant
-    input: constant offsets would give every (cell, micro-batch) its own copy of the
-    cell's function, and optimising and placing those copies costs more than the
-    unrolled graph. A PlaceholderWithDefault is never treated as a constant.
-    """
-    with tf.control_dependencies(None):
-        return tf.raw_ops.PlaceholderWithDefault(input=value, shape=value.shape)
-
