@@ -248,6 +248,7 @@ class FunctionalPipelineRun(PipelineRun):
             return token
         with tf.control_dependencies([token]):
             total = tf.raw_ops.StackPopV2(handle=stack, elem_type=token.dtype)
+        total.set_shape(tf.nest.flatten(self.thetas[k])[i].shape)  # a stack keeps none
         with tf.control_dependencies([total]):
             tf.raw_ops.StackCloseV2(handle=stack)
         return total
