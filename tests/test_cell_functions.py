@@ -126,9 +126,10 @@ def test_one_call_per_task_on_its_cells_device_and_every_op_inside_placed():
     pipe = mz.pipeline(body, 4, 3, 'except_last', cell_functions=True)
     concrete = _traced_step(pipe, x, y)
     calls = [op for op in concrete.graph.get_operations() if op.type in CALL_OPS]
-    # Forward and backward calls of the 3 recomputing cells. The last cell keeps its
-    # activations, so it trains as unrolled ops (faster than the gradient of a call).
-    assert len(calls) == 3 * 3 + 3 * 3
+    # Forward and backward calls of the 3 recomputing cells, but for each cell's last
+    # backward, unrolled so that its final sums leave one by one. The last cell keeps
+    # its activations, so it trains as unrolled ops (faster than the gradient of a call).
+    assert len(calls) == 3 * 3 + 3 * 2
     for op in calls:
         cell = trace.cell_of_node(op.name)
         assert trace.device_index(op.device) == f'CPU:{cell}', op.name
@@ -202,9 +203,10 @@ def test_timeline_records_the_calls_and_the_recompute_inside_the_backward(recomp
         return recorder.stamps()
     concrete = recorded.get_concrete_function()
     calls = [op for op in concrete.graph.get_operations() if op.type in CALL_OPS]
-    # A forward and a backward call per (recomputing cell, micro-batch); a cell that keeps
-    # its activations trains as unrolled ops, stamped like the unrolled executor's.
-    assert len(calls) == 2 * 2 * sum(cell.recompute for cell in pipe.cells)
+    # A forward call per (recomputing cell, micro-batch) and a backward call but for the
+    # cell's last micro-batch; a cell that keeps its activations trains as unrolled ops,
+    # stamped like the unrolled executor's.
+    assert len(calls) == (2 + 1) * sum(cell.recompute for cell in pipe.cells)
     for op in calls:  # each call waits for its task's start stamp
         assert 'Timestamp' in {a.type for a in _task_ancestors(op)}, op.name
     graph_def = concrete.graph.as_graph_def()
@@ -245,7 +247,8 @@ def test_jit_compile_equals_unrolled_within_float_tolerance():
     got = trainer_step(jit, x, y)
     assert_same_step(got, expected, rtol=1e-4)
     # Every cell is compiled, the one that keeps its activations too (it is a call, and its
-    # backward the call's gradient), where without XLA that cell would train unrolled.
+    # backward the call's gradient), where without XLA that cell would train unrolled; so
+    # is every backward of a recomputing cell, its last too.
     calls = [op for op in _traced_step(jit, x, y).graph.get_operations()
              if op.type in CALL_OPS]
     assert {trace.cell_of_node(op.name) for op in calls} == {0, 1}

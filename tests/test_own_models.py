@@ -5,6 +5,7 @@ subprocess's PYTHONPATH only, like a user's installed package.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -61,6 +62,9 @@ def test_inspect_model(package):
     assert result.returncode == 0, result.stderr[-3000:]
     assert 'balance [2, 2]' in result.stdout and 'cell 1 on' in result.stdout
     assert 'pipe/logits/w [32, 2] float32' in result.stdout, result.stdout
+    assert 'predicted memory per device' in result.stdout
+    assert re.search(r'CPU:1: weights [\d.]+ MiB  gradient sums .* total [\d.]+ MiB',
+                     result.stdout), result.stdout
 
 
 def test_list_models_includes_entry_points(package):

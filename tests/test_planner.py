@@ -125,6 +125,7 @@ def test_inspect_pipeline_prints_the_best_and_writes_json(tmp_path, data_dir):
     assert len(report['layers']) == 5
     assert report['best']['num_cells'] <= 2 and report['best']['fits']
     assert report['params_override'] in stdout
+    assert 'predicted memory per device' in stdout and 'all devices' in stdout
     # Planned for local CPUs: calibrated on measured steps of the configured [3, 2], M=2,
     # of the same with M=4, which tells the per-call part of compute apart, and of one cell,
     # which tells how many logical CPUs really run at once, under both recompute policies.

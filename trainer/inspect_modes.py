@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpipe.hyperparams import Params
-from tfpipe.tuning import planner, profile
+from tfpipe.tuning import memory_model, planner, profile
 from tfpipe.tuning.calibration import Calibration, MeasuredRun, calibrate
 from tfpipe.pipeline.cell import recompute_flags
 from tfpipe.pipeline.partition import cell_ranges
@@ -72,8 +72,39 @@ def inspect_model(params: Params) -> None:
                   f'  parameters {_mib(sum(p.param_bytes for p in layers))}  optimizer slots '
                   f'{_mib(sum(p.slot_bytes for p in layers))}  activations per micro-batch '
                   f'{_mib(activations)} (profiled layer outputs at batch {batch}/{m})')
+    print_memory_prediction(pipe, profiles, batch, slot_shards(params))
     for path, var in task.VariablesByPath().items():
         print(f'{path} {var.shape.as_list()} {var.dtype.name} {var.device}')
+
+
+def slot_shards(params) -> int:
+    """Over how many replicas each optimizer slot is split (task.train.shard_optimizer_states)."""
+    if params.task.train.shard_optimizer_states:
+        return params.task.pipeline.num_replicas
+    return 1
+
+
+def print_memory_prediction(pipe, profiles: list[profile.LayerProfile], batch: int,
+                            slot_shards: int = 1) -> None:
+    """Predicted bytes per device of one training step of the configured pipeline
+    (memory_model.py): the model's state and activations. On CPUs every logical device
+    shares the host's allocator, whose measured peak (the trainer's progress line) also
+    counts the input pipeline and the runtime. slot_shards: R with sharded slots."""
+    layouts = [memory_model.CellLayout(cell.device, start, stop, cell.recompute)
+               for cell, (start, stop) in zip(pipe.replica_cells[0], cell_ranges(pipe.balance))]
+    m = pipe.params.num_micro_batches
+    devices = [memory_model.predict(profiles, [dataclasses.replace(c, device=cell.device)
+                                               for c, cell in zip(layouts, cells)],
+                                    batch / m, m, pipe.params.schedule, slot_shards)
+               for cells in pipe.replica_cells]
+    sharded = f', optimizer slots sharded over {slot_shards}' if slot_shards > 1 else ''
+    print(f'predicted memory per device (one training step of the configured pipeline, '
+          f'model state and activations{sharded}):')
+    for replica in devices:
+        for device in replica:
+            print(f'  {device.describe()}')
+    total = sum(d.total for replica in devices for d in replica)
+    print(f'  all devices {_mib(total)}')
 
 
 CALIBRATION_STEPS = 5
@@ -290,6 +321,8 @@ def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[f
           f'schedule={best.schedule}: predicted {1e3 * best.step_time:.2f} ms/step, bubble '
           f'{best.bubble:.2f}, peak {_mib(max(best.peak_bytes))}')
     print(best.shell_flag())
+    print_memory_prediction(task.pipe, profiles, batch_size // task.pipe.num_replicas,
+                            slot_shards(params))
     if logdir:
         os.makedirs(logdir, exist_ok=True)
         gin_path = os.path.join(logdir, PLAN_GIN_FILE)

@@ -40,7 +40,7 @@ import gin
 import tensorflow as tf
 from absl import logging
 
-from tfpipe import checkpoints, fprop_context
+from tfpipe import checkpoints, fprop_context, memory_stats
 from tfpipe.base_layer import flatten_by_path
 from tfpipe.hyperparams import Params
 from tfpipe.optimizers import BaseOptimizer, clip_by_global_norm
@@ -397,8 +397,12 @@ class Trainer:
             if steps_per_sec is not None:
                 tf.summary.scalar('steps_per_sec', steps_per_sec)
                 tf.summary.scalar('examples_per_sec', steps_per_sec * self.batch_size)
-        head = (f'step {step}/{self.max_steps}  loss {loss:.4f}  lr {lr:.3g}  '
-                f'grad_norm {norm:.3g}')
+            peaks = memory_stats.peak_bytes(d.name for d in tf.config.list_logical_devices())
+            for device, peak in peaks.items():
+                tf.summary.scalar(f'peak_bytes/{device}', peak)
+        head = '  '.join(part for part in (
+            f'step {step}/{self.max_steps}  loss {loss:.4f}  lr {lr:.3g}  grad_norm {norm:.3g}',
+            memory_stats.format_peaks(peaks)) if part)
         if steps_per_sec is None:
             logging.info('%s  first step %.1fs (includes tracing; rate and ETA from the next '
                          'steps)', head, progress.first_step_seconds)

@@ -27,11 +27,17 @@ once instead of K*M copies. Inlined calls would save only the Python tracing.
 `jit_compile=True` compiles each cell function with XLA (never inlined).
 
 A recomputing cell's backward function also adds its weight gradients into the
-cell's running sum (passed in, zeros at first, and returned), which keeps those adds
-out of the step's graph. The exception is a weight the cell only gathers from (an
-embedding table, found in the forward function's graph): its gradient is an
-IndexedSlices, which the function returns as it is, and which is summed outside
-by accumulate.py, sparse while that is smaller, as the unrolled executor does.
+cell's running sums, which keeps those adds out of the step's graph. Each sum lies
+on a per-step stack (zeros pushed before the cell's first backward): the call pops
+it, adds in place and pushes it back, so a cell holds one running sum, never the
+old and the new one across a call (see `_add_into`). The cell's last backward runs
+as the unrolled executor's ops on the popped sums, so the final sums are free to go
+one by one as they exist, not all when a call ends. With XLA (which compiles no
+stack) the sums are passed in and returned, and every backward is a call. The
+exception is a weight the cell only gathers from (an embedding table, found in the
+forward function's graph): its gradient is an IndexedSlices, which the function
+returns as it is, and which is summed outside by accumulate.py, sparse while that
+is smaller, as the unrolled executor does. docs/memory.md has the measured peaks.
 
 With a timeline recorder (`PipeliningLayer.RecordTimeline`) the executor stamps
 each call's start and end outside the call, as it stamps an unrolled task. The
@@ -98,9 +104,10 @@ class CellFunctions:
     def _backward(self, theta: dict, x: Any, dy: list, offset: tf.Tensor, step: Any,
                   acc: list) -> tuple:
         """Recomputes the forward from `x`, differentiates, and returns (the gradients of
-        the boundary's input leaves, the running sum `acc` plus the flat weight gradients):
-        summing here keeps those adds out of the step's graph. Where `acc` has None (a
-        gathered weight), the weight's own gradient is returned, IndexedSlices or not.
+        the boundary's input leaves, per flat weight the running sum `acc` plus its
+        gradient): summing here keeps those adds out of the step's graph. Where `acc`
+        has a stack, the sum stays on it and a token of the push is returned; where it
+        has None (a gathered weight), the weight's own gradient, IndexedSlices or not.
         With stamp_recompute, also a tf.timestamp taken once the recomputed outputs exist,
         which the differentiation waits for: the end of the recompute."""
         with tf.device(self.cell.device):
@@ -120,7 +127,7 @@ class CellFunctions:
                                       output_gradients=dy,
                                       unconnected_gradients=tf.UnconnectedGradients.ZERO)
             dx, dtheta = grads[:len(x_leaves)], grads[len(x_leaves):]
-            acc = [g if a is None else a + tf.convert_to_tensor(g)
+            acc = [g if a is None else _add_into(a, tf.convert_to_tensor(g))
                    for a, g in zip(acc, dtheta)]
             return (dx, acc, stamp) if self.stamp_recompute else (dx, acc)
 
@@ -148,6 +155,7 @@ class FunctionalPipelineRun(PipelineRun):
                           for k, cell in enumerate(self.cells)]
         self.jit_compile = jit_compile
         self._offset_tensors: dict[tuple[str, int], tf.Tensor] = {}
+        self._stacks: dict[tuple[int, int], tf.Tensor] = {}  # (cell, flat weight) -> sum's
         self._step: Optional[tf.Tensor] = None
 
     def _arguments(self, k: int, m: int) -> tuple[tf.Tensor, Optional[tf.Tensor]]:
@@ -180,15 +188,17 @@ class FunctionalPipelineRun(PipelineRun):
         return y
 
     def _gradients(self, k: int, m: int, dy: list) -> tuple[list, list, list, dict]:
-        if not self.cells[k].recompute:
+        if not self._calls_backward(k):
             return super()._gradients(k, m, dy)
         x = self.inputs.pop((k, m))
         offset, step = self._arguments(k, m)
         functions, sums = self.functions[k], self.theta_grads[k]
         if sums is None:  # zeros, not None: one trace serves the first micro-batch too
-            sums = [None if gathered else tf.zeros_like(t)
-                    for t, gathered in zip(tf.nest.flatten(self.thetas[k]), functions.gathered)]
-        acc = [None if gathered else a for a, gathered in zip(sums, functions.gathered)]
+            sums = [None if gathered else self._first_sum(k, i, t)
+                    for i, (t, gathered) in enumerate(zip(tf.nest.flatten(self.thetas[k]),
+                                                          functions.gathered))]
+        acc = [None if gathered else self._stacks.get((k, i), a)
+               for i, (a, gathered) in enumerate(zip(sums, functions.gathered))]
         dx, out, *stamp = functions.backward(self.thetas[k], x, list(dy), offset, step, acc)
         if stamp:  # the recompute ended inside the call: the timeline's split
             self.recorder.split(k, m, BACKWARD, stamp=stamp[0])
@@ -198,11 +208,50 @@ class FunctionalPipelineRun(PipelineRun):
         _, _, x_parts, x_received = self._boundary(k, x, x)  # the input's parts only
         return dx, acc, x_parts, x_received
 
+    def _calls_backward(self, k: int) -> bool:
+        """Does cell k's next backward task call its backward function? Only a recomputing
+        cell's, and without XLA not its last: that one runs as unrolled ops, so each final
+        sum is free to go as soon as it exists (a call returns all of them at its end)."""
+        last = self._backwards_done[k] == len(self.outputs) - 1
+        return self.cells[k].recompute and (self.jit_compile or not last)
+
+    def _first_sum(self, k: int, i: int, weight: tf.Tensor) -> tf.Tensor:
+        """The running sum of cell k's flat weight i before its first micro-batch: zeros
+        pushed on a stack of their own (see `_add_into`), or with XLA, which compiles
+        no stack, zeros passed in. Returns what stands for the sum until it is popped."""
+        if self.jit_compile:
+            return tf.zeros_like(weight)
+        stack = tf.raw_ops.StackV2(max_size=-1, elem_type=weight.dtype,
+                                   stack_name=f'grad_sum_{k}_{i}')
+        # Empty is stateful, so never folded into a constant that would stay allocated.
+        zeros = tf.raw_ops.Empty(shape=weight.shape.as_list(), dtype=weight.dtype, init=True)
+        pushed = tf.raw_ops.StackPushV2(handle=stack, elem=zeros)
+        with tf.control_dependencies([pushed]):  # every call finds the zeros there
+            self._stacks[(k, i)] = tf.identity(stack)
+        return pushed
+
     def _accumulate(self, k: int, dtheta: list) -> None:
-        if self.cells[k].recompute:  # the backward function returned the new running sum
+        if self._calls_backward(k):  # the backward function returned the new running sum
             self._store_sum(k, dtheta)
-        else:
-            super()._accumulate(k, dtheta)
+            return
+        sums = self.theta_grads[k]
+        if sums is not None:  # the sums the calls left on stacks come off them, dense
+            sums = [self._pop(k, i, s) for i, s in enumerate(sums)]
+            self.theta_grads[k] = sums
+        super()._accumulate(k, dtheta)
+
+    def _pop(self, k: int, i: int, token: Any) -> Any:
+        """Cell k's running sum of flat weight i taken off its stack (which is closed),
+        once the call that pushed it (`token`) is done; `token` itself if not stacked."""
+        stack = self._stacks.pop((k, i), None)
+        if stack is None:
+            return token
+        with tf.control_dependencies([token]):
+            total = tf.raw_ops.StackPopV2(handle=stack, elem_type=token.dtype)
+        total.set_shape(tf.nest.flatten(self.thetas[k])[i].shape)  # a stack keeps none
+        with tf.control_dependencies([total]):
+            tf.raw_ops.StackCloseV2(handle=stack)
+        return total
 
 
 # Ops whose gradient passes an IndexedSlices through, and ops that make one.
@@ -243,3 +292,19 @@ def _opaque(value: tf.Tensor) -> tf.Tensor:
     """
     with tf.control_dependencies(None):
         return tf.raw_ops.PlaceholderWithDefault(input=value, shape=value.shape)
+
+
+def _add_into(acc: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
+    """acc + g, where acc is the running sum or (a resource) the stack it lies on.
+
+    A function call's caller holds its inputs until the call returns, so `acc + g`
+    inside the call could never write into acc's buffer: the call would hold the old
+    and the new running sum of its cell at once (measured: 1.47 gradient sets beyond
+    M=1 instead of 1). Popped off a stack inside the call, the sum is held by nothing
+    else, the add reuses its buffer, and the new sum goes back on the stack. Returns
+    the sum, or for a stack a token of the push."""
+    if acc.dtype != tf.resource:
+        return acc + g
+    total = tf.raw_ops.StackPopV2(handle=acc, elem_type=g.dtype) + g
+    with tf.control_dependencies([tf.raw_ops.StackPushV2(handle=acc, elem=total)]):
+        return tf.zeros([0], g.dtype)  # a token: returning the sum would hold its buffer

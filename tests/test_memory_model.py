@@ -1,0 +1,54 @@
+"""memory_model.py: the predicted bytes per device, from layer profiles."""
+import pytest
+
+from tfpipe.tuning import memory_model
+from tfpipe.pipeline.profile import Affine, LayerProfile
+
+
+def layer(name, params=100.0, slots=200.0, inputs=10.0, outputs=10.0):
+    zero = Affine(0.0, 0.0)
+    return LayerProfile(name, zero, zero, params, slots, inputs, outputs)
+
+
+PROFILES = [layer('a', inputs=3.0, outputs=7.0), layer('b', outputs=5.0),
+            layer('c', inputs=5.0, outputs=2.0)]
+
+
+def cells(recompute=True, devices=('d0', 'd1')):
+    return [memory_model.CellLayout(devices[0], 0, 2, recompute),
+            memory_model.CellLayout(devices[1], 2, 3, recompute)]
+
+
+def test_weights_one_gradient_set_and_slots_per_device():
+    d0, d1 = memory_model.predict(PROFILES, cells(), micro_batch_size=4, num_micro_batches=2,
+                                  schedule='fill_drain')
+    assert (d0.device, d0.weights, d0.gradient_sums, d0.slots) == ('d0', 200, 200, 400)
+    assert (d1.weights, d1.gradient_sums, d1.slots) == (100, 100, 200)
+    assert d0.total == d0.weights + d0.gradient_sums + d0.slots + d0.activations
+
+
+def test_slots_sharded_over_r_replicas_are_one_rth():
+    unsharded = memory_model.predict(PROFILES, cells(), 4, 2, 'fill_drain')
+    sharded = memory_model.predict(PROFILES, cells(), 4, 2, 'fill_drain', slot_shards=4)
+    for full, shard in zip(unsharded, sharded):
+        assert shard.slots == pytest.approx(full.slots / 4)
+        assert shard.weights == full.weights and shard.activations == full.activations
+
+
+def test_recompute_keeps_each_micro_batchs_input_and_one_micro_batchs_outputs():
+    (d0, _) = memory_model.predict(PROFILES, cells(recompute=True), 4, 3, 'fill_drain')
+    assert d0.activations == 3 * 4 * 3.0 + 4 * (7.0 + 5.0)
+    (d0, _) = memory_model.predict(PROFILES, cells(recompute=False), 4, 3, 'fill_drain')
+    assert d0.activations == 3 * 4 * (7.0 + 5.0)
+
+
+def test_1f1b_holds_at_most_k_minus_k_micro_batches_fill_drain_all():
+    assert memory_model.in_flight('fill_drain', 4, 3, 8) == 8
+    assert [memory_model.in_flight('1f1b', 4, k, 8) for k in range(4)] == [4, 3, 2, 1]
+    assert memory_model.in_flight('1f1b', 4, 0, 2) == 2
+
+
+def test_cells_on_one_device_add_up():
+    (both,) = memory_model.predict(PROFILES, cells(devices=('d', 'd')), 4, 2, 'fill_drain')
+    apart = memory_model.predict(PROFILES, cells(), 4, 2, 'fill_drain')
+    assert both.total == pytest.approx(sum(d.total for d in apart))
