@@ -2,7 +2,7 @@
 import pytest
 
 from tfpipe.tuning import memory_model
-from tfpipe.pipeline.profile import Affine, LayerProfile
+from tfpipe.tuning.profile import Affine, LayerProfile
 
 
 def layer(name, params=100.0, slots=200.0, inputs=10.0, outputs=10.0):

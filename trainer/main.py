@@ -325,4 +325,9 @@ _STORAGE_ERRORS = {errno.ENOSPC: 'free some space or point --logdir elsewhere',
 
 def run() -> None:
     """Console-script entry point (tfpipe-trainer) and `python -m trainer`."""
+    # The CPU allocator that keeps peak statistics, so the trainer reports the peak bytes
+    # per device (tfpipe/memory_stats.py); measured to cost no step time (docs/memory.md).
+    # Set before TensorFlow loads (nothing above imports it); an explicit
+    # TF_CPU_ALLOCATOR_USE_BFC=false wins.
+    os.environ.setdefault('TF_CPU_ALLOCATOR_USE_BFC', 'true')
     app.run(_main_with_errors)
