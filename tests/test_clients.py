@@ -227,7 +227,7 @@ def test_port_in_use_wrong_replicas_and_sharding_exit_2_and_a_missing_client_exi
     assert not os.path.exists(logdir)
 
 
-# -- Faults mid-run: SIGTERM agrees on a step; SIGKILL ends the others --------------------
+# -- Faults mid-run: SIGTERM agrees on a step; a frozen or killed client ends the others ---
 
 def _logged_stop_step(stderr: str) -> int:
     found = re.findall(r'saving a checkpoint at step (\d+) and stopping', stderr)
@@ -235,8 +235,16 @@ def _logged_stop_step(stderr: str) -> int:
     return int(found[0])
 
 
-def test_sigterm_stops_all_at_one_step_and_sigkill_ends_the_chief(tmp_path, data_dir,
-                                                                 processes):
+def _ends_naming(proc, lost: str, since: float) -> None:
+    """`proc` exits 1 within 60 s of `since` with the error naming the lost client."""
+    _, err = proc.communicate(timeout=90)
+    assert time.time() - since < 60, err[-3000:]
+    assert proc.returncode == 1, err[-3000:]
+    assert f'error: lost {lost}' in err, err[-3000:]
+
+
+def test_sigterm_stops_all_at_one_step_and_a_frozen_or_killed_client_ends_the_others(
+        tmp_path, data_dir, processes):
     chief, other = str(tmp_path / 'chief'), str(tmp_path / 'other')
     forever = th.fast_flags(100000, 2)
     procs = start_clients(processes, [chief, other], data_dir, *forever)
@@ -250,21 +258,31 @@ def test_sigterm_stops_all_at_one_step_and_sigkill_ends_the_chief(tmp_path, data
     spec = spec_of(2)
     procs = start_clients(processes, [chief, other], data_dir, *forever, spec=spec)
     th.wait_for_checkpoint(procs[0], _train(chief), step + 2)
+    procs[1].send_signal(signal.SIGSTOP)  # frozen: its kernel still accepts connections
+    _ends_naming(procs[0], f'trainer task 1 ({spec.split(",")[1]})', time.time())
     procs[1].kill()
-    killed = time.time()
-    _, err = procs[0].communicate(timeout=90)
-    assert time.time() - killed < 60
-    assert procs[0].returncode == 1, err[-3000:]
-    lost = spec.split(',')[1]
-    assert f'error: lost trainer task 1 ({lost})' in err, err[-3000:]
+    procs[1].wait()
+
+    spec = spec_of(2)
+    procs = start_clients(processes, [chief, other], data_dir, *forever, spec=spec)
+    th.wait_for_checkpoint(procs[0], _train(chief), step + 4)
+    procs[0].kill()
+    _ends_naming(procs[1], f'trainer task 0 ({spec[len("trainer="):].split(",")[0]})',
+                 time.time())
     last = checkpoints.latest(_train(chief))
     th.model_values(last)  # loadable: no partial checkpoint is listed
 
-    resumed = start_clients(processes, [chief, other], data_dir,
-                            *th.fast_flags(checkpoints.step_of(last) + 1, 2))
-    errs = finish(resumed)
+    final = checkpoints.step_of(last) + 2
+    reference = str(tmp_path / 'reference')
+    started = start_clients(processes, [chief, other], data_dir, *th.fast_flags(final, 2))
+    started.append(processes.start(th.command(MODEL, reference, data_dir, *th.fast_flags(
+        final, 2), th.overrides(**{'task.pipeline.num_replicas': 2}))))
+    errs = finish(started)
     assert f'at step {checkpoints.step_of(last)}' in errs[0]
-
+    losses, want = th.losses_by_step(_train(chief)), th.losses_by_step(_train(reference))
+    assert sorted(losses) == sorted(want) == list(range(1, final + 1)), (losses, want)
+    for at in want:
+        np.testing.assert_allclose(losses[at], want[at], rtol=1e-5, err_msg=f'loss at {at}')
 
 
 def test_a_client_replica_holds_one_replica_and_only_trains():

@@ -116,5 +116,9 @@ def _watchdog(cluster_lib, cluster, trainer: Optional[train_job.Trainer],
     """Ends the process when a step blocks on a lost worker (cluster runs only)."""
     if cluster is None:
         return contextlib.nullcontext()
+    from tfpipe import clients
+    probe = (cluster_lib.answers_grpc if isinstance(cluster, clients.ClientCluster)
+             else cluster_lib.accepts_connections)
     return cluster_lib.Watchdog(cluster, heartbeat=(lambda: trainer.heartbeat) if trainer
-                                else None, step_timeout=options.step_timeout_seconds)
+                                else None, step_timeout=options.step_timeout_seconds,
+                                probe=probe)
