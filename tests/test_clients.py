@@ -157,6 +157,17 @@ def test_a_non_chief_client_resumes_from_the_chief_and_writes_nothing(runs):
     assert checkpoints.step_of(checkpoints.latest(_train(d['chief']))) == STEPS
 
 
+def test_an_evaler_runs_unchanged_on_the_chiefs_logdir(runs, data_dir):
+    chief = runs['fill_drain']['chief']
+    result = th.run(MODEL, chief, data_dir, '--job=evaler_dev', f'--max_steps={STEPS}',
+                    th.overrides(**{'task.pipeline.schedule': 'fill_drain',
+                                    'task.eval.samples_per_summary': 32}))
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(os.path.join(chief, 'eval_dev', f'score-{STEPS}.txt')) as f:
+        scores = dict(line.split(': ') for line in f.read().splitlines())
+    assert scores['num_examples'] == '32' and np.isfinite(float(scores['loss']))
+
+
 # -- Bad input: exit 2 with one line, before anything is written ---------------------------
 
 @pytest.mark.parametrize('spec, job, task, environ, message', [
