@@ -157,6 +157,17 @@ def test_a_non_chief_client_resumes_from_the_chief_and_writes_nothing(runs):
     assert checkpoints.step_of(checkpoints.latest(_train(d['chief']))) == STEPS
 
 
+def test_an_evaler_runs_unchanged_on_the_chiefs_logdir(runs, data_dir):
+    chief = runs['fill_drain']['chief']
+    result = th.run(MODEL, chief, data_dir, '--job=evaler_dev', f'--max_steps={STEPS}',
+                    th.overrides(**{'task.pipeline.schedule': 'fill_drain',
+                                    'task.eval.samples_per_summary': 32}))
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(os.path.join(chief, 'eval_dev', f'score-{STEPS}.txt')) as f:
+        scores = dict(line.split(': ') for line in f.read().splitlines())
+    assert scores['num_examples'] == '32' and np.isfinite(float(scores['loss']))
+
+
 # -- Bad input: exit 2 with one line, before anything is written ---------------------------
 
 @pytest.mark.parametrize('spec, job, task, environ, message', [
@@ -194,8 +205,8 @@ def _run_client(logdir, data_dir, spec, task, *extra, timeout=120):
                           timeout=timeout)
 
 
-def test_port_in_use_and_wrong_replicas_exit_2_and_a_missing_client_exits_1(tmp_path,
-                                                                           data_dir):
+def test_port_in_use_wrong_replicas_and_sharding_exit_2_and_a_missing_client_exits_1(
+        tmp_path, data_dir):
     logdir = str(tmp_path / 'run')
     with socket.socket() as held:
         held.bind(('127.0.0.1', 0))
@@ -211,6 +222,13 @@ def test_port_in_use_and_wrong_replicas_exit_2_and_a_missing_client_exits_1(tmp_
     assert result.returncode == 2, result.stderr[-3000:]
     assert 'num_replicas=3 but the cluster has 2 trainer client(s)' in th.error_line(result)
 
+    result = _run_client(logdir, data_dir, spec_of(2), 0,
+                         th.overrides(**{'task.train.shard_optimizer_states': True}))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert th.error_line(result).startswith(
+        'error: task.train.shard_optimizer_states=True with a cluster of trainer clients')
+    assert not os.path.exists(logdir)
+
     spec = spec_of(2)
     missing = spec.split(',')[1]
     result = _run_client(logdir, data_dir, spec, 0, '--cluster_wait_seconds=2')
@@ -220,7 +238,7 @@ def test_port_in_use_and_wrong_replicas_exit_2_and_a_missing_client_exits_1(tmp_
     assert not os.path.exists(logdir)
 
 
-# -- Faults mid-run: SIGTERM agrees on a step; SIGKILL ends the others --------------------
+# -- Faults mid-run: SIGTERM agrees on a step; a frozen or killed client ends the others ---
 
 def _logged_stop_step(stderr: str) -> int:
     found = re.findall(r'saving a checkpoint at step (\d+) and stopping', stderr)
@@ -228,8 +246,20 @@ def _logged_stop_step(stderr: str) -> int:
     return int(found[0])
 
 
-def test_sigterm_stops_all_at_one_step_and_sigkill_ends_the_chief(tmp_path, data_dir,
-                                                                 processes):
+def _saved(logdir: str) -> int:
+    return checkpoints.step_of(checkpoints.latest(_train(logdir)))
+
+
+def _ends_naming(proc, lost: str, since: float) -> None:
+    """`proc` exits 1 within 60 s of `since` with the error naming the lost client."""
+    _, err = proc.communicate(timeout=90)
+    assert time.time() - since < 60, err[-3000:]
+    assert proc.returncode == 1, err[-3000:]
+    assert f'error: lost {lost}' in err, err[-3000:]
+
+
+def test_sigterm_stops_all_at_one_step_and_a_frozen_or_killed_client_ends_the_others(
+        tmp_path, data_dir, processes):
     chief, other = str(tmp_path / 'chief'), str(tmp_path / 'other')
     forever = th.fast_flags(100000, 2)
     procs = start_clients(processes, [chief, other], data_dir, *forever)
@@ -242,22 +272,32 @@ def test_sigterm_stops_all_at_one_step_and_sigkill_ends_the_chief(tmp_path, data
 
     spec = spec_of(2)
     procs = start_clients(processes, [chief, other], data_dir, *forever, spec=spec)
-    th.wait_for_checkpoint(procs[0], _train(chief), step + 2)
+    th.wait_for_checkpoint(procs[0], _train(chief), _saved(chief) + 2)
+    procs[1].send_signal(signal.SIGSTOP)  # frozen: its kernel still accepts connections
+    _ends_naming(procs[0], f'trainer task 1 ({spec.split(",")[1]})', time.time())
     procs[1].kill()
-    killed = time.time()
-    _, err = procs[0].communicate(timeout=90)
-    assert time.time() - killed < 60
-    assert procs[0].returncode == 1, err[-3000:]
-    lost = spec.split(',')[1]
-    assert f'error: lost trainer task 1 ({lost})' in err, err[-3000:]
+    procs[1].wait()
+
+    spec = spec_of(2)
+    procs = start_clients(processes, [chief, other], data_dir, *forever, spec=spec)
+    th.wait_for_checkpoint(procs[0], _train(chief), _saved(chief) + 2)  # both are training
+    procs[0].kill()
+    _ends_naming(procs[1], f'trainer task 0 ({spec[len("trainer="):].split(",")[0]})',
+                 time.time())
     last = checkpoints.latest(_train(chief))
     th.model_values(last)  # loadable: no partial checkpoint is listed
 
-    resumed = start_clients(processes, [chief, other], data_dir,
-                            *th.fast_flags(checkpoints.step_of(last) + 1, 2))
-    errs = finish(resumed)
+    final = checkpoints.step_of(last) + 2
+    reference = str(tmp_path / 'reference')
+    started = start_clients(processes, [chief, other], data_dir, *th.fast_flags(final, 2))
+    started.append(processes.start(th.command(MODEL, reference, data_dir, *th.fast_flags(
+        final, 2), th.overrides(**{'task.pipeline.num_replicas': 2}))))
+    errs = finish(started)
     assert f'at step {checkpoints.step_of(last)}' in errs[0]
-
+    losses, want = th.losses_by_step(_train(chief)), th.losses_by_step(_train(reference))
+    assert sorted(losses) == sorted(want) == list(range(1, final + 1)), (losses, want)
+    for at in want:
+        np.testing.assert_allclose(losses[at], want[at], rtol=1e-5, err_msg=f'loss at {at}')
 
 
 def test_a_client_replica_holds_one_replica_and_only_trains():

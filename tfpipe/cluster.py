@@ -262,9 +262,29 @@ def accepts_connections(address: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def unreachable_workers(cluster: Cluster, timeout: float = 2.0) -> list[int]:
-    return [t for t, address in enumerate(cluster.workers)
-            if not accepts_connections(address, timeout)]
+# An HTTP/2 client preface and an empty SETTINGS frame: a gRPC server's process answers
+# with its own SETTINGS frame; a stopped process's kernel only completes the handshake.
+_HTTP2_PREFACE = b'PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n' + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def answers_grpc(address: str, timeout: float = 2.0) -> bool:
+    """Whether the gRPC server at `address` answers, not only its kernel.
+
+    Unlike `accepts_connections`, this tells a frozen process (SIGSTOP, swapping)
+    from a live one within `timeout`, with no step deadline to tune.
+    """
+    host, port = split_address(address, address)
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.sendall(_HTTP2_PREFACE)
+            return bool(sock.recv(9))
+    except OSError:
+        return False
+
+
+def unreachable_workers(cluster: Cluster, timeout: float = 2.0,
+                        probe: Callable[[str, float], bool] = accepts_connections) -> list[int]:
+    return [t for t, address in enumerate(cluster.workers) if not probe(address, timeout)]
 
 
 def wait_for_workers(cluster: Cluster, timeout_seconds: float) -> None:
@@ -346,14 +366,17 @@ class Watchdog:
     the watchdog also ends a step that has not finished `step_timeout` seconds
     after the previous one (a number, or a function giving the current one: the
     trainer derives it from its measured steps). It is armed after the first
-    step, whose tracing may take minutes.
+    step, whose tracing may take minutes. Trainer clients pass `probe=answers_grpc`,
+    which also fails for a frozen peer, so they end `grace_seconds` after a peer freezes.
     """
 
     def __init__(self, cluster: Cluster, interval_seconds: float = 2.0,
                  grace_seconds: float = 20.0,
                  heartbeat: Optional[Callable[[], Optional[tuple[int, float]]]] = None,
-                 step_timeout: Union[float, Callable[[], float]] = 600.0):
+                 step_timeout: Union[float, Callable[[], float]] = 600.0,
+                 probe: Callable[[str, float], bool] = accepts_connections):
         self.cluster = cluster
+        self.probe = probe
         self.interval = interval_seconds
         self.grace = grace_seconds
         self.heartbeat = heartbeat
@@ -380,7 +403,7 @@ class Watchdog:
             if stalled is not None and not self._stop.is_set():
                 print(f'error: {stalled}', file=sys.stderr, flush=True)
                 os._exit(1)
-            down = unreachable_workers(self.cluster, timeout=self.interval)
+            down = unreachable_workers(self.cluster, self.interval, self.probe)
             if not down:
                 down_since = None
                 continue

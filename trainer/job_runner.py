@@ -115,7 +115,10 @@ def _watchdog(cluster_lib, cluster, trainer: Optional[train_job.Trainer]):
     """Ends the process when a step blocks on a lost worker (cluster runs only)."""
     if cluster is None:
         return contextlib.nullcontext()
+    from tfpipe import clients
+    probe = (cluster_lib.answers_grpc if isinstance(cluster, clients.ClientCluster)
+             else cluster_lib.accepts_connections)
     if trainer is None:
-        return cluster_lib.Watchdog(cluster)
+        return cluster_lib.Watchdog(cluster, probe=probe)
     return cluster_lib.Watchdog(cluster, heartbeat=lambda: trainer.heartbeat,
-                                step_timeout=trainer.step_timeout)
+                                step_timeout=trainer.step_timeout, probe=probe)
