@@ -52,3 +52,32 @@ def test_cells_on_one_device_add_up():
     (both,) = memory_model.predict(PROFILES, cells(devices=('d', 'd')), 4, 2, 'fill_drain')
     apart = memory_model.predict(PROFILES, cells(), 4, 2, 'fill_drain')
     assert both.total == pytest.approx(sum(d.total for d in apart))
+
+
+def test_a_measured_working_set_replaces_the_layer_output_estimate():
+    # Recompute: each held micro-batch's input, plus the cell's measured working set.
+    (d0, _) = memory_model.predict(PROFILES, cells(recompute=True), 4, 3, 'fill_drain',
+                                   working_bytes=[500.0, 90.0])
+    assert (d0.held, d0.working) == (3 * 4 * 3.0, 500.0)
+    # No recompute: the held outputs are already part of what was measured, counted once.
+    (d0, d1) = memory_model.predict(PROFILES, cells(recompute=False), 4, 3, 'fill_drain',
+                                    working_bytes=[500.0, 5.0])
+    assert (d0.held, d0.working) == (3 * 4 * (7.0 + 5.0), 500.0 - 4 * (7.0 + 5.0))
+    assert d1.working == 0.0  # a measurement below the outputs adds nothing
+
+
+def test_host_peak_counts_every_state_and_held_batch_but_only_parallel_working_sets():
+    memory = [memory_model.CellMemory('d0', static=100.0, stash=10.0, working=50.0),
+              memory_model.CellMemory('d1', static=200.0, stash=20.0, working=70.0),
+              memory_model.CellMemory('d2', static=300.0, stash=30.0, working=60.0)]
+    held = [40.0, 60.0, 30.0]
+    state = 600.0 + 130.0 + 1000.0  # static, held, input pipeline
+    assert memory_model.host_peak(memory, held, 1, input_bytes=1000.0) == state + 70.0
+    assert memory_model.host_peak(memory, held, 2, input_bytes=1000.0) == state + 130.0
+    assert memory_model.host_peak(memory, held, 8, input_bytes=1000.0) == state + 180.0
+
+
+def test_cell_memory_divides_sharded_slots_and_keeps_two_copies_of_the_weights():
+    (c0, c1) = memory_model.cell_memory(PROFILES, cells(), 4, slot_shards=2)
+    assert (c0.static, c1.static) == (2 * 200 + 400 / 2, 2 * 100 + 200 / 2)
+    assert (c0.stash, c1.stash) == (4 * 3.0, 4 * 5.0)

@@ -18,7 +18,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfpipe.hyperparams import Params
-from tfpipe.tuning import memory_model, planner, profile
+from tfpipe import memory_stats
+from tfpipe.tuning import memory_model, planner, profile, working_memory
 from tfpipe.tuning.calibration import Calibration, MeasuredRun, calibrate
 from tfpipe.pipeline.cell import recompute_flags
 from tfpipe.pipeline.partition import cell_ranges
@@ -72,7 +73,7 @@ def inspect_model(params: Params) -> None:
                   f'  parameters {_mib(sum(p.param_bytes for p in layers))}  optimizer slots '
                   f'{_mib(sum(p.slot_bytes for p in layers))}  activations per micro-batch '
                   f'{_mib(activations)} (profiled layer outputs at batch {batch}/{m})')
-    print_memory_prediction(pipe, profiles, batch, slot_shards(params))
+    print_memory_prediction(params, task, profiles)
     for path, var in task.VariablesByPath().items():
         print(f'{path} {var.shape.as_list()} {var.dtype.name} {var.device}')
 
@@ -84,27 +85,58 @@ def slot_shards(params) -> int:
     return 1
 
 
-def print_memory_prediction(pipe, profiles: list[profile.LayerProfile], batch: int,
-                            slot_shards: int = 1) -> None:
+def print_memory_prediction(params: Params, task, profiles: list[profile.LayerProfile]) -> None:
     """Predicted bytes per device of one training step of the configured pipeline
-    (memory_model.py): the model's state and activations. On CPUs every logical device
-    shares the host's allocator, whose measured peak (the trainer's progress line) also
-    counts the input pipeline and the runtime. slot_shards: R with sharded slots."""
+    (memory_model.py): the model's state, held micro-batches and each cell's working
+    set, measured (working_memory.py) when the allocator keeps statistics. When the
+    cells are logical CPUs of this host they share one allocator, whose measured peak
+    the trainer's progress line prints: the host line predicts that figure, with the
+    input pipeline's buffers."""
+    pipe = task.pipe
+    m = pipe.params.num_micro_batches
+    batch = params.input.train.batch_size // pipe.num_replicas  # each replica's share
+    shards = slot_shards(params)
+    sample, _ = _sample_inputs(params, task)
+    replica = tf.nest.map_structure(lambda t: t[:batch], sample)
+    working = working_memory.cell_working_bytes(pipe.replica_cells[0], pipe.theta, replica, m)
     layouts = [memory_model.CellLayout(cell.device, start, stop, cell.recompute)
                for cell, (start, stop) in zip(pipe.replica_cells[0], cell_ranges(pipe.balance))]
-    m = pipe.params.num_micro_batches
-    devices = [memory_model.predict(profiles, [dataclasses.replace(c, device=cell.device)
-                                               for c, cell in zip(layouts, cells)],
-                                    batch / m, m, pipe.params.schedule, slot_shards)
-               for cells in pipe.replica_cells]
-    sharded = f', optimizer slots sharded over {slot_shards}' if slot_shards > 1 else ''
+    replicas = [[dataclasses.replace(c, device=cell.device) for c, cell in zip(layouts, cells)]
+                for cells in pipe.replica_cells]
+    devices = [memory_model.predict(profiles, cells, batch / m, m, pipe.params.schedule, shards,
+                                    working) for cells in replicas]
+    if working is not None:
+        measured = 'backward working sets measured'
+    elif not memory_stats.allocator_devices([pipe.replica_cells[0][0].device]):
+        measured = ('backward working sets estimated from layer outputs: the cells run in '
+                    'other processes, whose allocators this one cannot read')
+    else:
+        measured = ('backward working sets estimated from layer outputs: the allocator keeps '
+                    'no statistics (TF_CPU_ALLOCATOR_USE_BFC=true on CPUs)')
+    sharded = f', optimizer slots sharded over {shards}' if shards > 1 else ''
     print(f'predicted memory per device (one training step of the configured pipeline, '
-          f'model state and activations{sharded}):')
-    for replica in devices:
-        for device in replica:
+          f'model state and activations{sharded}; {measured}):')
+    for replica_devices in devices:
+        for device in replica_devices:
             print(f'  {device.describe()}')
-    total = sum(d.total for replica in devices for d in replica)
-    print(f'  all devices {_mib(total)}')
+    print(f'  all devices {_mib(sum(d.total for r in devices for d in r))}')
+    hosts = memory_stats.allocator_devices(c.device for cells in replicas for c in cells)
+    if hosts != ['CPU:0']:
+        return
+    input_bytes = working_memory.input_pipeline_bytes(params.input.train)
+    if input_bytes is None:
+        return
+    cells = [mem for cells in replicas
+             for mem in memory_model.cell_memory(profiles, cells, batch / m, shards, working)]
+    held = [memory_model.in_flight(pipe.params.schedule, len(layouts), k % len(layouts), m)
+            * mem.stash for k, mem in enumerate(cells)]
+    # Backwards at once: no more than the cores run, nor than micro-batches (cell k's
+    # backward on a micro-batch waits for cell k+1's on the same one).
+    parallelism = min(m, planner.local_parallelism(
+        tf.config.threading.get_intra_op_parallelism_threads()))
+    peak = memory_model.host_peak(cells, held, parallelism, input_bytes)
+    print(f'  host allocator (every logical CPU, and the input pipeline\'s {_mib(input_bytes)} '
+          f'of buffers; {parallelism:g} backward tasks at once): peak {_mib(peak)}')
 
 
 CALIBRATION_STEPS = 5
@@ -321,8 +353,7 @@ def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[f
           f'schedule={best.schedule}: predicted {1e3 * best.step_time:.2f} ms/step, bubble '
           f'{best.bubble:.2f}, peak {_mib(max(best.peak_bytes))}')
     print(best.shell_flag())
-    print_memory_prediction(task.pipe, profiles, batch_size // task.pipe.num_replicas,
-                            slot_shards(params))
+    print_memory_prediction(params, task, profiles)
     if logdir:
         os.makedirs(logdir, exist_ok=True)
         gin_path = os.path.join(logdir, PLAN_GIN_FILE)

@@ -7,21 +7,29 @@ A device holds, for the cells placed on it:
                   one set, not one per micro-batch: docs/memory.md);
   optimizer slots the optimizer's state per weight (Adam's two moments: twice the
                   weights), divided by R when the slots are sharded over R replicas;
-  activations     the micro-batches in flight between their forward and backward:
-                  a recomputing cell keeps only its input per micro-batch, plus one
-                  micro-batch's layer outputs while its backward recomputes them; a
-                  cell that does not recompute keeps every layer's output per
-                  micro-batch. fill_drain has all M micro-batches in flight on every
-                  cell; the other schedules at most K - k on cell k (1F1B's bound).
+  held            the micro-batches in flight between their forward and backward:
+                  a recomputing cell keeps only its input per micro-batch, a cell
+                  that does not recompute keeps every layer's output. fill_drain
+                  has all M micro-batches in flight on every cell; the other
+                  schedules at most K - k on cell k (1F1B's bound);
+  working set     what one backward task holds while it runs: the recomputed
+                  forward's saved tensors and the gradients in flight. It is
+                  measured per cell (tfpipe/tuning/working_memory.py) when the
+                  allocator keeps statistics; without them it is estimated as one
+                  micro-batch's layer outputs, which misses every tensor inside a
+                  layer (AmoebaNet's cells hold 5-10x their outputs).
 
-The layer sizes come from `profile.LayerProfile` (measured on a real batch), so
-this module only adds them up; it predicts the peak as if every part peaked at
-once, which the measured peak (tfpipe/memory_stats.py) bounds from below.
+`predict` gives each device's peak as if the device had its own allocator (a GPU):
+its state plus its fullest moment, the first backward. Logical CPUs share the
+host's allocator and its cores, so `host_peak` adds every device's state, the input
+pipeline's buffers and the held micro-batches, but the working sets of only as many
+backward tasks as run at once on the host's cores.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import heapq
+from typing import Optional, Sequence
 
 from tfpipe.tuning.profile import LayerProfile
 
@@ -37,6 +45,17 @@ class CellLayout:
 
 
 @dataclasses.dataclass(frozen=True)
+class CellMemory:
+    """One cell's bytes: `static` all step, `stash` per micro-batch in flight, `working`
+    while one of its backward tasks runs."""
+
+    device: str
+    static: float
+    stash: float
+    working: float
+
+
+@dataclasses.dataclass(frozen=True)
 class DeviceMemory:
     """Predicted bytes on one device."""
 
@@ -44,7 +63,12 @@ class DeviceMemory:
     weights: float
     gradient_sums: float
     slots: float
-    activations: float
+    held: float
+    working: float
+
+    @property
+    def activations(self) -> float:
+        return self.held + self.working
 
     @property
     def total(self) -> float:
@@ -52,10 +76,11 @@ class DeviceMemory:
 
     def describe(self) -> str:
         mib = 2 ** 20
-        return (f'{self.device}: weights {self.weights / mib:.1f} MiB  gradient sums '
-                f'{self.gradient_sums / mib:.1f} MiB  optimizer slots {self.slots / mib:.1f} '
-                f'MiB  activations {self.activations / mib:.1f} MiB  total '
-                f'{self.total / mib:.1f} MiB')
+        return (f'{self.device}: weights {self.weights / mib:.2f} MiB  gradient sums '
+                f'{self.gradient_sums / mib:.2f} MiB  optimizer slots {self.slots / mib:.2f} '
+                f'MiB  activations {self.activations / mib:.2f} MiB (held micro-batches '
+                f'{self.held / mib:.2f}, backward working set {self.working / mib:.2f})  total '
+                f'{self.total / mib:.2f} MiB')
 
 
 def in_flight(schedule: str, num_cells: int, cell: int, num_micro_batches: int) -> int:
@@ -65,26 +90,66 @@ def in_flight(schedule: str, num_cells: int, cell: int, num_micro_batches: int) 
     return min(num_micro_batches, num_cells - cell)
 
 
-def predict(profiles: Sequence[LayerProfile], cells: Sequence[CellLayout],
-            micro_batch_size: float, num_micro_batches: int, schedule: str,
-            slot_shards: int = 1) -> list[DeviceMemory]:
-    """Bytes per device (in the order devices first appear among `cells`) of one
-    replica's training step. `slot_shards` = R when the optimizer slots are sharded
-    over R replicas (each keeps 1/R), else 1."""
-    totals: dict[str, list[float]] = {}
+def cell_memory(profiles: Sequence[LayerProfile], cells: Sequence[CellLayout],
+                micro_batch_size: float, slot_shards: int = 1,
+                working_bytes: Optional[Sequence[float]] = None) -> list[CellMemory]:
+    """Each cell's static, stash and working bytes.
+
+    `working_bytes[k]`: cell k's measured forward + backward peak on one micro-batch
+    (working_memory.cell_working_bytes). It includes the saved activations that a
+    cell without recompute already stashes, so those are taken out of it once.
+    """
+    out = []
     for k, cell in enumerate(cells):
         layers = profiles[cell.start:cell.stop]
         weights = sum(p.param_bytes for p in layers)
+        static = 2 * weights + sum(p.slot_bytes for p in layers) / slot_shards
         outputs = micro_batch_size * sum(p.output_bytes_per_example for p in layers)
-        held = in_flight(schedule, len(cells), k, num_micro_batches)
         if cell.recompute:
-            inputs = micro_batch_size * layers[0].input_bytes_per_example if layers else 0.0
-            activations = held * inputs + outputs
+            stash = micro_batch_size * layers[0].input_bytes_per_example if layers else 0.0
+            working = outputs if working_bytes is None else working_bytes[k]
         else:
-            activations = held * outputs
-        parts = totals.setdefault(cell.device, [0.0] * 4)
+            stash = outputs
+            working = 0.0 if working_bytes is None else max(working_bytes[k] - outputs, 0.0)
+        out.append(CellMemory(cell.device, static, stash, working))
+    return out
+
+
+def predict(profiles: Sequence[LayerProfile], cells: Sequence[CellLayout],
+            micro_batch_size: float, num_micro_batches: int, schedule: str,
+            slot_shards: int = 1,
+            working_bytes: Optional[Sequence[float]] = None) -> list[DeviceMemory]:
+    """Bytes per device (in the order devices first appear among `cells`) of one
+    replica's training step. `slot_shards` = R when the optimizer slots are sharded
+    over R replicas (each keeps 1/R), else 1. `working_bytes`: see `cell_memory`."""
+    totals: dict[str, list[float]] = {}
+    memory = cell_memory(profiles, cells, micro_batch_size, slot_shards, working_bytes)
+    for k, (cell, mem) in enumerate(zip(cells, memory)):
+        layers = profiles[cell.start:cell.stop]
+        weights = sum(p.param_bytes for p in layers)
+        held = in_flight(schedule, len(cells), k, num_micro_batches) * mem.stash
+        parts = totals.setdefault(cell.device, [0.0] * 5)
         for i, value in enumerate((weights, weights,
                                    sum(p.slot_bytes for p in layers) / slot_shards,
-                                   activations)):
+                                   held, mem.working)):
             parts[i] += value
     return [DeviceMemory(device, *parts) for device, parts in totals.items()]
+
+
+def host_peak(memory: Sequence[CellMemory], held: Sequence[float], parallelism: float,
+              input_bytes: float = 0.0) -> float:
+    """Peak bytes of one allocator shared by the cells `memory` (logical CPUs of one
+    host, every replica's cells): their static bytes, the input pipeline's
+    `input_bytes`, every cell's `held` bytes at their fullest, and the working sets of
+    the `parallelism` largest cells at once: as many backward tasks as run side by side
+    (no more than the host's cores, nor than the micro-batches, since cell k's backward
+    on a micro-batch waits for cell k+1's on the same one: the caller's bound).
+
+    Playing the schedule's ticks instead would be exact only if tasks took equal
+    time; a backward that recomputes takes about three forwards, so the backwards of
+    neighbouring cells overlap in 1F1B as much as in fill-drain (measured: 0.71x of
+    the peak predicted by ticks for the Transformer's 1F1B, 0.92x by this bound).
+    """
+    slots = max(1, int(parallelism))
+    return (input_bytes + sum(m.static for m in memory) + sum(held)
+            + sum(heapq.nlargest(slots, (m.working for m in memory))))

@@ -101,11 +101,9 @@ def slot_bytes_of(optimizer: Optional[Params], variables: Sequence[tf.Variable])
     return float(total)
 
 
-def _timings(apply: Callable[[Any, Any], Any], theta: Any, x: Any, sizes: Sequence[int],
-             repeats: int) -> tuple[list[float], list[float]]:
-    """Forward and backward seconds of `apply(theta, x[:b])` for each b, call overhead removed."""
-    fwd = tf.function(apply)
-
+def forward_backward(apply: Callable[[Any, Any], Any]) -> Callable[[Any, Any], tuple]:
+    """A tf.function (theta, x) -> (gradients of theta and of x's float leaves, output):
+    `apply`'s backward with every output's gradient one, as a cell's backward runs."""
     @tf.function
     def fwd_bwd(theta, v):
         leaves = float_leaves(v) + tf.nest.flatten(theta)
@@ -116,8 +114,15 @@ def _timings(apply: Callable[[Any, Any], Any], theta: Any, x: Any, sizes: Sequen
         grads = tape.gradient(outs, leaves, output_gradients=[tf.ones_like(o) for o in outs],
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
         # Embedding lookups give IndexedSlices; the pipeline densifies them too.
-        return [tf.convert_to_tensor(g) for g in grads]
+        return [tf.convert_to_tensor(g) for g in grads], y
+    return fwd_bwd
 
+
+def _timings(apply: Callable[[Any, Any], Any], theta: Any, x: Any, sizes: Sequence[int],
+             repeats: int) -> tuple[list[float], list[float]]:
+    """Forward and backward seconds of `apply(theta, x[:b])` for each b, call overhead removed."""
+    fwd = tf.function(apply)
+    fwd_bwd = forward_backward(apply)
     f_times, b_times = [], []
     for b in sizes:
         xb = tf.nest.map_structure(lambda t, b=b: t[:b], x)

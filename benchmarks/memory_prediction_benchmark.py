@@ -1,0 +1,83 @@
+"""tfpipe memory prediction benchmark: the host peak inspect_model predicts, against the
+peak the trainer measures.
+
+For each model (and params overrides), in fresh processes with the BFC allocator:
+`--mode=inspect_model` prints the predicted peak of the host's allocator (the
+logical CPUs share it), and the trainer (`--job=trainer`, the training step alone:
+evaler and decoder threads in the same process add their own) prints the measured
+peak on its progress line. Prints both and their ratio.
+
+Run (from the repository root; about 30 s per configuration):
+    PYTHONPATH=. python benchmarks/memory_prediction_benchmark.py
+    PYTHONPATH=. python benchmarks/memory_prediction_benchmark.py --configs=default
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+_PREDICTED = re.compile(r'host allocator .*: peak ([\d.]+) MiB')
+_MEASURED = re.compile(r'peak CPU:0 ([\d.]+) MiB')
+AMOEBA = 'image.shapes.AmoebaNetPipe'
+TRANSFORMER = 'mt.reverse.TransformerPipe'
+CONFIGS = {
+    'default': [(AMOEBA, ''), (TRANSFORMER, '')],
+    'all': [(AMOEBA, ''), (TRANSFORMER, ''),
+            (AMOEBA, 'task.pipeline.num_micro_batches=1'),
+            (AMOEBA, 'task.pipeline.num_micro_batches=8'),
+            (AMOEBA, 'task.pipeline.schedule=1f1b'),
+            (AMOEBA, 'task.pipeline.num_cells=2'),
+            (AMOEBA, 'task.pipeline.num_micro_batches=2'),
+            (TRANSFORMER, 'task.pipeline.num_micro_batches=1'),
+            (TRANSFORMER, 'task.pipeline.schedule=1f1b')],
+}
+
+
+def run_trainer(model: str, override: str, data_dir: str, *flags: str) -> str:
+    """The trainer binary's stderr (its log) in a fresh logdir; raises on failure."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', TF_CPU_ALLOCATOR_USE_BFC='true',
+               PYTHONPATH=repo + os.pathsep + os.environ.get('PYTHONPATH', ''))
+    with tempfile.TemporaryDirectory() as logdir:
+        result = subprocess.run(
+            [sys.executable, '-m', 'trainer', f'--model={model}', f'--logdir={logdir}',
+             f'--tfds_data_dir={data_dir}', '--run_locally=cpu',
+             f'--params_override={override}', *flags],
+            env=env, cwd=repo, capture_output=True, text=True, timeout=1800)
+    if result.returncode != 0:
+        raise RuntimeError(result.stderr[-3000:])
+    return result.stdout + result.stderr
+
+
+def predicted_and_measured(model: str, override: str, data_dir: str,
+                           steps: int) -> tuple[float, float]:
+    """(inspect_model's predicted host peak, the trainer's measured peak) in MiB."""
+    predicted = _PREDICTED.findall(run_trainer(model, override, data_dir,
+                                               '--mode=inspect_model'))
+    measured = _MEASURED.findall(run_trainer(model, override, data_dir, '--job=trainer',
+                                             f'--max_steps={steps}'))
+    return float(predicted[-1]), float(measured[-1])
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    ap.add_argument('--configs', choices=sorted(CONFIGS), default='all')
+    ap.add_argument('--steps', type=int, default=20)
+    args = ap.parse_args(argv)
+    from tfpipe import datasets
+    with tempfile.TemporaryDirectory() as data_dir:
+        for name in ('tfpipe_shapes', 'tfpipe_reverse'):
+            datasets.prepare(name, data_dir)
+        print(f'{"model":28s} {"overrides":38s} predicted  measured  predicted/measured')
+        for model, override in CONFIGS[args.configs]:
+            predicted, measured = predicted_and_measured(model, override, data_dir, args.steps)
+            print(f'{model:28s} {override or "-":38s} {predicted:6.2f} MiB {measured:6.2f} MiB'
+                  f'  {predicted / measured:.3f}', flush=True)
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,102 @@
+"""Measured memory of what a training step holds beyond the model's state.
+
+Two things the model's sizes cannot tell, measured with the allocator's own
+statistics (`tf.config.experimental.get_memory_info`: the BFC allocator on CPUs,
+which the trainer turns on, and every GPU):
+
+- a cell's working set: the bytes its forward + backward on one micro-batch holds
+  at its fullest. With recompute, a cell's backward replays the forward and keeps
+  every tensor the gradients need, inside the layers too (a separable convolution's
+  intermediates, attention's probabilities), which the layers' outputs understate
+  several times over;
+- the input pipeline's resident bytes: its shuffle buffer and prefetched batches,
+  which live on the host as long as the iterator does.
+
+Each returns None when the allocator keeps no statistics, so callers can fall back
+to an estimate and say so.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Optional, Sequence
+
+import tensorflow as tf
+
+from tfpipe import fprop_context
+from tfpipe.hyperparams import Params
+from tfpipe.memory_stats import allocator_devices
+from tfpipe.tuning.profile import forward_backward
+
+SETTLE_SECONDS = 0.05  # between looks at the allocator while prefetch threads fill
+SETTLE_LOOKS = 40
+
+
+def _allocator(device: str) -> Optional[str]:
+    names = allocator_devices([device])
+    if not names:
+        return None
+    try:
+        info = tf.config.experimental.get_memory_info(names[0])
+    except (ValueError, tf.errors.InvalidArgumentError):
+        return None
+    return names[0] if info['peak'] > 0 or info['current'] > 0 else None
+
+
+def _current(allocator: str) -> int:
+    return int(tf.config.experimental.get_memory_info(allocator)['current'])
+
+
+def cell_working_bytes(cells: Sequence[Any], theta: dict, inputs: Any,
+                       num_micro_batches: int, repeats: int = 3) -> Optional[list[float]]:
+    """Per cell: peak bytes of its forward + backward on one micro-batch of `inputs`,
+    above what was allocated before the call (the fewest of `repeats` calls after a
+    warm-up: other threads only add).
+
+    Training mode with batch statistics discarded, as the profiler runs, so
+    measuring changes nothing. Each cell gets the previous cell's output.
+    """
+    allocator = _allocator(cells[0].device)
+    if allocator is None:
+        return None
+    x = tf.nest.map_structure(lambda t: t[:t.shape[0] // num_micro_batches], inputs)
+    working = []
+    sink = fprop_context.BatchStatsSink(discard=True)
+    with fprop_context.scope(training=True, step=tf.constant(0, tf.int64), batch_stats=sink):
+        for cell in cells:
+            step = forward_backward(lambda th, v, cell=cell: cell.forward(th, v))
+            cell_theta = cell.read_theta(theta)
+            with tf.device(cell.device):
+                _, y = step(cell_theta, x)  # traces and warms up
+                peaks = []
+                for _ in range(repeats):
+                    tf.config.experimental.reset_memory_stats(allocator)
+                    before = _current(allocator)
+                    outputs = step(cell_theta, x)
+                    peaks.append(tf.config.experimental.get_memory_info(allocator)['peak']
+                                 - before)
+                    del outputs
+            working.append(float(min(peaks)))
+            x = y
+    return working
+
+
+def input_pipeline_bytes(input_params: Params, device: str = 'CPU:0') -> Optional[float]:
+    """Bytes the training input holds once it runs: its iterator after a few batches
+    (shuffle buffer full, prefetch buffer refilled), holding the last batch as the
+    trainer does. None without allocator statistics for `device`'s host."""
+    allocator = _allocator(device)
+    if allocator is None:
+        return None
+    before = _current(allocator)
+    iterator = input_params.Instantiate().Iterator()
+    for _ in range(3):
+        batch = next(iterator)
+    now, looks = _current(allocator), 0
+    while looks < SETTLE_LOOKS:  # prefetch threads fill their buffer after next() returns
+        time.sleep(SETTLE_SECONDS)
+        later = _current(allocator)
+        if later == now:
+            break
+        now, looks = later, looks + 1
+    del batch, iterator
+    return float(now - before)
