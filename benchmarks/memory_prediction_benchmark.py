@@ -33,7 +33,9 @@ CONFIGS = {
             (AMOEBA, 'task.pipeline.num_cells=2'),
             (AMOEBA, 'task.pipeline.num_micro_batches=2'),
             (TRANSFORMER, 'task.pipeline.num_micro_batches=1'),
-            (TRANSFORMER, 'task.pipeline.schedule=1f1b')],
+            (TRANSFORMER, 'task.pipeline.schedule=1f1b'),
+            (AMOEBA, "task.fprop_dtype='bfloat16'"),
+            ('lm.pystdlib.TinyTransformerLM', '')],
 }
 
 

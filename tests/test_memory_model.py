@@ -81,3 +81,13 @@ def test_cell_memory_divides_sharded_slots_and_keeps_two_copies_of_the_weights()
     (c0, c1) = memory_model.cell_memory(PROFILES, cells(), 4, slot_shards=2)
     assert (c0.static, c1.static) == (2 * 200 + 400 / 2, 2 * 100 + 200 / 2)
     assert (c0.stash, c1.stash) == (4 * 3.0, 4 * 5.0)
+
+
+def test_measured_cell_inputs_replace_the_profiled_float32_ones_when_recomputing():
+    # bfloat16 halves what a recomputing cell holds per micro-batch; the profile is float32.
+    (d0, _) = memory_model.predict(PROFILES, cells(recompute=True), 4, 3, 'fill_drain',
+                                   working_bytes=[500.0, 90.0], input_bytes=[6.0, 10.0])
+    assert d0.held == 3 * 6.0
+    (d0, _) = memory_model.predict(PROFILES, cells(recompute=False), 4, 3, 'fill_drain',
+                                   working_bytes=[500.0, 90.0], input_bytes=[6.0, 10.0])
+    assert d0.held == 3 * 4 * (7.0 + 5.0)  # outputs kept, not inputs

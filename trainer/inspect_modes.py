@@ -98,13 +98,17 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
     shards = slot_shards(params)
     sample, _ = _sample_inputs(params, task)
     replica = tf.nest.map_structure(lambda t: t[:batch], sample)
-    working = working_memory.cell_working_bytes(pipe.replica_cells[0], pipe.theta, replica, m)
+    measured_cells = working_memory.measure_cells(pipe.replica_cells[0], pipe.theta, replica, m)
+    working = inputs = None
+    if measured_cells is not None:
+        working = [c.working for c in measured_cells]
+        inputs = [c.input_bytes for c in measured_cells]
     layouts = [memory_model.CellLayout(cell.device, start, stop, cell.recompute)
                for cell, (start, stop) in zip(pipe.replica_cells[0], cell_ranges(pipe.balance))]
     replicas = [[dataclasses.replace(c, device=cell.device) for c, cell in zip(layouts, cells)]
                 for cells in pipe.replica_cells]
     devices = [memory_model.predict(profiles, cells, batch / m, m, pipe.params.schedule, shards,
-                                    working) for cells in replicas]
+                                    working, inputs) for cells in replicas]
     if working is not None:
         measured = 'backward working sets measured'
     elif not memory_stats.allocator_devices([pipe.replica_cells[0][0].device]):
@@ -127,7 +131,8 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
     if input_bytes is None:
         return
     cells = [mem for cells in replicas
-             for mem in memory_model.cell_memory(profiles, cells, batch / m, shards, working)]
+             for mem in memory_model.cell_memory(profiles, cells, batch / m, shards, working,
+                                                 inputs)]
     held = [memory_model.in_flight(pipe.params.schedule, len(layouts), k % len(layouts), m)
             * mem.stash for k, mem in enumerate(cells)]
     # Backwards at once: no more than the cores run, nor than micro-batches (cell k's

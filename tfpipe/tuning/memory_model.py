@@ -92,12 +92,15 @@ def in_flight(schedule: str, num_cells: int, cell: int, num_micro_batches: int) 
 
 def cell_memory(profiles: Sequence[LayerProfile], cells: Sequence[CellLayout],
                 micro_batch_size: float, slot_shards: int = 1,
-                working_bytes: Optional[Sequence[float]] = None) -> list[CellMemory]:
+                working_bytes: Optional[Sequence[float]] = None,
+                input_bytes: Optional[Sequence[float]] = None) -> list[CellMemory]:
     """Each cell's static, stash and working bytes.
 
     `working_bytes[k]`: cell k's measured forward + backward peak on one micro-batch
-    (working_memory.cell_working_bytes). It includes the saved activations that a
-    cell without recompute already stashes, so those are taken out of it once.
+    (working_memory.measure_cells). It includes the saved activations that a cell
+    without recompute already stashes, so those are taken out of it once.
+    `input_bytes[k]`: cell k's measured input per micro-batch, in the compute dtype;
+    else the profiled layer's (float32).
     """
     out = []
     for k, cell in enumerate(cells):
@@ -106,7 +109,10 @@ def cell_memory(profiles: Sequence[LayerProfile], cells: Sequence[CellLayout],
         static = 2 * weights + sum(p.slot_bytes for p in layers) / slot_shards
         outputs = micro_batch_size * sum(p.output_bytes_per_example for p in layers)
         if cell.recompute:
-            stash = micro_batch_size * layers[0].input_bytes_per_example if layers else 0.0
+            if input_bytes is not None:
+                stash = input_bytes[k]
+            else:
+                stash = micro_batch_size * layers[0].input_bytes_per_example if layers else 0.0
             working = outputs if working_bytes is None else working_bytes[k]
         else:
             stash = outputs
@@ -117,13 +123,15 @@ def cell_memory(profiles: Sequence[LayerProfile], cells: Sequence[CellLayout],
 
 def predict(profiles: Sequence[LayerProfile], cells: Sequence[CellLayout],
             micro_batch_size: float, num_micro_batches: int, schedule: str,
-            slot_shards: int = 1,
-            working_bytes: Optional[Sequence[float]] = None) -> list[DeviceMemory]:
+            slot_shards: int = 1, working_bytes: Optional[Sequence[float]] = None,
+            input_bytes: Optional[Sequence[float]] = None) -> list[DeviceMemory]:
     """Bytes per device (in the order devices first appear among `cells`) of one
     replica's training step. `slot_shards` = R when the optimizer slots are sharded
-    over R replicas (each keeps 1/R), else 1. `working_bytes`: see `cell_memory`."""
+    over R replicas (each keeps 1/R), else 1. `working_bytes`, `input_bytes`: measured
+    per cell, see `cell_memory`."""
     totals: dict[str, list[float]] = {}
-    memory = cell_memory(profiles, cells, micro_batch_size, slot_shards, working_bytes)
+    memory = cell_memory(profiles, cells, micro_batch_size, slot_shards, working_bytes,
+                         input_bytes)
     for k, (cell, mem) in enumerate(zip(cells, memory)):
         layers = profiles[cell.start:cell.stop]
         weights = sum(p.param_bytes for p in layers)

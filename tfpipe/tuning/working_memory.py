@@ -17,6 +17,7 @@ to an estimate and say so.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Optional, Sequence
 
@@ -46,11 +47,21 @@ def _current(allocator: str) -> int:
     return int(tf.config.experimental.get_memory_info(allocator)['current'])
 
 
-def cell_working_bytes(cells: Sequence[Any], theta: dict, inputs: Any,
-                       num_micro_batches: int, repeats: int = 3) -> Optional[list[float]]:
-    """Per cell: peak bytes of its forward + backward on one micro-batch of `inputs`,
-    above what was allocated before the call (the fewest of `repeats` calls after a
-    warm-up: other threads only add).
+@dataclasses.dataclass(frozen=True)
+class CellMeasurement:
+    """One cell on one micro-batch: `working` bytes of its forward + backward at their
+    fullest, and `input_bytes`, what a recomputing cell keeps per micro-batch in flight
+    (in the compute dtype: bfloat16 halves it, which layer profiles in float32 miss)."""
+
+    working: float
+    input_bytes: float
+
+
+def measure_cells(cells: Sequence[Any], theta: dict, inputs: Any, num_micro_batches: int,
+                  repeats: int = 3) -> Optional[list[CellMeasurement]]:
+    """Per cell: the peak bytes of its forward + backward on one micro-batch of
+    `inputs` above what was allocated before the call (the fewest of `repeats` calls
+    after a warm-up: other threads only add), and the bytes of that cell's input.
 
     Training mode with batch statistics discarded, as the profiler runs, so
     measuring changes nothing. Each cell gets the previous cell's output.
@@ -75,9 +86,13 @@ def cell_working_bytes(cells: Sequence[Any], theta: dict, inputs: Any,
                     peaks.append(tf.config.experimental.get_memory_info(allocator)['peak']
                                  - before)
                     del outputs
-            working.append(float(min(peaks)))
+            working.append(CellMeasurement(float(min(peaks)), _num_bytes(x)))
             x = y
     return working
+
+
+def _num_bytes(struct: Any) -> float:
+    return float(sum(t.shape.num_elements() * t.dtype.size for t in tf.nest.flatten(struct)))
 
 
 def input_pipeline_bytes(input_params: Params, device: str = 'CPU:0') -> Optional[float]:
