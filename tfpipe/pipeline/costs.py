@@ -44,7 +44,9 @@ def by_memory(body: Sequence[Params], input_shape: Any, bytes_per_element: int =
 
 
 def by_time(body: Sequence[Params], sample: Any, device: str, repeats: int = 5) -> list[float]:
-    """Median wall time of each layer's forward on `sample`, in eval mode."""
+    """Fastest wall time of each layer's forward on `sample`, in eval mode: other
+    processes' load only slows a call down, so on a shared machine the fastest of a few
+    calls is the steadiest estimate of the layer's own cost."""
     from tfpipe.layers.composite import Sequential  # local: composite imports base_layer only
 
     with tf.device(device):
@@ -60,7 +62,7 @@ def by_time(body: Sequence[Params], sample: Any, device: str, repeats: int = 5) 
                     start = time.perf_counter()
                     tf.nest.map_structure(lambda t: t.numpy(), fn(layer.theta, x))
                     times.append(time.perf_counter() - start)
-                costs.append(float(np.median(times)))
+                costs.append(float(np.min(times)))
                 x = y
     return costs
 
