@@ -10,21 +10,19 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 from tensorflow.core.protobuf import saved_model_pb2
 
-from tests import trainer_helpers as th
+from tests import export_helpers, trainer_helpers as th
+from tests.export_helpers import SAVED_MODEL_CLI
 from tfpipe import checkpoints, export, fprop_context
 from tfpipe.tasks.base_task import BaseTask
 from tfpipe.tasks.classifier import ImageClassifier
 from trainer import eval_jobs, experiment, export_mode
 
-SERVE_SCRIPT = os.path.join(th.REPO, 'tests', 'serve_without_tfpipe.py')
-SAVED_MODEL_CLI = os.path.join(os.path.dirname(sys.executable), 'saved_model_cli')
 REVERSE = 'mt.reverse.TransformerPipe'
 AMOEBA = 'image.shapes.AmoebaNetPipe'
 K2_M2 = {'task.pipeline.num_micro_batches': 2}  # SmallConvPipe is K=2, M=2 already
@@ -56,20 +54,6 @@ def _train(directory, model, data_dir, overrides) -> th.TrainedRun:
     return th.TrainedRun(logdir, result.stderr)
 
 
-def _serve(saved_model: str, inputs: dict, tmp_path) -> dict:
-    """The serving_default outputs, computed in a process that cannot import tfpipe."""
-    in_path, out_path = str(tmp_path / 'inputs.npz'), str(tmp_path / 'outputs.npz')
-    np.savez(in_path, **inputs)
-    env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
-    env['TF_CPP_MIN_LOG_LEVEL'] = '2'
-    result = subprocess.run([sys.executable, SERVE_SCRIPT, saved_model, 'serving_default',
-                             in_path, out_path], cwd=str(tmp_path), env=env,
-                            capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stderr[-3000:] + result.stdout
-    assert 'tfpipe modules loaded: []' in result.stdout
-    return dict(np.load(out_path))
-
-
 def _eval_batch(job) -> dict:
     return next(iter(job._batches(job.task.params.eval.samples_per_summary)))
 
@@ -92,7 +76,7 @@ def _check_classifier(saved_model, model, logdir, data_dir, step, tmp_path, over
         with fprop_context.evaluation():
             return tf.nn.softmax(task.ComputePredictions(task.theta, b))
     expected = evaler_probabilities(batch).numpy()[batch['weight'].numpy() > 0]
-    got = _serve(saved_model, {'image': _real(batch, 'image')}, tmp_path)
+    got = export_helpers.serve(saved_model, {'image': _real(batch, 'image')}, tmp_path)
     np.testing.assert_allclose(got['probabilities'], expected, rtol=TOL, atol=TOL)
     np.testing.assert_array_equal(got['classes'], expected.argmax(-1))
     labels = _real(batch, 'label')
@@ -205,7 +189,7 @@ def test_reverse_export_decodes_as_the_decoder(reverse_decoded, data_dir, tmp_pa
                 '/job:localhost/replica:0/task:0/device:CPU:1'} <= devices
     else:
         assert devices == {''}
-    got = _serve(path, {'src': src}, tmp_path)  # in a process with one CPU device
+    got = export_helpers.serve(path, {'src': src}, tmp_path)  # in a process with one CPU device
     np.testing.assert_array_equal(got['ids'], expected)
 
 

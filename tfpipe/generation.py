@@ -122,11 +122,36 @@ class Generator:
             ids, start = token[:, None], start + ids.shape[1]
         return tf.stack(tokens, 1), tf.stack(log_probs, 1)
 
+    def generate_in_graph(self, theta: dict, prompt: tf.Tensor, num_new: tf.Tensor
+                          ) -> tuple[tf.Tensor, tf.Tensor]:
+        """Greedy `generate` for a traced function whose batch, prompt length and
+        `num_new` are tensors (a SavedModel's signature): the cached steps run in a
+        tf.while_loop, so the graph does not grow with the number of tokens.
+
+        The caller checks `prompt length + num_new <= context` (in the graph: an op
+        that fails the request); the tokens equal `generate`'s (same steps, same choice).
+        """
+        greedy = Sampling()
+        caches = self.init_caches(tf.shape(prompt)[0])
+        token, log_prob, caches = self._cached_step(theta, prompt, tf.constant(0), caches,
+                                                    greedy, tf.constant(0))
+        tokens = tf.TensorArray(tf.int32, size=num_new).write(0, token)
+        log_probs = tf.TensorArray(log_prob.dtype, size=num_new).write(0, log_prob)
+        start = tf.shape(prompt)[1] - 1  # the position of new token i is start + i
+
+        def step(i, token, caches, tokens, log_probs):
+            token, log_prob, caches = self._cached_step(theta, token[:, None], start + i,
+                                                        caches, greedy, i)
+            return i + 1, token, caches, tokens.write(i, token), log_probs.write(i, log_prob)
+        _, _, _, tokens, log_probs = tf.while_loop(
+            lambda i, *_: i < num_new, step, (tf.constant(1), token, caches, tokens, log_probs))
+        return tf.transpose(tokens.stack()), tf.transpose(log_probs.stack())
+
     def _cached_step(self, theta: dict, ids: tf.Tensor, start: tf.Tensor, caches: list[dict],
                      sampling: Sampling, index: tf.Tensor):
         """The new `ids` [b, n] at positions start.. through every cell against the caches;
         (the next token, its log-prob, the updated caches)."""
-        b, n = ids.shape
+        b, n = tf.shape(ids)[0], tf.shape(ids)[1]  # dynamic in a served SavedModel
         act = {'x': ids, 'segment_ids': tf.ones_like(ids),
                'positions': tf.tile((start + tf.range(n))[None, :], [b, 1])}
         new_caches = []

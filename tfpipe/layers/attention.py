@@ -17,10 +17,10 @@ from tfpipe.layers.dropout import Dropout
 from tfpipe.layers.normalization import LayerNorm
 
 
-def _batch_size(x: tf.Tensor):
-    """The static batch size, or the runtime one for a served batch of any size
-    (tfpipe/export.py); the pipeline's batches always have a static size."""
-    return x.shape[0] if x.shape[0] is not None else tf.shape(x)[0]
+def _size(x: tf.Tensor, axis: int):
+    """The static size of `axis`, or the runtime one for a served request of any batch
+    and length (tfpipe/export.py); the pipeline's batches always have static sizes."""
+    return x.shape[axis] if x.shape[axis] is not None else tf.shape(x)[axis]
 
 
 class MultiHeadAttention(BaseLayer):
@@ -52,7 +52,7 @@ class MultiHeadAttention(BaseLayer):
     def _Heads(self, theta, x, name):
         """Projection `name` of x [b, t, model_dim] as [b, heads, t, head_dim]."""
         p = self.params
-        b, t = _batch_size(x), x.shape[1]
+        b, t = _size(x, 0), _size(x, 1)
         y = self.children[name].FProp(theta[name], x)
         return tf.transpose(tf.reshape(y, [b, t, p.num_heads, p.model_dim // p.num_heads]),
                             [0, 2, 1, 3])
@@ -60,7 +60,7 @@ class MultiHeadAttention(BaseLayer):
     def _Attend(self, theta, q, k, v, allowed):
         """Softmax(q k^T / sqrt(d)) v where `allowed` (bool, broadcast to [b, h, tq, tk])."""
         p = self.params
-        b, t = _batch_size(q), q.shape[2]
+        b, t = _size(q, 0), _size(q, 2)
         logits = tf.matmul(q, k, transpose_b=True) / math.sqrt(p.model_dim // p.num_heads)
         if allowed is not None:
             logits = tf.where(allowed, logits, tf.constant(-1e9, logits.dtype))
@@ -74,7 +74,7 @@ class MultiHeadAttention(BaseLayer):
         (packed documents); None: the whole row is one segment."""
         p = self.params
         check_last_dim(self, x, p.model_dim, 'model_dim')
-        t = x.shape[1]
+        t = _size(x, 1)
         allowed = None
         if p.causal:
             allowed = tf.linalg.band_part(tf.ones([t, t], tf.bool), -1, 0)

@@ -19,7 +19,7 @@ import tensorflow as tf
 from tfpipe import generation, inputs
 from tfpipe.hyperparams import Params
 from tfpipe.lm_inputs import EOD_ID
-from tfpipe.tasks.base_task import BaseTask
+from tfpipe.tasks.base_task import BaseTask, ServingSignature
 
 
 def decoding_params() -> Params:
@@ -113,6 +113,56 @@ class LanguageModel(BaseTask):
         return {'prompt': prompt, 'reference': batch['targets'][:, d.prompt_length - 1:end - 1],
                 'greedy': greedy, 'greedy_log_probs': greedy_lp, 'sampled': sampled,
                 'sampled_log_probs': sampled_lp}
+
+    def ServingSignatures(self, features):
+        """Both take a document's tokens without its start: the model saw every
+        document as [EOD_ID, t1, t2, ..], so the signatures put EOD_ID in front.
+
+        serving_default: ids int32 [batch, T] (T <= context) -> log_probs float32
+        [batch, T], log p(t_i | document start, t_1..t_{i-1}) for every i. Causal, so
+        padding after a row's last token changes none of its earlier values.
+
+        generate: prompt int32 [batch, P] (P may be 0) and num_new_tokens int32 []
+        (>= 1, P + num_new_tokens <= context) -> ids int32 [batch, num_new_tokens]
+        and their log_probs, greedy: the decoder's greedy continuation. The key/value
+        caches live in the request's graph; a tf.while_loop runs one cached step per
+        token. A request beyond the context fails with the limit named.
+        """
+        dtype = features['inputs'].dtype
+        context = self.generator.context
+
+        def with_start(ids):
+            return tf.concat([tf.fill([tf.shape(ids)[0], 1], tf.constant(EOD_ID, dtype)), ids], 1)
+
+        def log_probs(ids):
+            tf.debugging.assert_less_equal(
+                tf.shape(ids)[1], context,
+                message=f'ids longer than the context of {context} tokens: score at '
+                        f'most {context} tokens per row')
+            inputs = with_start(ids)[:, :-1]
+            logits = self.ServingPredictions({
+                'inputs': inputs, 'segment_ids': tf.ones_like(inputs),
+                'positions': tf.broadcast_to(tf.range(tf.shape(inputs)[1]), tf.shape(inputs))})
+            scores = tf.nn.log_softmax(tf.cast(logits, tf.float32))
+            return {'log_probs': tf.gather(scores, ids, batch_dims=2)}
+
+        def generate(prompt, num_new_tokens):
+            tf.debugging.assert_positive(num_new_tokens,
+                                         message='num_new_tokens must be >= 1: ask for a token')
+            tf.debugging.assert_less_equal(
+                tf.shape(prompt)[1] + num_new_tokens, context,
+                message=f'prompt length + num_new_tokens exceeds the context of '
+                        f'{context} tokens: shorten the prompt or ask for fewer tokens')
+            ids, scores = self.generator.generate_in_graph(
+                self.pipe.theta, tf.cast(with_start(prompt), tf.int32), num_new_tokens)
+            return {'ids': ids, 'log_probs': scores}
+
+        return {'serving_default': ServingSignature(
+                    {'ids': tf.TensorSpec([None, None], dtype, name='ids')}, log_probs),
+                'generate': ServingSignature(
+                    {'prompt': tf.TensorSpec([None, None], dtype, name='prompt'),
+                     'num_new_tokens': tf.TensorSpec([], tf.int32, name='num_new_tokens')},
+                    generate)}
 
     def PostProcessDecodeOut(self, decode_out):
         records = []

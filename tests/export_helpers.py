@@ -1,0 +1,34 @@
+"""Running an exported SavedModel the way a user without tfpipe runs it."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from tests import trainer_helpers as th
+
+SERVE_SCRIPT = os.path.join(th.REPO, 'tests', 'serve_without_tfpipe.py')
+SAVED_MODEL_CLI = os.path.join(os.path.dirname(sys.executable), 'saved_model_cli')
+
+
+def run_signature(saved_model: str, signature: str, inputs: dict,
+                  tmp_path) -> tuple[subprocess.CompletedProcess, str]:
+    """Runs `signature` on `inputs` (numpy arrays by input name) in a process that cannot
+    import tfpipe (tests/serve_without_tfpipe.py); (the process, its outputs' .npz path)."""
+    in_path = str(tmp_path / f'{signature}_inputs.npz')
+    out_path = str(tmp_path / f'{signature}_outputs.npz')
+    np.savez(in_path, **inputs)
+    env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
+    env['TF_CPP_MIN_LOG_LEVEL'] = '2'
+    result = subprocess.run([sys.executable, SERVE_SCRIPT, saved_model, signature, in_path,
+                             out_path], cwd=str(tmp_path), env=env, capture_output=True,
+                            text=True, timeout=180)
+    return result, out_path
+
+
+def serve(saved_model: str, inputs: dict, tmp_path, signature: str = 'serving_default') -> dict:
+    """The signature's outputs, computed without tfpipe; the run must succeed."""
+    result, out_path = run_signature(saved_model, signature, inputs, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout
+    assert 'tfpipe modules loaded: []' in result.stdout
+    return dict(np.load(out_path))

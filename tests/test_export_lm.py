@@ -1,0 +1,112 @@
+"""--mode=export of a language model: `serving_default` scores given tokens and `generate`
+continues prompts, both loaded without tfpipe and equal to the evaler's per-token
+log-probs and the decoder's greedy continuation (issue 19).
+
+One K=2, M=2 run of lm.pystdlib.TinyTransformerLM (4 steps) is exported once per
+placement and shared by every test here.
+"""
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+import model_registry
+from tests import export_helpers, trainer_helpers as th
+from tfpipe import checkpoints, fprop_context, lm_inputs
+
+MODEL = 'lm.pystdlib.TinyTransformerLM'  # K=2 (balance [3, 4]), M=2
+STEPS = 4
+TOL = 1e-5
+
+
+@pytest.fixture(scope='module')
+def lm_run(tmp_path_factory, data_dir):
+    """(logdir, one-device SavedModel, pipelined SavedModel) of a short K=2, M=2 run."""
+    logdir = str(tmp_path_factory.mktemp('lm_export') / 'run')
+    for flags in (['--job=trainer', f'--max_steps={STEPS}'], ['--mode=export'],
+                  ['--mode=export', '--export_placement=pipelined',
+                   f'--export_dir={logdir}/pipelined']):
+        result = th.run(MODEL, logdir, data_dir, *flags)
+        assert result.returncode == 0, result.stderr[-3000:]
+    return logdir, os.path.join(logdir, 'export', str(STEPS)), os.path.join(logdir, 'pipelined')
+
+
+@pytest.fixture(scope='module')
+def task(lm_run):
+    """The model in this process, restored from the exported checkpoint."""
+    task = model_registry.get_params(MODEL).task.Instantiate()
+    checkpoints.restore(checkpoints.make(task.VariablesByPath()),
+                        os.path.join(lm_run[0], 'train', f'ckpt-{STEPS}'), partial=True)
+    return task
+
+
+def _document_row(task) -> tuple[np.ndarray, np.ndarray]:
+    """The first dev row that starts a document: its tokens (the row's targets) within
+    that document, and the evaler's log-prob of each (-cross-entropy, evaluation mode)."""
+    params = model_registry.get_params(MODEL)
+    batch = next(iter(params.input.dev.Instantiate().EvalDataset(16)))
+    with fprop_context.evaluation():
+        logits = task.ComputePredictions(task.theta, batch)
+    xent, _ = task.TokenLosses(logits, task.PipelineTargets(batch))
+    starts = np.flatnonzero((batch['inputs'].numpy()[:, 0] == lm_inputs.EOD_ID)
+                            & (batch['segment_ids'].numpy()[:, 0] == 1))
+    row = int(starts[0])
+    length = int((batch['segment_ids'].numpy()[row] == 1).sum())
+    return batch['targets'].numpy()[row, :length], -xent.numpy()[row, :length]
+
+
+def test_log_probs_equal_the_evalers_and_ignore_padding(lm_run, task, tmp_path):
+    tokens, expected = _document_row(task)
+    lengths = [len(tokens), len(tokens) // 2, 3]  # prefixes of one document, 0-padded
+    ids = np.zeros([len(lengths), len(tokens)], tokens.dtype)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = tokens[:n]
+    got = export_helpers.serve(lm_run[1], {'ids': ids}, tmp_path)['log_probs']
+    assert got.shape == ids.shape and got.dtype == np.float32
+    for i, n in enumerate(lengths):  # causal: what follows a row's tokens changes nothing
+        np.testing.assert_allclose(got[i, :n], expected[:n], rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize('placement', [1, 2], ids=['one_device', 'pipelined'])
+def test_generate_equals_the_decoders_greedy_continuation(lm_run, task, tmp_path, placement):
+    d = task.params.decoder
+    params = model_registry.get_params(MODEL)
+    rows = next(iter(params.input.dev.Instantiate().EvalDataset(16)))['inputs'].numpy()
+    prompt = rows[:4, 1:d.prompt_length]  # any tokens: each becomes a document's start
+    expected, expected_lp = task.generator.generate(
+        task.theta['pipe'], np.concatenate([np.full([4, 1], lm_inputs.EOD_ID), prompt], 1)
+        .astype(np.int32), d.num_new_tokens)
+    got = export_helpers.serve(lm_run[placement], {
+        'prompt': prompt, 'num_new_tokens': np.int32(d.num_new_tokens)}, tmp_path, 'generate')
+    np.testing.assert_array_equal(got['ids'], expected.numpy())
+    np.testing.assert_allclose(got['log_probs'], expected_lp.numpy(), rtol=TOL, atol=TOL)
+
+
+def test_saved_model_cli_lists_both_signatures(lm_run):
+    shown = subprocess.run([export_helpers.SAVED_MODEL_CLI, 'show', '--dir', lm_run[1],
+                            '--all'], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    for name in ("signature_def['serving_default']", "signature_def['generate']",
+                 "inputs['ids']", "inputs['prompt']", "inputs['num_new_tokens']",
+                 "outputs['log_probs']", "outputs['ids']", 'shape: (-1, -1)'):
+        assert name in shown.stdout, name
+
+
+def test_a_request_beyond_the_context_fails_naming_the_limit(lm_run, tmp_path):
+    context = model_registry.get_params(MODEL).input.train.max_length
+    result, _ = export_helpers.run_signature(lm_run[1], 'generate', {
+        'prompt': np.ones([1, 8], np.int32), 'num_new_tokens': np.int32(context)}, tmp_path)
+    assert result.returncode != 0
+    assert f'num_new_tokens exceeds the context of {context} tokens' in result.stderr
+
+
+def test_bfloat16_model_exports_and_generates(lm_run, data_dir, tmp_path):
+    """The float32 checkpoint exported as a bfloat16 model: it loads and continues prompts."""
+    path = str(tmp_path / 'bf16')
+    result = th.run(MODEL, lm_run[0], data_dir, '--mode=export', f'--export_dir={path}',
+                    th.overrides(**{'task.fprop_dtype': 'bfloat16'}))
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = export_helpers.serve(path, {'prompt': np.ones([2, 5], np.int32),
+                                      'num_new_tokens': np.int32(6)}, tmp_path, 'generate')
+    assert got['ids'].shape == (2, 6) and np.all(got['log_probs'] <= 0)
