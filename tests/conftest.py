@@ -4,8 +4,14 @@ Pipelined == unpartitioned must be shown on real multi-device placement, so ever
 test process splits the host CPU into 8 logical devices. This has to happen before
 anything initialises the TensorFlow runtime, hence a conftest at import time.
 """
+import os
+
 import pytest
-import tensorflow as tf
+
+# The kernels the trainer runs with (trainer/main.py `run`), so that this process and
+# the trainer processes it starts compute alike on every CPU.
+os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '1')
+import tensorflow as tf  # noqa: E402  (after the variable: TensorFlow reads it once)
 
 NUM_LOGICAL_CPUS = 8
 
