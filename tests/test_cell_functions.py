@@ -40,11 +40,14 @@ def trainer_step(pipe, x, y):
     return loss, grads, after
 
 
-def assert_same_step(actual, expected, rtol=1e-10):
+def assert_same_step(actual, expected, rtol=1e-10, atol_of_largest=0.0):
+    """atol_of_largest: each gradient may also differ by this fraction of its largest
+    entry (another kernel's rounding of a sum that cancels to near zero)."""
     np.testing.assert_allclose(actual[0], expected[0], rtol=rtol)
     assert len(actual[1]) == len(expected[1])
     for i, (a, e) in enumerate(zip(actual[1], expected[1])):
-        np.testing.assert_allclose(a, e, rtol=rtol, atol=1e-12, err_msg=f'grad {i}')
+        atol = max(1e-12, atol_of_largest * float(np.max(np.abs(e))))
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=atol, err_msg=f'grad {i}')
     assert sorted(actual[2]) == sorted(expected[2])
     for path in expected[2]:
         np.testing.assert_allclose(actual[2][path], expected[2][path], rtol=rtol, atol=1e-12,
@@ -245,7 +248,8 @@ def test_jit_compile_equals_unrolled_within_float_tolerance():
                             x, y)
     jit = mz.pipeline(body, 2, 3, 'except_last', cell_functions=True, jit_compile=True)
     got = trainer_step(jit, x, y)
-    assert_same_step(got, expected, rtol=1e-4)
+    # XLA's kernels round otherwise: measured 1.4e-9 apart on an entry near zero (AMD EPYC)
+    assert_same_step(got, expected, rtol=1e-4, atol_of_largest=1e-6)
     # Every cell is compiled, the one that keeps its activations too (it is a call, and its
     # backward the call's gradient), where without XLA that cell would train unrolled; so
     # is every backward of a recomputing cell, its last too.
