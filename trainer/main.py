@@ -334,6 +334,6 @@ def run() -> None:
     # oneDNN's CPU kernels, which TensorFlow turns on by itself only on some Intel CPUs.
     # Without them (AMD EPYC here) each convolution backward allocates a scratch buffer
     # the size of the L3 cache: AmoebaNetPipe's peak measured 63 MiB against 11 MiB with
-    # them, at 1.1x the steps/s (docs/memory.md). TF_ENABLE_ONEDNN_OPTS=0 wins.
+    # them, at the same step time (docs/memory.md). TF_ENABLE_ONEDNN_OPTS=0 wins.
     os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '1')
     app.run(_main_with_errors)
