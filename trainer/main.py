@@ -22,6 +22,9 @@ import sys
 
 from absl import app, flags
 
+# Importing tfpipe first sets oneDNN's kernels and the BFC allocator (peak bytes per
+# device) before TensorFlow loads (tfpipe/runtime_defaults.py); a variable the user set wins.
+import tfpipe  # noqa: F401  pylint: disable=unused-import
 from trainer import generate_mode, logdir_access  # generate_mode defines its flags
 
 FLAGS = flags.FLAGS
@@ -326,14 +329,4 @@ _STORAGE_ERRORS = {errno.ENOSPC: 'free some space or point --logdir elsewhere',
 
 def run() -> None:
     """Console-script entry point (tfpipe-trainer) and `python -m trainer`."""
-    # The CPU allocator that keeps peak statistics, so the trainer reports the peak bytes
-    # per device (tfpipe/memory_stats.py); measured to cost no step time (docs/memory.md).
-    # Set before TensorFlow loads (nothing above imports it); an explicit
-    # TF_CPU_ALLOCATOR_USE_BFC=false wins.
-    os.environ.setdefault('TF_CPU_ALLOCATOR_USE_BFC', 'true')
-    # oneDNN's CPU kernels, which TensorFlow turns on by itself only on some Intel CPUs.
-    # Without them (AMD EPYC here) each convolution backward allocates a scratch buffer
-    # the size of the L3 cache: AmoebaNetPipe's peak measured 63 MiB against 11 MiB with
-    # them, at the same step time (docs/memory.md). TF_ENABLE_ONEDNN_OPTS=0 wins.
-    os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '1')
     app.run(_main_with_errors)
