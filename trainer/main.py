@@ -175,7 +175,8 @@ def main(argv) -> int:
     if cluster is not None and cluster.task_type == cluster_lib.WORKER:
         return _serve_worker(cluster)
     _check_required_flags()
-    jobs = _parse_jobs(FLAGS.job)
+    jobs = _parse_jobs(clients.evaluator_job(FLAGS.cluster_spec, FLAGS.job, os.environ)
+                       or FLAGS.job)
     if FLAGS.mode == 'sync':
         logdir_access.check_directory(FLAGS.logdir, '--logdir')
     _configure_devices()
@@ -206,10 +207,11 @@ def _run_client(client_cluster) -> int:
     """One of several trainer clients (tfpipe/clients.py): replica `--task` of R.
 
     Everything that can refuse bad input runs before the collective runtime
-    starts and before the chief's logdir is written; non-chief clients never
-    write to their --logdir.
+    starts and before the chief's logdir is written; then all clients compare
+    their params and cluster (tfpipe/client_agreement.py) and refuse together
+    if they differ. Non-chief clients never write to their --logdir.
     """
-    from tfpipe import clients
+    from tfpipe import client_agreement, clients
     from trainer import job_runner, train_job
     _check_required_flags()
     if FLAGS.mode != 'sync':
@@ -222,7 +224,9 @@ def _run_client(client_cluster) -> int:
     clients.check_num_replicas(params.task.pipeline.num_replicas, client_cluster.count)
     clients.check_unsharded_optimizer(params.task.train.shard_optimizer_states)
     params.task.pipeline.num_replicas = 1  # this process holds one replica of R
+    agreed = client_agreement.fingerprint(FLAGS.model, params, client_cluster)
     peers = clients.start(client_cluster, FLAGS.cluster_wait_seconds)
+    client_agreement.check(client_cluster, agreed, FLAGS.cluster_wait_seconds)
     if peers.is_chief:
         built = job_runner.build_jobs(params, options, ['trainer'], FLAGS.logdir, FLAGS.model,
                                       default_jobs=False, peers=peers)
