@@ -3,10 +3,12 @@
     python -m trainer --model=image.shapes.AmoebaNetPipe --logdir=/tmp/shapes --run_locally=cpu
     python -m trainer --model=image.shapes.AmoebaNetPipe --logdir=/tmp/shapes --job=evaler_dev
     python -m trainer --list_models
-    python -m trainer --job=worker --task=0 --cluster_spec=worker=HOST:PORT,HOST:PORT
-    python -m trainer --model=... --logdir=... --job=trainer --cluster_spec=worker=HOST:PORT,...
     python -m trainer --model=... --logdir=... --job=trainer --task=R \
         --cluster_spec=trainer=HOST:PORT,HOST:PORT   # one trainer client per replica
+    TF_CONFIG=... python -m trainer --model=... --logdir=...   # the same, from a cluster manager
+    python -m trainer --job=worker --task=0 --cluster_spec=worker=HOST:PORT,HOST:PORT
+    python -m trainer --model=... --logdir=... --job=trainer --cluster_spec=worker=HOST:PORT,...
+        # the single-client form: one trainer drives cells on the --job=worker servers
 
 With no --job, one process runs the trainer and, in threads, an evaler on dev
 and a decoder on test (when the model defines those splits), as Lingvo does
@@ -61,14 +63,16 @@ flags.DEFINE_string('tfds_data_dir', None, 'tensorflow-datasets data dir (defaul
                     '~/tensorflow_datasets); tfpipe generates its own datasets there.')
 flags.DEFINE_bool('list_models', False, 'Print the registered models (of params/ and of '
                   'installed packages\' tfpipe.models entry points) and exit.')
-flags.DEFINE_string('cluster_spec', None, 'worker=HOST:PORT,HOST:PORT[@chief=HOST:PORT]: the '
-                    'worker servers (and the trainer\'s own address); or '
-                    'trainer=HOST:PORT,HOST:PORT: one trainer client per replica '
-                    '(docs/clients.md); default: TF_CONFIG.')
+flags.DEFINE_string('cluster_spec', None, 'trainer=HOST:PORT,HOST:PORT: one trainer client '
+                    'per replica (docs/clients.md); or worker=HOST:PORT,HOST:PORT[@chief='
+                    'HOST:PORT]: the --job=worker servers one trainer drives (and its own '
+                    'address). Default: TF_CONFIG, whose chief/worker tasks are trainer '
+                    'clients (servers with --job=worker).')
 flags.DEFINE_integer('task', None, 'With --job=worker: this worker\'s index in --cluster_spec; '
                      'with --job=trainer and a trainer cluster: this client\'s index.')
 flags.DEFINE_float('cluster_wait_seconds', 60.0, 'How long the trainer waits for every worker '
-                   '(or every other trainer client) to accept connections before it gives up.')
+                   '(or every other trainer client) to accept connections, and trainer clients '
+                   'for each other at the start-up check, before it gives up.')
 flags.DEFINE_integer('pipeline_trace_step', None, 'Record the measured timeline of this '
                      'training step (1 = the first): train/pipeline_trace-<step>.json (Chrome '
                      'trace format) and .png, and the bubble per device in the log and '
@@ -285,8 +289,9 @@ def _run_jobs(params, options, jobs: list[str], cluster) -> int:
     """--mode=sync: build every job (validating all), claim their dirs, then run them."""
     from trainer import job_runner
     logdir = FLAGS.logdir
+    # A TF_CONFIG evaluator's evaler_dev is its one job: refused, not skipped, without a dev split.
     built = job_runner.build_jobs(params, options, jobs, logdir, FLAGS.model,
-                                  default_jobs=FLAGS.job is None)
+                                  default_jobs=FLAGS.job is None and 'trainer' in jobs)
     # The first write to the logdir. The locks are held while the jobs run: one live job
     # per job dir (a lock lives in its open file, which garbage collection would close).
     locks = job_runner.claim_job_dirs(built, logdir, FLAGS.model, params)
