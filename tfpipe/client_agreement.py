@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from typing import Optional, Sequence
 
+from tfpipe.clients import TRAINER
 from tfpipe.cluster import ClusterError, lost_worker_error
 
 # A group of its own: across_clients' groups are 1 + device index (CPU) and 100001 + index.
@@ -113,8 +114,7 @@ def _all_gather(clients, data: bytes, timeout_seconds: float) -> list[bytes]:
     import tensorflow as tf
     from tensorflow.python.ops import collective_ops  # the public tf.distribute wraps these
     count = clients.count
-    device = f'/job:{clients.cluster_spec().jobs[0]}/replica:0/task:{clients.task_index}' \
-             '/device:CPU:0'
+    device = f'/job:{TRAINER}/replica:0/task:{clients.task_index}/device:CPU:0'
 
     @tf.function
     def gather(values, instance_key):
