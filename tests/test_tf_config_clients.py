@@ -80,15 +80,13 @@ def runs(tmp_path_factory, data_dir, processes):
         processes.start(th.command(MODEL, d['r2'], data_dir, *train_flags(), th.overrides(
             **{'task.pipeline.num_replicas': 2, 'task.pipeline.schedule': 'fill_drain'})),
             EXACT),
-    ]
-    errs = finish(started)
-    # The evaler reads the chief's logdir (a shared file system in a real cluster).
-    evaluator = processes.start(
-        command(d['chief'], data_dir, f'--max_steps={STEPS}', th.overrides(
+        # The evaluator reads the chief's logdir while it trains (a shared file system in a
+        # real cluster) and stops after the last step's checkpoint.
+        processes.start(command(d['chief'], data_dir, f'--max_steps={STEPS}', th.overrides(
             **{'task.pipeline.schedule': 'fill_drain', 'task.eval.samples_per_summary': 32})),
-        {**EXACT, **tf_config(with_chief, 'evaluator', 0)})
-    finish([evaluator])
-    return d, errs
+            {**EXACT, **tf_config(with_chief, 'evaluator', 0)}),
+    ]
+    return d, finish(started)
 
 
 def test_chief_and_worker_clients_equal_one_process_with_two_replicas(runs):
