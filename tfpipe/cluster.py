@@ -9,7 +9,8 @@ for us:
 
 - reading the cluster from `--cluster_spec=worker=HOST:PORT,HOST:PORT[@chief=HOST:PORT]`
   (Lingvo's syntax: jobs separated by '@') or, for a `--job=worker` server, the
-  standard TF_CONFIG JSON, with one-line errors that name the fix (a ClusterError is a ValueError: exit 2);
+  standard TF_CONFIG JSON, with one-line errors that name the fix (a ClusterError is
+  a ValueError: exit 2);
 - refusing a port that is in use: gRPC binds with SO_REUSEPORT, so without this
   check a second server on the same port starts silently and steals requests;
 - waiting, for a bounded time, until every worker accepts connections: the first

@@ -5,9 +5,8 @@
 
 This is the single-client form, chosen explicitly by --job=worker (TF_CONFIG
 without it makes trainer clients, tfpipe/clients.py). A worker holds no model,
-no params and no logdir: the trainer connects to it and
-sends it the cells' variables and functions. It serves until SIGTERM or SIGINT
-and then exits 0. Its devices are its GPUs, or `--num_logical_cpus` logical CPUs
+no params and no logdir: the trainer connects to it and sends it the cells'
+variables and functions. It serves until SIGTERM or SIGINT and then exits 0. Its devices are its GPUs, or `--num_logical_cpus` logical CPUs
 with `--run_locally=cpu` (the default when it has no GPU).
 """
 from __future__ import annotations
