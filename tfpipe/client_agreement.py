@@ -16,7 +16,10 @@ their own and would wait for each other forever.
 from __future__ import annotations
 
 import json
+import time
 from typing import Optional, Sequence
+
+from absl import logging
 
 from tfpipe.clients import TRAINER
 from tfpipe.cluster import ClusterError, lost_worker_error
@@ -43,9 +46,10 @@ def fingerprint(model: str, params, clients) -> dict:
 def check(clients, mine: dict, timeout_seconds: float) -> None:
     """Gathers every client's fingerprint; raises ClusterError (exit 2) if they differ."""
     import tensorflow as tf
+    data = json.dumps(mine, sort_keys=True).encode()
+    start = time.monotonic()
     try:
-        texts = _all_gather(clients, json.dumps(mine, sort_keys=True).encode(),
-                            timeout_seconds)
+        texts = _all_gather(clients, data, timeout_seconds)
     except tf.errors.DeadlineExceededError:
         raise ClusterError(
             f'the trainer clients did not all join the start-up check within '
@@ -61,6 +65,8 @@ def check(clients, mine: dict, timeout_seconds: float) -> None:
     problem = disagreement([json.loads(text) for text in texts])
     if problem:
         raise ClusterError(problem)
+    logging.info('the %d trainer clients agree (fingerprints of %d bytes, gathered in %.2f s)',
+                 clients.count, len(data), time.monotonic() - start)
 
 
 def disagreement(fingerprints: Sequence[dict]) -> Optional[str]:
