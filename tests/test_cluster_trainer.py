@@ -318,7 +318,7 @@ BAD = [
     (['--job=trainer'], {'TF_CONFIG': '{"cluster": {"worker": ["127.0.0.1:1"]'},
      'error: TF_CONFIG is not valid JSON (Expecting \',\' delimiter at char 38); write '
      'TF_CONFIG=\'{"cluster": {"worker": ["HOST:PORT", ...]}, "task": {"type": "worker", '
-     '"index": 0}}\' (type "chief" for the trainer)'),
+     '"index": I}}\' (optionally a "chief" and an "evaluator" job)'),
     (['--job=worker', '--task=2', '--cluster_spec=worker=127.0.0.1:1,127.0.0.1:2'], {},
      "error: --task=2: task index 2 is out of range: job 'worker' has 2 task(s), so use 0..1"),
     ([], {'TF_CONFIG': json.dumps({'cluster': {'worker': ['127.0.0.1:1']},

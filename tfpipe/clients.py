@@ -1,27 +1,44 @@
 """Many trainer clients: one trainer process per data-parallel replica.
 
-    python -m trainer --model=M --logdir=DIR --job=trainer --task=r \\
-        --cluster_spec=trainer=HOST:PORT,HOST:PORT,...
+A cluster manager starts them with the standard TF_CONFIG that
+MultiWorkerMirroredStrategy reads (Ray Train, Kubeflow's TFJob, Vertex AI,
+SageMaker write it):
 
-or TF_CONFIG='{"cluster": {"trainer": [...]}, "task": {"type": "trainer", "index": r}}'.
-R is the number of trainer addresses; client r builds replica r (its K cells on
-its own devices) and client 0 is the chief. One process would trace, dispatch
-and feed all R*K cells; R clients each do K, which is how TensorFlow itself
-scales data parallelism (MultiWorkerMirroredStrategy). This module reads the
-cluster and brings up TensorFlow's collective runtime the way that strategy
-does (`configure_collective_ops` + `enable_collective_ops` with a ServerDef):
-the step's all-reduces are then plain collective ops across the processes
+    TF_CONFIG='{"cluster": {"chief": [C], "worker": [A0, A1], "evaluator": [E]},
+                "task": {"type": "worker", "index": 1}}'  python -m trainer --model=M --logdir=DIR
+
+Every chief and worker task is a trainer client: the chief (else worker 0) is
+client 0, then the workers in order; an evaluator task is no client (it runs the
+evaler on the chief's logdir, see `evaluator_job`). By hand, or from a launcher:
+
+    python -m trainer --model=M --logdir=DIR --task=r --cluster_spec=trainer=HOST:PORT,...
+
+(or TF_CONFIG with job and task type `trainer`). R is the number of clients;
+client r builds replica r (its K cells on its own devices). One process would
+trace, dispatch and feed all R*K cells; R clients each do K, which is how
+TensorFlow itself scales data parallelism. This module reads the cluster and
+brings up TensorFlow's collective runtime the way that strategy does
+(`configure_collective_ops` + `enable_collective_ops` with a ServerDef): the
+step's all-reduces are then plain collective ops across the processes
 (tfpipe/pipeline/across_clients.py). No transport of our own.
+
+The old single-client form, one trainer driving cells on remote `--job=worker`
+servers (tfpipe/cluster.py), is chosen explicitly: `--cluster_spec=worker=...`
+for the trainer and `--job=worker` for each server. TF_CONFIG without
+`--job=worker` always means clients, because the cluster managers that write it
+start the same command in every task and expect each one to train.
 
 Collectives have no deadline of their own: a peer that never comes up, or dies
 mid-step, leaves them waiting (measured here: > 10 min). So the clients wait for
-each other for a bounded time before the first step, and `cluster.Watchdog`
-(which probes every client's port) ends a client whose peer is lost.
+each other for a bounded time before the first step, agree on what they run
+(tfpipe/client_agreement.py), and `cluster.Watchdog` (which probes every
+client's port) ends a client whose peer is lost.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from typing import Mapping, Optional
 
@@ -30,17 +47,26 @@ from tfpipe.cluster import ClusterError, WorkerUnavailableError
 from tfpipe.pipeline.across_clients import Peers
 
 TRAINER = 'trainer'
+CHIEF, WORKER, EVALUATOR = 'chief', 'worker', 'evaluator'
 SPEC_HELP = ('write --job=trainer --task=R --cluster_spec=trainer=HOST:PORT,HOST:PORT '
              '(one address per trainer client; client 0 is the chief)')
-TF_CONFIG_HELP = ('write TF_CONFIG=\'{"cluster": {"trainer": ["HOST:PORT", ...]}, '
-                  '"task": {"type": "trainer", "index": R}}\'')
+TF_CONFIG_HELP = ('write TF_CONFIG=\'{"cluster": {"worker": ["HOST:PORT", ...]}, '
+                  '"task": {"type": "worker", "index": I}}\' (optionally a "chief" and an '
+                  '"evaluator" job)')
 
 
 @dataclasses.dataclass(frozen=True)
 class ClientCluster:
-    """The trainer clients' addresses and which of them this process is."""
+    """The trainer clients' addresses and which of them this process is.
+
+    `ClientCluster(addresses, task_index)` is the whole of it for launchers and
+    cluster managers that know the addresses (client 0 is the chief);
+    `task_names` only words the errors the way the user wrote the cluster
+    (TF_CONFIG's "chief", "worker task 0", ...).
+    """
     addresses: tuple[str, ...]
     task_index: int
+    task_names: tuple[str, ...] = ()
 
     @property
     def count(self) -> int:
@@ -56,6 +82,8 @@ class ClientCluster:
         return self.addresses
 
     def describe(self, task: int) -> str:
+        if self.task_names:
+            return f'trainer client {task} ({self.task_names[task]}, {self.addresses[task]})'
         return f'{TRAINER} task {task} ({self.addresses[task]})'
 
     @property
@@ -68,7 +96,8 @@ class ClientCluster:
         return tf.train.ClusterSpec({TRAINER: list(self.addresses)})
 
 
-def _checked(addresses, task, where: str, help_text: str) -> ClientCluster:
+def _checked(addresses, task, where: str, help_text: str,
+             task_names: tuple[str, ...] = ()) -> ClientCluster:
     if isinstance(addresses, str) or not isinstance(addresses, (list, tuple)) or not addresses:
         raise ClusterError(f'{where}: job {TRAINER!r} must list addresses; {help_text}')
     seen = set()
@@ -86,7 +115,7 @@ def _checked(addresses, task, where: str, help_text: str) -> ClientCluster:
     if isinstance(task, bool) or not isinstance(task, int) or not 0 <= task < len(addresses):
         raise ClusterError(f'{where}: task index {task!r} is out of range: job {TRAINER!r} has '
                            f'{len(addresses)} task(s), so use 0..{len(addresses) - 1}')
-    return ClientCluster(tuple(addresses), task)
+    return ClientCluster(tuple(addresses), task, task_names)
 
 
 def _refuse_other_jobs(jobs, where: str) -> None:
@@ -99,8 +128,12 @@ def _refuse_other_jobs(jobs, where: str) -> None:
 
 def from_flags(cluster_spec: Optional[str], job: Optional[str], task: Optional[int],
                environ: Mapping[str, str]) -> Optional[ClientCluster]:
-    """The trainer clients from --cluster_spec=trainer=... or TF_CONFIG; None when the
-    cluster (if any) has no trainer job: then it is tfpipe/cluster.py's."""
+    """The trainer clients from --cluster_spec=trainer=... or TF_CONFIG.
+
+    None when there is no cluster, when --cluster_spec has no trainer job or
+    --job=worker is given (tfpipe/cluster.py's single-client form), and for
+    TF_CONFIG's evaluator task (`evaluator_job`).
+    """
     if cluster_spec:
         if not any(part.partition('=')[0].strip() == TRAINER for part in cluster_spec.split('@')):
             return None
@@ -114,34 +147,114 @@ def from_flags(cluster_spec: Optional[str], job: Optional[str], task: Optional[i
         _refuse_other_jobs(jobs, where)
         _check_job_flag(job)
         return _checked(jobs[TRAINER], task, where, SPEC_HELP)
+    config = _tf_config(environ)
+    if config is None or job == WORKER:
+        return None  # no cluster, or a --job=worker server of tfpipe/cluster.py
+    where = 'TF_CONFIG'
+    spec_task = config.get('task')
+    if TRAINER in config['cluster']:
+        _refuse_other_jobs(config['cluster'], where)
+        _check_job_flag(job)
+        if not isinstance(spec_task, dict) or spec_task.get('type') != TRAINER:
+            raise ClusterError(f'{where}: "task" must be {{"type": "trainer", "index": N}}, '
+                               f'got {spec_task!r}; {TF_CONFIG_HELP}')
+        _check_task_flag(task, spec_task.get('index'))
+        return _checked(config['cluster'][TRAINER], spec_task.get('index'), where,
+                        TF_CONFIG_HELP)
+    task_type, index = _standard_task(config)
+    if task_type == EVALUATOR:
+        return None  # see evaluator_job
+    _check_job_flag(job)
+    _check_task_flag(task, index)
+    chief = list(config['cluster'].get(CHIEF, []))
+    workers = list(config['cluster'].get(WORKER, []))
+    names = [CHIEF] * len(chief) + [f'{WORKER} task {i}' for i in range(len(workers))]
+    client = index if task_type == CHIEF else len(chief) + index
+    return _checked(chief + workers, client, where, TF_CONFIG_HELP, tuple(names))
+
+
+def _tf_config(environ: Mapping[str, str]) -> Optional[dict]:
+    """TF_CONFIG's JSON with a "cluster" object, None when unset; bad JSON is refused."""
     text = environ.get('TF_CONFIG')
     if not text:
         return None
     try:
         config = json.loads(text)
-    except json.JSONDecodeError:
-        return None  # tfpipe/cluster.py reports it
-    if not isinstance(config, dict) or not isinstance(config.get('cluster'), dict) or \
-            TRAINER not in config['cluster']:
-        return None
+    except json.JSONDecodeError as e:
+        raise ClusterError(f'TF_CONFIG is not valid JSON ({e.msg} at char {e.pos}); '
+                           f'{TF_CONFIG_HELP}') from None
+    if not isinstance(config, dict) or not isinstance(config.get('cluster'), dict):
+        raise ClusterError(f'TF_CONFIG has no "cluster" object; {TF_CONFIG_HELP}')
+    return config
+
+
+def _standard_task(config: dict) -> tuple[str, int]:
+    """The task of a chief/worker/evaluator TF_CONFIG, checked against its cluster."""
     where = 'TF_CONFIG'
-    _refuse_other_jobs(config['cluster'], where)
-    _check_job_flag(job)
-    spec_task = config.get('task')
-    if not isinstance(spec_task, dict) or spec_task.get('type') != TRAINER:
-        raise ClusterError(f'{where}: "task" must be {{"type": "trainer", "index": N}}, got '
-                           f'{spec_task!r}; {TF_CONFIG_HELP}')
-    if task is not None and task != spec_task.get('index'):
+    jobs = config['cluster']
+    unknown = sorted(set(jobs) - {CHIEF, WORKER, EVALUATOR})
+    if unknown:
+        raise ClusterError(f'{where}: unknown job(s) {unknown}: tfpipe\'s clients read '
+                           f'"{CHIEF}", "{WORKER}" and "{EVALUATOR}" (no parameter servers); '
+                           f'{TF_CONFIG_HELP}')
+    for job, addresses in jobs.items():
+        if isinstance(addresses, str) or not isinstance(addresses, (list, tuple)) \
+                or not addresses:
+            raise ClusterError(f'{where}: job {job!r} must list addresses, got {addresses!r}; '
+                               f'{TF_CONFIG_HELP}')
+    if WORKER not in jobs and CHIEF not in jobs:
+        raise ClusterError(f'{where}: no "{WORKER}" or "{CHIEF}" job, so no trainer client; '
+                           f'{TF_CONFIG_HELP}')
+    if len(jobs.get(CHIEF, ())) > 1:
+        raise ClusterError(f'{where}: job "{CHIEF}" lists {len(jobs[CHIEF])} addresses: there '
+                           'is one chief (client 0); list the others as "worker" tasks')
+    task = config.get('task')
+    if not isinstance(task, dict) or task.get('type') not in jobs:
+        raise ClusterError(f'{where}: "task" must be {{"type": one of {sorted(jobs)}, '
+                           f'"index": N}}, got {task!r}')
+    index = task.get('index', 0)
+    count = len(jobs[task['type']])
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise ClusterError(f'{where}: task index {index!r} must be an int')
+    if not 0 <= index < count:
+        raise ClusterError(f'{where}: task index {index} is out of range: job '
+                           f'{task["type"]!r} has {count} task(s), so use 0..{count - 1}')
+    return task['type'], index
+
+
+def evaluator_job(cluster_spec: Optional[str], job: Optional[str],
+                  environ: Mapping[str, str]) -> Optional[str]:
+    """The --job an `evaluator` task of TF_CONFIG runs (default evaler_dev), else None.
+
+    The evaluator is no member of the collective cluster: it reads the chief's
+    checkpoints from its --logdir (the chief's logdir, on a shared file system)
+    like any evaler started by hand.
+    """
+    config = None if cluster_spec or job == WORKER else _tf_config(environ)
+    if config is None or TRAINER in config['cluster']:
+        return None
+    task_type, _ = _standard_task(config)
+    if task_type != EVALUATOR:
+        return None
+    if job is not None and any(j.strip() in (TRAINER, WORKER) for j in job.split(',')):
+        raise ClusterError(f'--job={job} but TF_CONFIG says task type "evaluator": it runs '
+                           'evaler_<split> or decoder_<split> jobs on the chief\'s logdir; '
+                           'drop --job (evaler_dev) or name those jobs')
+    return job or 'evaler_dev'
+
+
+def _check_task_flag(task: Optional[int], index) -> None:
+    if task is not None and task != index:
         raise ClusterError(f'--task={task} disagrees with TF_CONFIG\'s task index '
-                           f'{spec_task.get("index")!r}: drop --task or fix TF_CONFIG')
-    return _checked(config['cluster'][TRAINER], spec_task.get('index'), where, TF_CONFIG_HELP)
+                           f'{index!r}: drop --task or fix TF_CONFIG')
 
 
 def _check_job_flag(job: Optional[str]) -> None:
     if job not in (None, TRAINER):
         raise ClusterError(f'--job={job} with a cluster of trainer clients: each client runs '
                            'the trainer job only (--job=trainer); run evalers and decoders as '
-                           'their own processes on the chief\'s logdir')
+                           'their own processes on the chief\'s logdir (TF_CONFIG: an '
+                           '"evaluator" task)')
 
 
 def check_num_replicas(num_replicas, count: int) -> None:
@@ -188,6 +301,8 @@ def start(clients: ClientCluster, wait_seconds: float) -> Peers:
         port=cluster_lib.split_address(address, address)[1])
     ctx.enable_collective_ops(server_def)
     ctx.ensure_initialized()
+    print(cluster_lib.exposure_notice(address, clients.describe(clients.task_index)),
+          file=sys.stderr, flush=True)
     wait_for_peers(clients, wait_seconds)
     return clients.peers
 

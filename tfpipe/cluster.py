@@ -8,14 +8,20 @@ inserting the sends and receives. This module owns what the runtime does not do
 for us:
 
 - reading the cluster from `--cluster_spec=worker=HOST:PORT,HOST:PORT[@chief=HOST:PORT]`
-  (Lingvo's syntax: jobs separated by '@') or the standard TF_CONFIG JSON, with
-  one-line errors that name the fix (a ClusterError is a ValueError: exit 2);
+  (Lingvo's syntax: jobs separated by '@') or, for a `--job=worker` server, the
+  standard TF_CONFIG JSON, with one-line errors that name the fix (a ClusterError is
+  a ValueError: exit 2);
 - refusing a port that is in use: gRPC binds with SO_REUSEPORT, so without this
   check a second server on the same port starts silently and steals requests;
 - waiting, for a bounded time, until every worker accepts connections: the first
   op on a cluster with a worker down blocks with no deadline (measured: > 100 s);
 - telling a lost worker apart from other failures, and a watchdog that ends the
   trainer when a step blocks on a peer that went away without closing its socket.
+
+This is the single-client form, chosen explicitly: `--job=worker` for each
+server, `--cluster_spec=worker=...` for the one trainer that drives them. The
+form cluster managers start (TF_CONFIG in every task, the same command) is
+many trainer clients: tfpipe/clients.py.
 
 The optional `chief` job is the trainer's own address. Workers receive tensors
 from the trainer (the input batch) by calling it back, so with workers on other
@@ -40,7 +46,8 @@ JOBS = (WORKER, CHIEF)
 SPEC_HELP = ('write --cluster_spec=worker=HOST:PORT,HOST:PORT (optionally '
              '@chief=HOST:PORT for the trainer\'s own address)')
 TF_CONFIG_HELP = ('write TF_CONFIG=\'{"cluster": {"worker": ["HOST:PORT", ...]}, '
-                  '"task": {"type": "worker", "index": 0}}\' (type "chief" for the trainer)')
+                  '"task": {"type": "worker", "index": 0}}\' with --job=worker (the trainer '
+                  'that drives the workers takes --cluster_spec=worker=...)')
 
 
 class ClusterError(ValueError):
@@ -135,7 +142,7 @@ def parse_spec(text: str) -> dict[str, tuple[str, ...]]:
 
 
 def from_tf_config(text: str) -> Cluster:
-    """The standard TF_CONFIG JSON; task type 'worker' serves, 'chief' is the trainer."""
+    """TF_CONFIG for a --job=worker server of the single-client form (type 'worker')."""
     where = 'TF_CONFIG'
     try:
         config = json.loads(text)
@@ -172,7 +179,13 @@ def checked_task(cluster: Cluster, where: str) -> Cluster:
 
 def from_flags(cluster_spec: Optional[str], job: Optional[str], task: Optional[int],
                environ: Mapping[str, str]) -> Optional[Cluster]:
-    """The cluster from --cluster_spec (with --job/--task) or else TF_CONFIG; None: no cluster."""
+    """The single-client cluster: --cluster_spec=worker=... (with --job/--task), or TF_CONFIG
+    for a --job=worker server; None otherwise.
+
+    The trainer that drives the workers takes the explicit --cluster_spec only:
+    a TF_CONFIG without --job=worker makes trainer clients (tfpipe/clients.py),
+    since that is what the cluster managers that write it expect.
+    """
     if cluster_spec:
         if job == WORKER:
             if task is None:
@@ -187,18 +200,13 @@ def from_flags(cluster_spec: Optional[str], job: Optional[str], task: Optional[i
     if job == WORKER and not environ.get('TF_CONFIG'):
         raise ClusterError('--job=worker needs the cluster: pass --cluster_spec=worker=HOST:PORT,'
                            'HOST:PORT and --task=N, or set TF_CONFIG')
-    if environ.get('TF_CONFIG'):
+    if job == WORKER:
         cluster = from_tf_config(environ['TF_CONFIG'])
-        if job == WORKER and cluster.task_type != WORKER:
+        if cluster.task_type != WORKER:
             raise ClusterError('--job=worker but TF_CONFIG says task type '
                                f'{cluster.task_type!r}: set "type": "worker"')
-        if job is not None and job != WORKER and cluster.task_type == WORKER:
-            raise ClusterError(f'--job={job} but TF_CONFIG says task type "worker": set '
-                               '"type": "chief" for the trainer, or drop --job to serve')
-        if cluster.task_type == CHIEF:
-            return Cluster(cluster.jobs)
         return cluster
-    return None
+    return None  # TF_CONFIG without --job=worker: trainer clients (tfpipe/clients.py)
 
 
 def check_port_free(address: str, where: str) -> None:
@@ -212,6 +220,20 @@ def check_port_free(address: str, where: str) -> None:
             raise ClusterError(f'{where}: port {port} of {address} is in use ({e.strerror}): '
                                'stop the process that holds it, or give this task another '
                                'port in the cluster spec') from None
+
+
+def exposure_notice(address: str, what: str) -> str:
+    """The one line every process that starts a TensorFlow server prints about its port.
+
+    TensorFlow 2.21's gRPC server listens on 0.0.0.0:PORT whatever host the
+    cluster spec names (hard-coded in GrpcServer::Init; `ss -ltnp` shows *:PORT)
+    and authenticates nobody, so the port is open to whoever can reach it.
+    """
+    _, port = split_address(address, what)
+    return (f'{what} listens on port {port} of every network interface (not only the host of '
+            f'{address}) with no authentication: anyone who can reach it can run TensorFlow '
+            'ops, i.e. code as this user; run on a trusted private network or firewall the '
+            'port (docs/clients.md, "Security")')
 
 
 def server_config(num_cpus: Optional[int] = None, intra_op_threads: Optional[int] = None,
@@ -306,10 +328,19 @@ def wait_for_workers(cluster: Cluster, timeout_seconds: float) -> None:
 def connect(cluster: Cluster, timeout_seconds: float) -> None:
     """Connects this process (the trainer) to every worker, waiting for them first."""
     import tensorflow as tf
+    jobs = {job: list(addresses) for job, addresses in cluster.jobs.items()}
     if CHIEF in cluster.jobs:
         check_port_free(cluster.jobs[CHIEF][0], 'chief (this trainer)')
+    else:
+        # What TensorFlow would do (a free port of job 'localhost'), done here so the
+        # notice below can name the port.
+        with socket.socket() as s:
+            s.bind(('0.0.0.0', 0))
+            jobs[cluster.client_job] = [f'localhost:{s.getsockname()[1]}']
     wait_for_workers(cluster, timeout_seconds)
-    tf.config.experimental_connect_to_cluster(cluster.cluster_spec(),
+    print(exposure_notice(jobs[cluster.client_job][0], 'this trainer'), file=sys.stderr,
+          flush=True)
+    tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(jobs),
                                               job_name=cluster.client_job)
 
 

@@ -3,10 +3,12 @@
     python -m trainer --model=image.shapes.AmoebaNetPipe --logdir=/tmp/shapes --run_locally=cpu
     python -m trainer --model=image.shapes.AmoebaNetPipe --logdir=/tmp/shapes --job=evaler_dev
     python -m trainer --list_models
-    python -m trainer --job=worker --task=0 --cluster_spec=worker=HOST:PORT,HOST:PORT
-    python -m trainer --model=... --logdir=... --job=trainer --cluster_spec=worker=HOST:PORT,...
     python -m trainer --model=... --logdir=... --job=trainer --task=R \
         --cluster_spec=trainer=HOST:PORT,HOST:PORT   # one trainer client per replica
+    TF_CONFIG=... python -m trainer --model=... --logdir=...   # the same, from a cluster manager
+    python -m trainer --job=worker --task=0 --cluster_spec=worker=HOST:PORT,HOST:PORT
+    python -m trainer --model=... --logdir=... --job=trainer --cluster_spec=worker=HOST:PORT,...
+        # the single-client form: one trainer drives cells on the --job=worker servers
 
 With no --job, one process runs the trainer and, in threads, an evaler on dev
 and a decoder on test (when the model defines those splits), as Lingvo does
@@ -64,14 +66,16 @@ flags.DEFINE_string('tfds_data_dir', None, 'tensorflow-datasets data dir (defaul
                     '~/tensorflow_datasets); tfpipe generates its own datasets there.')
 flags.DEFINE_bool('list_models', False, 'Print the registered models (of params/ and of '
                   'installed packages\' tfpipe.models entry points) and exit.')
-flags.DEFINE_string('cluster_spec', None, 'worker=HOST:PORT,HOST:PORT[@chief=HOST:PORT]: the '
-                    'worker servers (and the trainer\'s own address); or '
-                    'trainer=HOST:PORT,HOST:PORT: one trainer client per replica '
-                    '(docs/clients.md); default: TF_CONFIG.')
+flags.DEFINE_string('cluster_spec', None, 'trainer=HOST:PORT,HOST:PORT: one trainer client '
+                    'per replica (docs/clients.md); or worker=HOST:PORT,HOST:PORT[@chief='
+                    'HOST:PORT]: the --job=worker servers one trainer drives (and its own '
+                    'address). Default: TF_CONFIG, whose chief/worker tasks are trainer '
+                    'clients (servers with --job=worker).')
 flags.DEFINE_integer('task', None, 'With --job=worker: this worker\'s index in --cluster_spec; '
                      'with --job=trainer and a trainer cluster: this client\'s index.')
 flags.DEFINE_float('cluster_wait_seconds', 60.0, 'How long the trainer waits for every worker '
-                   '(or every other trainer client) to accept connections before it gives up.')
+                   '(or every other trainer client) to accept connections, and trainer clients '
+                   'for each other at the start-up check, before it gives up.')
 flags.DEFINE_integer('pipeline_trace_step', None, 'Record the measured timeline of this '
                      'training step (1 = the first): train/pipeline_trace-<step>.json (Chrome '
                      'trace format) and .png, and the bubble per device in the log and '
@@ -178,7 +182,8 @@ def main(argv) -> int:
     if cluster is not None and cluster.task_type == cluster_lib.WORKER:
         return _serve_worker(cluster)
     _check_required_flags()
-    jobs = _parse_jobs(FLAGS.job)
+    jobs = _parse_jobs(clients.evaluator_job(FLAGS.cluster_spec, FLAGS.job, os.environ)
+                       or FLAGS.job)
     if FLAGS.mode == 'sync':
         logdir_access.check_directory(FLAGS.logdir, '--logdir')
     _configure_devices()
@@ -209,10 +214,11 @@ def _run_client(client_cluster) -> int:
     """One of several trainer clients (tfpipe/clients.py): replica `--task` of R.
 
     Everything that can refuse bad input runs before the collective runtime
-    starts and before the chief's logdir is written; non-chief clients never
-    write to their --logdir.
+    starts and before the chief's logdir is written; then all clients compare
+    their params and cluster (tfpipe/client_agreement.py) and refuse together
+    if they differ. Non-chief clients never write to their --logdir.
     """
-    from tfpipe import clients
+    from tfpipe import client_agreement, clients
     from trainer import job_runner, train_job
     _check_required_flags()
     if FLAGS.mode != 'sync':
@@ -225,7 +231,9 @@ def _run_client(client_cluster) -> int:
     clients.check_num_replicas(params.task.pipeline.num_replicas, client_cluster.count)
     clients.check_unsharded_optimizer(params.task.train.shard_optimizer_states)
     params.task.pipeline.num_replicas = 1  # this process holds one replica of R
+    agreed = client_agreement.fingerprint(FLAGS.model, params, client_cluster)
     peers = clients.start(client_cluster, FLAGS.cluster_wait_seconds)
+    client_agreement.check(client_cluster, agreed, FLAGS.cluster_wait_seconds)
     if peers.is_chief:
         built = job_runner.build_jobs(params, options, ['trainer'], FLAGS.logdir, FLAGS.model,
                                       default_jobs=False, peers=peers)
@@ -284,8 +292,9 @@ def _run_jobs(params, options, jobs: list[str], cluster) -> int:
     """--mode=sync: build every job (validating all), claim their dirs, then run them."""
     from trainer import job_runner
     logdir = FLAGS.logdir
+    # A TF_CONFIG evaluator's evaler_dev is its one job: refused, not skipped, without a dev split.
     built = job_runner.build_jobs(params, options, jobs, logdir, FLAGS.model,
-                                  default_jobs=FLAGS.job is None)
+                                  default_jobs=FLAGS.job is None and 'trainer' in jobs)
     # The first write to the logdir. The locks are held while the jobs run: one live job
     # per job dir (a lock lives in its open file, which garbage collection would close).
     locks = job_runner.claim_job_dirs(built, logdir, FLAGS.model, params)

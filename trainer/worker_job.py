@@ -3,9 +3,10 @@
     python -m trainer --job=worker --task=0 --cluster_spec=worker=HOST:PORT,HOST:PORT \
         --run_locally=cpu --num_logical_cpus=4
 
-A worker holds no model, no params and no logdir: the trainer connects to it and
-sends it the cells' variables and functions. It serves until SIGTERM or SIGINT
-and then exits 0. Its devices are its GPUs, or `--num_logical_cpus` logical CPUs
+This is the single-client form, chosen explicitly by --job=worker (TF_CONFIG
+without it makes trainer clients, tfpipe/clients.py). A worker holds no model,
+no params and no logdir: the trainer connects to it and sends it the cells'
+variables and functions. It serves until SIGTERM or SIGINT and then exits 0. Its devices are its GPUs, or `--num_logical_cpus` logical CPUs
 with `--run_locally=cpu` (the default when it has no GPU).
 """
 from __future__ import annotations
@@ -39,7 +40,15 @@ def serve(cluster: cluster_lib.Cluster, run_locally: Optional[str], num_logical_
     address = cluster.jobs[cluster.task_type][cluster.task_index]
     logging.info('worker task %d serving at %s (%s); stop with SIGTERM or SIGINT',
                  cluster.task_index, address, server.target)
-    print(f'worker task {cluster.task_index} serving at {address}', file=sys.stderr, flush=True)
+    # Serving forever is this job's purpose, but a worker started where clients were
+    # meant (a cluster manager's TF_CONFIG plus --job=worker) would look like a hang:
+    # say what it waits for.
+    print(f'worker task {cluster.task_index} serving at {address} for the single-client form: '
+          'it trains nothing itself and waits, until SIGTERM or SIGINT, for one trainer '
+          'started with --cluster_spec=worker=... (for a trainer per process, drop '
+          '--job=worker: docs/clients.md)', file=sys.stderr)
+    print(cluster_lib.exposure_notice(address, f'worker task {cluster.task_index}'),
+          file=sys.stderr, flush=True)
     while not stop.wait(1.0):
         pass
     logging.info('worker task %d stopping', cluster.task_index)
