@@ -200,7 +200,7 @@ def test_sigterm_saves_where_the_clients_agree_and_equals_one_process(runs):
         np.testing.assert_allclose(losses[at], want[at], rtol=1e-5, err_msg=f'loss at {at}')
 
 
-def test_every_line_carries_its_task_and_ports_are_loopback(runs):
+def test_every_line_carries_its_task_and_the_clients_talk_over_loopback(runs):
     out = runs['sigterm'].output
     lines = [line for line in out.splitlines() if line.strip()]
     unprefixed = [line for line in lines if not re.match(r'\[(client [01]|launcher)\] ', line)]

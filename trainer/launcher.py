@@ -209,7 +209,10 @@ class Client:
         if share.cores:
             # Set before the client imports TensorFlow (seconds away): its thread pools
             # (tfpipe/devices.py) are sized by this mask and every thread inherits it.
-            os.sched_setaffinity(self.proc.pid, share.cores)
+            try:
+                os.sched_setaffinity(self.proc.pid, share.cores)
+            except ProcessLookupError:  # it already ended: the launcher reads its status
+                pass
         self.pumps = [threading.Thread(target=launcher.pump, args=(stream, sink, self),
                                        daemon=True)
                       for stream, sink in ((self.proc.stdout, sys.stdout),
