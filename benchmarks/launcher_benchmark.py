@@ -45,7 +45,8 @@ class Launch:
             [sys.executable, '-m', 'trainer', f'--model={MODEL}', f'--logdir={logdir}',
              f'--tfds_data_dir={data_dir}', '--run_locally=cpu',
              f'--num_logical_cpus={CPUS_PER_CLIENT}', '--max_steps=1000000',
-             '--gin_bindings=trainer.save_interval_steps=10', f'--local_clients={count}',
+             '--gin_bindings=trainer.save_interval_steps=10',
+             '--gin_bindings=trainer.summary_interval_steps=1', f'--local_clients={count}',
              '--max_restarts=1'],
             env={**os.environ, 'PYTHONPATH': REPO, 'TF_CPP_MIN_LOG_LEVEL': '2'}, cwd=REPO,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
