@@ -351,16 +351,16 @@ class Launcher:
                     if client.code is None:
                         client.proc.send_signal(signum)
             codes = [client.code for client in clients]
-            if all(code is not None for code in codes):
-                for client in clients:
-                    client.finish()
-                return None
             failed = [c for c, code in zip(clients, codes) if code not in (None, 0)]
             if failed and not self._signals:
                 # A client killed by a signal is the cause; the others' exit 1 follows it.
                 lost = min(failed, key=lambda c: (c.code >= 0, c.task))
                 lost.finish()
                 return lost
+            if all(code is not None for code in codes):
+                for client in clients:
+                    client.finish()
+                return None
             time.sleep(POLL_SECONDS)
 
     @staticmethod
