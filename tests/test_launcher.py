@@ -1,6 +1,6 @@
 """The launcher (`--local_clients=R`) with real client processes on loopback.
 
-Three launcher runs and the one-process R=2 reference run start together (a module
+Four launcher runs and the one-process R=2 reference run start together (a module
 fixture, one thread per run), because each client costs seconds of TensorFlow
 start-up on this machine:
 
@@ -11,6 +11,7 @@ start-up on this machine:
   client from the last checkpoint; killed again with no restart left, the chief exits
   naming the lost task and the launcher exits 1 naming client 1. Its last checkpoint
   equals the reference's at that step.
+- `single`: R=1, its client SIGKILLed: restarted although no client is left running.
 - `refused`: bad input that only the clients can see (num_replicas=3 for 2 clients):
   exit 2 with one error line, no restart although --max_restarts=1.
 
@@ -120,6 +121,17 @@ def restart_scenario(run: LauncherRun) -> LauncherRun:
     return run
 
 
+def single_client_scenario(run: LauncherRun) -> LauncherRun:
+    """R=1: its one client's death leaves no client running, and is still a restart."""
+    run.wait_for(SAVED, 1)
+    os.kill(run.client_pids()[0], signal.SIGKILL)
+    run.wait_for(r'^\[launcher\] client 0: pid \d+', 2)
+    run.wait_for(SAVED, len(re.findall(SAVED, run.output, re.M)) + 1)
+    run.proc.send_signal(signal.SIGTERM)
+    run.finish()
+    return run
+
+
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory, data_dir):
     root = tmp_path_factory.mktemp('launcher')
@@ -130,6 +142,8 @@ def runs(tmp_path_factory, data_dir):
         'refused': LauncherRun(root, 'refused', data_dir, '--local_clients=2',
                                '--max_restarts=1', '--params_override=task.pipeline.'
                                'num_replicas=3'),
+        'single': LauncherRun(root, 'single', data_dir, '--local_clients=1',
+                              '--max_restarts=1'),
     }
     reference_dir = str(root / 'reference')
     reference = subprocess.Popen(
@@ -139,9 +153,10 @@ def runs(tmp_path_factory, data_dir):
                       cpus=2 * CLIENT_CPUS)],
         env=env(), cwd=th.REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(sigterm_scenario, launched['sigterm']),
                        pool.submit(restart_scenario, launched['restarted']),
+                       pool.submit(single_client_scenario, launched['single']),
                        pool.submit(launched['refused'].finish)]
             _, err = reference.communicate(timeout=600)
             assert reference.returncode == 0, err[-3000:]
@@ -222,6 +237,15 @@ def test_a_killed_client_restarts_every_client_from_the_last_checkpoint(runs):
                      r'checkpoint .*\(restart 1 of --max_restarts=1\)$', out, re.M), out[-4000:]
     assert re.search(r'^\[client 0\] .*restored .*ckpt-\d+ at step \d+', out, re.M)
     assert_checkpoint_equals_reference(run.logdir, runs['reference'])
+
+
+def test_a_single_clients_death_is_restarted_too(runs):
+    run = runs['single']
+    assert run.code == 0, run.output[-4000:]
+    assert re.search(r'^\[launcher\] client 0 \(pid \d+, 127\.0\.0\.1:\d+\) was killed by '
+                     r'SIGKILL: stopped every client; restarting all 1 ', run.output, re.M)
+    assert re.search(r'^\[client 0\] .*signal 15: saving a checkpoint at step \d+',
+                     run.output, re.M), run.output[-4000:]
 
 
 def test_without_restarts_left_the_others_exit_naming_the_lost_client(runs):
