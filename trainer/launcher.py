@@ -288,6 +288,9 @@ class Launcher:
     def _supervise(self) -> int:
         restarts = port_retries = 0
         while True:
+            if self._signals:  # arrived between two starts: no client runs, nothing to save
+                self.log(f'{signal.Signals(self._signals[0]).name}: no client started')
+                return 128 + self._signals[0]
             clients = self._start_all()
             lost = self._wait(clients)
             if lost is None:
