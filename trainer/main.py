@@ -9,6 +9,7 @@
     python -m trainer --job=worker --task=0 --cluster_spec=worker=HOST:PORT,HOST:PORT
     python -m trainer --model=... --logdir=... --job=trainer --cluster_spec=worker=HOST:PORT,...
         # the single-client form: one trainer drives cells on the --job=worker servers
+    python -m trainer --model=... --logdir=... --local_clients=R   # R clients on this host
 
 With no --job, one process runs the trainer and, in threads, an evaler on dev
 and a decoder on test (when the model defines those splits), as Lingvo does
@@ -73,6 +74,11 @@ flags.DEFINE_string('cluster_spec', None, 'trainer=HOST:PORT,HOST:PORT: one trai
                     'clients (servers with --job=worker).')
 flags.DEFINE_integer('task', None, 'With --job=worker: this worker\'s index in --cluster_spec; '
                      'with --job=trainer and a trainer cluster: this client\'s index.')
+flags.DEFINE_integer('local_clients', None, 'Start this many trainer clients on this host, '
+                     'each with its share of the cores (or GPUs) and --num_logical_cpus '
+                     'logical CPUs, and supervise them (trainer/launcher.py, docs/clients.md).')
+flags.DEFINE_integer('max_restarts', 0, 'With --local_clients: how often to restart every '
+                     'client from the last checkpoint after one dies.')
 flags.DEFINE_float('cluster_wait_seconds', 60.0, 'How long the trainer waits for every worker '
                    '(or every other trainer client) to accept connections, and trainer clients '
                    'for each other at the start-up check, before it gives up.')
@@ -305,6 +311,9 @@ def _run_jobs(params, options, jobs: list[str], cluster) -> int:
 
 
 def _main_with_errors(argv) -> None:
+    from trainer import launcher  # imports no TensorFlow: the launcher process stays small
+    if launcher.requested(FLAGS):
+        sys.exit(launcher.run(FLAGS, os.environ))
     from tfpipe import checkpoints
     from tfpipe.cluster import WorkerUnavailableError
     from tfpipe.hyperparams import ParamsError
