@@ -208,6 +208,10 @@ def test_a_trainer_client_holds_its_part_and_restores_it_from_a_whole_checkpoint
             with pytest.raises(ValueError, match=r'incompatible tensor with shape \(0,\)'):
                 checkpoints.make(_replica_variables(1)[0], optimizer=_train(
                     OPTIMIZERS['adam'], 1, sharded=False, steps=0)[1][0]).read(bad)
+    # A cluster of one client holds (and saves) whole slots.
+    alone = ShardedOptimizer(OPTIMIZERS['adam'], _replica_variables(1), peers=Peers(1, 0))
+    assert not alone.spans_clients
+    assert alone.GetSlot('pipe/fc1/w', 'm').shape == SHAPES['pipe/fc1/w']
     # Each client holds half of the slots: 15 + 5 + 30 + 1 elements, m and v, 4 bytes each.
     assert [h for h, _ in held] == [4 * 2 * (8 + 3 + 15 + 1), 4 * 2 * (7 + 2 + 15 + 0)]
     assert held[0][1] == held[1][1] == 4 * 2 * 51

@@ -190,7 +190,7 @@ class ShardedOptimizer(tf.Module):
             with tf.device(var.device):
                 parts.append(tf.Variable(tf.zeros(part_shape, var.dtype), trainable=False,
                                          name=f'{path}/{name}/replica_{self._shards[r]}'))
-        return _Slot(shape, parts, bounds, sharded, complete=self._peers is None)
+        return _Slot(shape, parts, bounds, sharded, complete=not self.spans_clients)
 
     @property
     def params(self) -> InstantiableParams:
