@@ -205,7 +205,7 @@ def _run_client(logdir, data_dir, spec, task, *extra, timeout=120):
                           timeout=timeout)
 
 
-def test_port_in_use_wrong_replicas_and_sharding_exit_2_and_a_missing_client_exits_1(
+def test_port_in_use_and_wrong_replicas_exit_2_and_a_missing_client_exits_1(
         tmp_path, data_dir):
     logdir = str(tmp_path / 'run')
     with socket.socket() as held:
@@ -221,13 +221,6 @@ def test_port_in_use_wrong_replicas_and_sharding_exit_2_and_a_missing_client_exi
                          th.overrides(**{'task.pipeline.num_replicas': 3}))
     assert result.returncode == 2, result.stderr[-3000:]
     assert 'num_replicas=3 but the cluster has 2 trainer client(s)' in th.error_line(result)
-
-    result = _run_client(logdir, data_dir, spec_of(2), 0,
-                         th.overrides(**{'task.train.shard_optimizer_states': True}))
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert th.error_line(result).startswith(
-        'error: task.train.shard_optimizer_states=True with a cluster of trainer clients')
-    assert not os.path.exists(logdir)
 
     spec = spec_of(2)
     missing = spec.split(',')[1]

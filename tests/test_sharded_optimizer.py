@@ -175,3 +175,43 @@ def test_checkpoints_move_between_sharded_and_unsharded_under_any_r(tmp_path, na
                 np.testing.assert_allclose(_slot(opt_b, path, slot),
                                            _slot(ref_opt, path, slot), rtol=1e-5, atol=1e-6,
                                            err_msg=f'{first} -> {second}: {path}/{slot}')
+
+
+def test_a_trainer_client_holds_its_part_and_restores_it_from_a_whole_checkpoint(tmp_path):
+    """Client r of 2 (no collectives needed to build or restore): its parts of a whole
+    checkpoint's slots, and on the chief the whole slots kept for the other clients."""
+    from tfpipe.pipeline.across_clients import Peers
+    ref_vars, ref_opt = _train(OPTIMIZERS['adam'], 1, sharded=False, steps=2)
+    saved = checkpoints.make(ref_vars[0], optimizer=ref_opt[0]).write(str(tmp_path / 'whole'))
+    whole = {(path, name): _slot(ref_opt, path, name).reshape(-1)
+             for path in SHAPES for name in ('m', 'v')}
+    held = []
+    for r in range(2):
+        opt = ShardedOptimizer(OPTIMIZERS['adam'], _replica_variables(1, seed=7),
+                               peers=Peers(2, r))
+        assert opt.spans_clients
+        checkpoints.make(_replica_variables(1, seed=7)[0], optimizer=opt).read(
+            saved).assert_consumed()
+        for (path, name), value in whole.items():
+            start, stop = shard_bounds(value.size, 2)[r]
+            part, = opt.SlotParts(path, name)
+            np.testing.assert_array_equal(part.numpy(), value[start:stop])
+        sent = opt.ChiefSlots()  # sorted by path, then m before v
+        expected = [whole[(path, name)] for path in sorted(SHAPES) for name in ('m', 'v')]
+        for got, want in zip(sent, expected):
+            np.testing.assert_array_equal(got.numpy().reshape(-1),
+                                          want if r == 0 else np.zeros_like(want))
+        held.append(opt.SlotBytes())
+        if r == 1:  # saved without GatherSlots(): empty slots that no restore accepts
+            bad = checkpoints.make(_replica_variables(1)[0], optimizer=opt).write(
+                str(tmp_path / 'bad'))
+            with pytest.raises(ValueError, match=r'incompatible tensor with shape \(0,\)'):
+                checkpoints.make(_replica_variables(1)[0], optimizer=_train(
+                    OPTIMIZERS['adam'], 1, sharded=False, steps=0)[1][0]).read(bad)
+    # A cluster of one client holds (and saves) whole slots.
+    alone = ShardedOptimizer(OPTIMIZERS['adam'], _replica_variables(1), peers=Peers(1, 0))
+    assert not alone.spans_clients
+    assert alone.GetSlot('pipe/fc1/w', 'm').shape == SHAPES['pipe/fc1/w']
+    # Each client holds half of the slots: 15 + 5 + 30 + 1 elements, m and v, 4 bytes each.
+    assert [h for h, _ in held] == [4 * 2 * (8 + 3 + 15 + 1), 4 * 2 * (7 + 2 + 15 + 0)]
+    assert held[0][1] == held[1][1] == 4 * 2 * 51

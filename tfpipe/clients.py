@@ -264,20 +264,6 @@ def check_num_replicas(num_replicas, count: int) -> None:
                          f'{count} trainer client(s), one replica each: set it to 1 or {count}')
 
 
-def check_unsharded_optimizer(shard_optimizer_states: bool) -> None:
-    """Refuses ZeRO-1 sharding across clients.
-
-    tfpipe/pipeline/sharded_optimizer.py splits slots over the replicas of one
-    process and gathers the updated weights in that process; across clients the
-    gather would need a collective of its own, which is not built.
-    """
-    if shard_optimizer_states:
-        raise ValueError('task.train.shard_optimizer_states=True with a cluster of trainer '
-                         'clients: optimizer sharding works within one process only; set it '
-                         'to False or run the replicas in one process (task.pipeline.'
-                         'num_replicas=R, no --cluster_spec)')
-
-
 def start(clients: ClientCluster, wait_seconds: float) -> Peers:
     """Starts this client's server and the collective runtime, then waits for the peers.
 

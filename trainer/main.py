@@ -235,7 +235,6 @@ def _run_client(client_cluster) -> int:
     _configure_devices()
     params, options = _load_params_and_options()
     clients.check_num_replicas(params.task.pipeline.num_replicas, client_cluster.count)
-    clients.check_unsharded_optimizer(params.task.train.shard_optimizer_states)
     params.task.pipeline.num_replicas = 1  # this process holds one replica of R
     agreed = client_agreement.fingerprint(FLAGS.model, params, client_cluster)
     peers = clients.start(client_cluster, FLAGS.cluster_wait_seconds)

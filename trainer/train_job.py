@@ -19,7 +19,10 @@ As one of several trainer clients (`peers`, tfpipe/clients.py) the trainer holds
 one replica; only the chief (client 0) touches its train dir: it restores,
 saves and writes summaries. The others need no logdir: at the start of `run()`
 every client receives the chief's weights, optimizer slots, step and input
-position over the collective runtime.
+position over the collective runtime. With sharded optimizer states each client
+holds 1/R of the slots: every save all-gathers them so that the chief's
+checkpoint holds them whole, and at start each client receives its part of the
+chief's.
 """
 from __future__ import annotations
 
@@ -167,8 +170,11 @@ class Trainer:
         self.variables = self.replica_variables[0]
         self.optimizers: list[BaseOptimizer] | ShardedOptimizer
         if tp.shard_optimizer_states:
-            self.optimizers = ShardedOptimizer(tp.optimizer, self.replica_variables)
+            self.optimizers = ShardedOptimizer(tp.optimizer, self.replica_variables, peers)
             self.optimizer = self.optimizers
+            held, whole = self.optimizers.SlotBytes()
+            logging.info('optimizer slots: %d bytes per replica in this process, %d unsharded',
+                         held, whole)
         else:
             self.optimizers = [tp.optimizer.Instantiate() for _ in self.replica_variables]
             for optimizer, variables in zip(self.optimizers, self.replica_variables):
@@ -251,18 +257,43 @@ class Trainer:
         out = [self.variables[path] for path in sorted(self.variables)]
         out += [v for path, v in sorted(self.task.VariablesByPath().items())
                 if not v.trainable]
-        out += [self.optimizer.iterations, *self.optimizer.slot_variables, self.global_step]
+        out += [self.optimizer.iterations, *(
+            self.optimizer.whole_slot_variables if isinstance(self.optimizer, ShardedOptimizer)
+            else self.optimizer.slot_variables), self.global_step]
         return out + list(getattr(self.iterator, 'variables', ()))  # the input's position
 
-    @tf.function
-    def _receive_chief_state(self):
-        across_clients.broadcast_from_chief(self.peers, self._checkpointed_variables(),
-                                            self.task.pipe.devices[0])
+    def _receive_chief_state(self) -> None:
+        sharded = isinstance(self.optimizer, ShardedOptimizer) and self.optimizer.spans_clients
+        self._broadcast_chief_state(self.optimizer.ChiefSlots() if sharded else [])
 
     @tf.function
-    def _any_client_stopping(self, stopping):
-        flag, = across_clients.all_reduce_sum(self.peers, [stopping], self.task.pipe.devices[0])
-        return flag > 0
+    def _broadcast_chief_state(self, chief_slots):
+        across_clients.broadcast_from_chief(self.peers, self._checkpointed_variables(),
+                                            self.task.pipe.devices[0])
+        if chief_slots:  # sharded optimizer states: each client's part of them
+            self.optimizer.ReceiveSlots(chief_slots)
+
+    def _gather_slots(self) -> contextlib.AbstractContextManager:
+        """Across clients with sharded optimizer states, every client sends its part of
+        the slots (at each save, on every client); the chief saves inside the context."""
+        if isinstance(self.optimizer, ShardedOptimizer):
+            return self.optimizer.GatherSlots()
+        return contextlib.nullcontext()
+
+    @tf.function
+    def _any_client_says(self, flag):
+        """Whether any client passed a positive `flag` (every client calls it at once)."""
+        total, = across_clients.all_reduce_sum(self.peers, [flag], self.task.pipe.devices[0])
+        return total > 0
+
+    def _chief_lacks_checkpoint(self, step: int) -> bool:
+        """Whether the chief's newest checkpoint is older than `step`; every client gets the
+        chief's answer, as all take part in a save (the slots' gather)."""
+        latest = self.manager.latest_checkpoint
+        lacks = latest is None or checkpoints.step_of(latest) != step
+        if self.peers is None:
+            return lacks
+        return bool(self._any_client_says(tf.constant(float(lacks and self._is_chief))))
 
     @property
     def _stopping(self) -> bool:
@@ -277,7 +308,7 @@ class Trainer:
         the same way, through the coordination service.)
         """
         own = tf.constant(0.0 if self._stop_signal is None else 1.0)
-        self._peer_stopping = bool(self._any_client_stopping(own))
+        self._peer_stopping = bool(self._any_client_says(own))
 
     @tf.function
     def _step(self, batch):
@@ -378,9 +409,7 @@ class Trainer:
         if self._stopping:
             logging.info('signal %s: saving a checkpoint at step %d and stopping',
                          self._stop_signal or 'to another client', step)
-        if (out_of_data or self._stopping) and (
-                self.manager.latest_checkpoint is None or
-                checkpoints.step_of(self.manager.latest_checkpoint) != step):
+        if (out_of_data or self._stopping) and self._chief_lacks_checkpoint(step):
             self.save(step)
         writer.flush()
         elapsed = time.time() - start_time
@@ -435,14 +464,18 @@ class Trainer:
     def save(self, step: int) -> None:
         """Saves a checkpoint numbered `step`; a failed save leaves no partial files.
 
-        Only the chief saves: every client holds the same values.
+        Only the chief saves: every client holds the same values (but for sharded
+        optimizer states, whose parts every client sends it here).
         """
+        gathered = self._gather_slots()
         if not self._is_chief:
             return
         if not bool(self._weights_are_finite()):
             self._non_finite(f'the weights after step {step} are not finite')
         try:
-            path = self.manager.save(checkpoint_number=step, options=checkpoints.io_options())
+            with gathered:
+                path = self.manager.save(checkpoint_number=step,
+                                         options=checkpoints.io_options())
         except (OSError, tf.errors.OpError) as e:  # a full disk, a quota, a lost mount
             self._remove_partial_save(step)
             if isinstance(e, _LOST_PEER_ERRORS):

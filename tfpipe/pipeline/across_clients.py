@@ -16,6 +16,9 @@ NCCL on GPUs where TensorFlow picks it):
   the whole table, so all apply the same full-batch moving-statistics update.
   Adding zeros is exact, so the table is bit for bit the statistics themselves.
 
+With `task.train.shard_optimizer_states` the updated weight shards are
+all-gathered across clients too (`all_gather`; tfpipe/pipeline/sharded_optimizer.py).
+
 Keys: the collectives on local device d form the group of device d on every
 client (its group key is a function of d's type and index). Instance keys come
 from one counter in trace order: every client traces the same step functions in
@@ -81,6 +84,20 @@ def all_reduce_sum(peers: Peers, tensors: Sequence[tf.Tensor], device: str) -> l
             for i, piece, shape in zip(indices, tf.split(summed, sizes), shapes):
                 out[i] = tf.reshape(piece, shape)
     return out
+
+
+def all_gather(peers: Peers, tensor: tf.Tensor, device: str) -> tf.Tensor:
+    """[count, n]: row r is client r's 1-D `tensor` (n elements on every client), on
+    this client's `device`.
+
+    TensorFlow ranks a group's members by device name, task numerically
+    (CollectiveParamResolverLocal), and each client has one device in the group,
+    so the rank of a client is its task index: rows come in client order.
+    """
+    with tf.device(device), tf.name_scope('across_clients'):
+        gathered = collective_ops.all_gather(tensor, peers.count, _group_key(device),
+                                             _next_instance(), communication_hint='auto')
+        return tf.reshape(gathered, [peers.count, -1])
 
 
 def apply_batch_stats(peers: Peers, cells: Sequence[Cell],

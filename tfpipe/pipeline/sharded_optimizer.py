@@ -35,16 +35,25 @@ parts and restores by cutting, so a checkpoint moves between any R, sharded
 or not.
 
 Collectives are TensorFlow's v1 ops (`all_reduce`, `all_gather`), which work
-between logical CPUs of one process and across worker processes; like the
-pipeline's all-reduce they must be built inside a tf.function. `Apply` builds
-each replica's part in turn (`_apply_replica`) with collective keys agreed for
-the whole step, the seam at which one client per replica would build only its
-own.
+between logical CPUs of one process and across processes; like the pipeline's
+all-reduce they must be built inside a tf.function. In one process `Apply`
+builds each replica's shard in turn with collective keys agreed for the whole
+step.
+
+Across trainer clients (`peers`, tfpipe/clients.py: one replica per process)
+client r holds shard r only, and the collectives span the processes
+(tfpipe/pipeline/across_clients.py). A client's slot is then not whole
+anywhere, so the chief's checkpoint needs the others' parts: `GatherSlots`
+(run by every client at each save) all-gathers them, and the chief saves the
+whole slots, as every other run does. Restoring, the chief keeps the whole
+slots it read until `ReceiveSlots` (every client, at start) hands each client
+its part, so clients need no shared file system.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Sequence
+from typing import Iterator, Optional, Sequence
 
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops
@@ -52,7 +61,7 @@ from tensorflow.python.trackable import base as trackable
 
 from tfpipe.hyperparams import InstantiableParams
 from tfpipe.optimizers import BaseOptimizer, Grads, Variables, Whole, cast_args, slot_key
-from tfpipe.pipeline import replicas
+from tfpipe.pipeline import across_clients, replicas
 
 __all__ = ['ShardedOptimizer', 'shard_bounds']
 
@@ -64,21 +73,38 @@ def shard_bounds(size: int, num_shards: int) -> list[tuple[int, int]]:
 
 
 class _Slot(trackable.Trackable):
-    """One slot of one variable across replicas, checkpointed as one whole tensor.
+    """One slot of one variable, checkpointed as one whole tensor.
 
-    `parts[r]` lives on replica r's copy of the variable's device: a flat part
-    (`sharded`) or a whole copy (Adafactor's factored moments).
+    `parts[i]` lives on local replica i's copy of the variable's device: the flat
+    elements `bounds[i]` (`sharded`) or a whole copy (Adafactor's factored
+    moments). In one process the parts cover the slot; a trainer client holds
+    one part, and the whole is `gathered` while its chief saves.
     """
 
-    def __init__(self, shape: tf.TensorShape, parts: list[tf.Variable], sharded: bool):
-        self.shape, self.parts, self.sharded = shape, parts, sharded
+    def __init__(self, shape: tf.TensorShape, parts: list[tf.Variable],
+                 bounds: list[tuple[int, int]], sharded: bool, complete: bool):
+        self.shape, self.parts, self.bounds, self.sharded = shape, parts, bounds, sharded
+        self.complete = complete or not sharded
+        self.gathered: Optional[tf.Tensor] = None  # the whole slot while a client's chief saves
+        self.restored: Optional[tf.Tensor] = None  # the whole slot a chief read, until sent
 
     def value(self) -> tf.Tensor:
         """The whole slot, as the unsharded optimizer would hold it."""
         with tf.device(self.parts[0].device):
+            if not self.complete:
+                return self._gathered_or_empty()
             if not self.sharded:
                 return self.parts[0].read_value()
             return tf.reshape(tf.concat([p.read_value() for p in self.parts], 0), self.shape)
+
+    def _gathered_or_empty(self) -> tf.Tensor:
+        """A client's whole slot while its chief saves, else an empty tensor: a restore
+        serializes too, but reads only the dtype and device; a save outside
+        `ShardedOptimizer.GatherSlots` would write the empty tensor, which no restore
+        accepts (it fits no slot), rather than a wrong slot."""
+        if self.gathered is not None:
+            return self.gathered
+        return tf.zeros([0], self.parts[0].dtype)
 
     def _serialize_to_tensors(self) -> dict:
         return {trackable.VARIABLE_VALUE_KEY: self.value()}
@@ -87,10 +113,11 @@ class _Slot(trackable.Trackable):
         whole = restored_tensors[trackable.VARIABLE_VALUE_KEY]
         if not self.sharded:
             return tf.group([p.assign(whole) for p in self.parts])
+        if not self.complete:
+            self.restored = whole  # the other clients' parts: ReceiveSlots sends them
         flat = tf.reshape(whole, [-1])
-        bounds = shard_bounds(self.shape.num_elements(), len(self.parts))
         return tf.group([p.assign(flat[start:stop])
-                         for p, (start, stop) in zip(self.parts, bounds)])
+                         for p, (start, stop) in zip(self.parts, self.bounds)])
 
 
 class _Part(Whole):
@@ -112,17 +139,27 @@ class _Part(Whole):
 class ShardedOptimizer(tf.Module):
     """The optimizer of `params` over R replicas' variables, each keeping 1/R of the slots.
 
-    Checkpoints like the unsharded optimizer (`iterations`, `_slots`), so the two
-    restore into each other under any R.
+    `replica_variables` are this process's replicas: all R of them, or, as trainer
+    client `peers.index` of `peers.count`, its one. Checkpoints like the
+    unsharded optimizer (`iterations`, `_slots`), so the two restore into each
+    other under any R.
     """
 
-    def __init__(self, params: InstantiableParams, replica_variables: Sequence[Variables]):
+    def __init__(self, params: InstantiableParams, replica_variables: Sequence[Variables],
+                 peers: Optional[across_clients.Peers] = None):
         rule = params.Instantiate()
         super().__init__(name=rule.name)
         with trackable.no_automatic_dependency_tracking_scope(self):
             self._rule: BaseOptimizer = rule  # its rule only: slots and step are kept here
+            self._peers = peers
+        if peers is not None and len(replica_variables) != 1:
+            raise ValueError(f'ShardedOptimizer: a trainer client holds one replica, got '
+                             f'{len(replica_variables)} variable dicts; pass its own only')
         self.iterations = rule.iterations
-        self._num_replicas = len(replica_variables)
+        self._num_local = len(replica_variables)
+        # The shard each local replica holds, of how many.
+        self._shards = [peers.index] if peers else list(range(self._num_local))
+        self._num_shards = peers.count if peers else self._num_local
         self._shapes = {path: tf.TensorShape(var.shape)
                         for path, var in replica_variables[0].items()}
         for r, variables in enumerate(replica_variables[1:], 1):
@@ -136,7 +173,7 @@ class ShardedOptimizer(tf.Module):
                     name: self._new_slot(path, name, tf.TensorShape(shape), replica_variables)
                     for name, shape in rule.SlotShapes(self._shapes[path]).items()}
         self._slots = slots
-        # The devices holding a variable's copies: one collective group per cell.
+        # The devices holding a variable's local copies: one collective group per cell.
         self._group_devices = {path: tuple(v[path].device for v in replica_variables)
                                for path in self._shapes}
         self._keys: dict = {}  # collective instance keys of the step being built
@@ -144,40 +181,59 @@ class ShardedOptimizer(tf.Module):
     def _new_slot(self, path: str, name: str, shape: tf.TensorShape,
                  replica_variables: Sequence[Variables]) -> _Slot:
         sharded = shape == self._shapes[path]
-        bounds = shard_bounds(shape.num_elements(), self._num_replicas)
+        all_bounds = shard_bounds(shape.num_elements(), self._num_shards)
+        bounds = [all_bounds[shard] for shard in self._shards]
         parts = []
         for r, variables in enumerate(replica_variables):
             var = variables[path]
             part_shape = [bounds[r][1] - bounds[r][0]] if sharded else shape
             with tf.device(var.device):
                 parts.append(tf.Variable(tf.zeros(part_shape, var.dtype), trainable=False,
-                                         name=f'{path}/{name}/replica_{r}'))
-        return _Slot(shape, parts, sharded)
+                                         name=f'{path}/{name}/replica_{self._shards[r]}'))
+        return _Slot(shape, parts, bounds, sharded, complete=not self.spans_clients)
 
     @property
     def params(self) -> InstantiableParams:
         return self._rule.params
 
+    @property
+    def spans_clients(self) -> bool:
+        """Whether the shards live in several trainer clients (else all in this process)."""
+        return self._peers is not None and self._num_shards > 1
+
     def GetSlot(self, path: str, name: str) -> tf.Tensor:
-        """The whole slot `name` of the variable at `path` (its parts joined)."""
+        """The whole slot `name` of the variable at `path` (its parts joined; on a trainer
+        client only inside GatherSlots())."""
         return self._slots[slot_key(path)][name].value()
 
     def SlotParts(self, path: str, name: str) -> list[tf.Variable]:
-        """The variables holding slot `name` of `path`, one per replica."""
+        """The variables holding slot `name` of `path`, one per local replica."""
         return list(self._slots[slot_key(path)][name].parts)
+
+    def SlotBytes(self) -> tuple[int, int]:
+        """(bytes of slots held by each local replica, bytes of one whole copy)."""
+        held = whole = 0
+        for slot in self._all_slots():
+            part = slot.parts[0]
+            held += part.shape.num_elements() * part.dtype.size
+            whole += slot.shape.num_elements() * part.dtype.size
+        return held, whole
+
+    def _all_slots(self) -> list[_Slot]:
+        return [s[name] for _, s in sorted(self._slots.items()) for name in sorted(s)]
 
     def Apply(self, lr: tf.Tensor, replica_grads: Sequence[Grads],
               replica_variables: Sequence[Variables]) -> None:
-        """One update of every replica's copy from its summed gradients (in a tf.function).
+        """One update of every local replica's copy from its summed gradients (in a
+        tf.function).
 
-        `replica_grads[r]` are the gradients summed over replicas, held by replica
-        r (every replica's are equal); None gradients are skipped.
+        `replica_grads[r]` are the gradients summed over replicas, held by local
+        replica r (every replica's are equal); None gradients are skipped.
         """
-        if len(replica_grads) != self._num_replicas or \
-                len(replica_variables) != self._num_replicas:
+        if len(replica_grads) != self._num_local or len(replica_variables) != self._num_local:
             raise ValueError(f'ShardedOptimizer: got {len(replica_grads)} gradient dicts and '
-                             f'{len(replica_variables)} variable dicts for {self._num_replicas} '
-                             'replicas; pass one of each per replica')
+                             f'{len(replica_variables)} variable dicts for {self._num_local} '
+                             'local replicas; pass one of each per replica')
         unknown = sorted(set(replica_grads[0]) - set(self._shapes))
         if unknown:
             raise ValueError(f'ShardedOptimizer: no slots for {unknown}; build it with '
@@ -185,7 +241,7 @@ class ShardedOptimizer(tf.Module):
         step = self.iterations.assign_add(1)
         self._keys = {}
         pieces = [self._apply_replica(r, lr, step, replica_grads[r], replica_variables[r])
-                  for r in range(self._num_replicas)]
+                  for r in range(self._num_local)]
         for group in pieces[0]:
             self._gather(group, [p[group] for p in pieces], replica_variables)
 
@@ -195,53 +251,149 @@ class ShardedOptimizer(tf.Module):
             self._keys[name] = replicas.new_instance_key()
         return self._keys[name]
 
+    def _sum(self, x: tf.Tensor, name: tuple, devices: tuple, r: int) -> tf.Tensor:
+        """`x` summed over the shards' holders (local replica r's device)."""
+        if self._num_shards == 1:
+            return x
+        if self._peers is not None:
+            return across_clients.all_reduce_sum(self._peers, [x], devices[r])[0]
+        return collective_ops.all_reduce(x, self._num_shards, replicas.group_key(devices),
+                                         self._key(name), 'Add', 'Id',
+                                         communication_hint='auto')
+
+    def _all_gather(self, packed: tf.Tensor, name: tuple, devices: tuple, r: int) -> tf.Tensor:
+        """[num_shards, n]: row s is the 1-D `packed` of shard s's holder (local replica r's
+        device)."""
+        if self._num_shards == 1:
+            return packed[tf.newaxis]
+        if self._peers is not None:
+            return across_clients.all_gather(self._peers, packed, devices[r])
+        gathered = collective_ops.all_gather(packed, self._num_shards,
+                                             replicas.group_key(devices), self._key(name),
+                                             communication_hint='auto')
+        return tf.reshape(gathered, [self._num_shards, -1])
+
     def _apply_replica(self, r: int, lr: tf.Tensor, step: tf.Tensor, grads: Grads,
                       variables: Variables) -> dict:
-        """Replica r's update of its parts; returns {(devices, dtype): [(path, new part)]}."""
+        """Local replica r's update of its parts; returns {(devices, dtype): [(path, new part)]}."""
         out: dict = {}
         for path in sorted(grads):
             grad, var = grads[path], variables[path]
             if grad is None:
                 continue
             devices = self._group_devices[path]
-            group = replicas.group_key(devices)
             n = self._shapes[path].num_elements()
-            start, stop = shard_bounds(n, self._num_replicas)[r]
+            start, stop = shard_bounds(n, self._num_shards)[self._shards[r]]
             with tf.device(var.device), tf.name_scope(f'shard_update_{r}'):
                 lr_, step_, grad_ = cast_args(lr, step, grad, var.dtype)
                 weight = var.read_value()
 
-                def total(x, path=path, group=group):
-                    if self._num_replicas == 1:
-                        return x
-                    return collective_ops.all_reduce(x, self._num_replicas, group,
-                                                     self._key((path, 'total')), 'Add', 'Id',
-                                                     communication_hint='auto')
+                def total(x, path=path, devices=devices):
+                    return self._sum(x, (path, 'total'), devices, r)
 
                 part = _Part(grad_, weight, (start, stop), total)
                 slots = {name: slot.parts[r]
                          for name, slot in self._slots[slot_key(path)].items()}
                 new = part.cut(weight) - self._rule.Delta(lr_, step_, part.cut(grad_), slots,
                                                          part)
-                padded = tf.pad(new, [[0, math.ceil(n / self._num_replicas) - (stop - start)]])
+                padded = tf.pad(new, [[0, math.ceil(n / self._num_shards) - (stop - start)]])
             out.setdefault((devices, var.dtype), []).append((path, padded))
         return out
 
     def _gather(self, group: tuple, pieces: Sequence[list], variables: Sequence[Variables]):
         """All-gathers one cell's updated parts (one buffer per dtype) into every copy."""
         devices, _ = group
-        num = self._num_replicas
-        key = replicas.group_key(devices)
-        instance = self._key(('gather',) + group)
         sizes = [piece.shape[0] for _, piece in pieces[0]]
-        for r in range(num):
+        for r in range(self._num_local):
             with tf.device(devices[r]), tf.name_scope(f'shard_gather_{r}'):
                 packed = tf.concat([piece for _, piece in pieces[r]], 0)
-                if num > 1:
-                    packed = collective_ops.all_gather(packed, num, key, instance,
-                                                       communication_hint='auto')
-                rows = tf.reshape(packed, [num, sum(sizes)])  # row r: replica r's parts
+                rows = self._all_gather(packed, ('gather',) + group, devices, r)
                 for (path, _), column in zip(pieces[r], tf.split(rows, sizes, axis=1)):
                     var = variables[r][path]
                     flat = tf.reshape(column, [-1])[:self._shapes[path].num_elements()]
                     var.assign(tf.reshape(flat, self._shapes[path]))
+
+    # -- Across clients: whole slots for the chief's checkpoint -------------------------
+
+    def _sharded_slots_by_group(self) -> dict:
+        """{(device, dtype): [sharded slot]} of this client, in an order every client shares."""
+        out: dict = {}
+        for slot in self._all_slots():
+            if slot.sharded:
+                out.setdefault((slot.parts[0].device, slot.parts[0].dtype), []).append(slot)
+        return out
+
+    @tf.function
+    def _gathered_slots(self) -> list[tf.Tensor]:
+        out = []
+        for (device, _), slots in self._sharded_slots_by_group().items():
+            with tf.device(device), tf.name_scope('gather_slots'):
+                sizes = [math.ceil(s.shape.num_elements() / self._num_shards) for s in slots]
+                packed = tf.concat([tf.pad(s.parts[0].read_value(),
+                                           [[0, size - s.parts[0].shape[0]]])
+                                    for s, size in zip(slots, sizes)], 0)
+                rows = self._all_gather(packed, (), (device,), 0)
+                for slot, column in zip(slots, tf.split(rows, sizes, axis=1)):
+                    flat = tf.reshape(column, [-1])[:slot.shape.num_elements()]
+                    out.append(tf.reshape(flat, slot.shape))
+        return out
+
+    def GatherSlots(self) -> contextlib.AbstractContextManager:
+        """All-gathers the sharded slots across the clients: every client calls it at the
+        same point (each save). Inside the returned context the slots save whole.
+
+        One all-gather per cell and dtype; each client holds the whole slots
+        until the context is left (others drop them at once).
+        """
+        return self._serving(self._gathered_slots() if self.spans_clients else [])
+
+    @contextlib.contextmanager
+    def _serving(self, values: list[tf.Tensor]) -> Iterator[None]:
+        slots = [s for group in self._sharded_slots_by_group().values() for s in group]
+        for slot, value in zip(slots, values):
+            slot.gathered = value
+        try:
+            yield
+        finally:
+            for slot in slots:
+                slot.gathered = None
+
+    def ChiefSlots(self) -> list[tf.Tensor]:
+        """What this client gives `ReceiveSlots`: on the chief each sharded slot whole as
+        it knows it (restored, else its own part among zeros), elsewhere zeros."""
+        out = []
+        for slots in self._sharded_slots_by_group().values():
+            for slot in slots:
+                part = slot.parts[0]
+                with tf.device(part.device):
+                    if not self._peers.is_chief:
+                        value = tf.zeros(slot.shape, part.dtype)
+                    elif slot.restored is not None:
+                        value = tf.convert_to_tensor(slot.restored)
+                    else:
+                        start, stop = slot.bounds[0]
+                        value = tf.reshape(tf.pad(part, [[start, slot.shape.num_elements()
+                                                          - stop]]), slot.shape)
+                out.append(value)
+                slot.restored = None
+        return out
+
+    def ReceiveSlots(self, chief_slots: Sequence[tf.Tensor]) -> None:
+        """Every client's part of the chief's slots (inside a tf.function run by every
+        client at once; `chief_slots` from ChiefSlots()): the sum of the chief's whole
+        values and the others' zeros, cut. Whole slots (Adafactor's factored moments)
+        travel with the chief's other state."""
+        values = iter(chief_slots)
+        for (device, _), slots in self._sharded_slots_by_group().items():
+            summed = across_clients.all_reduce_sum(self._peers, [next(values) for _ in slots],
+                                                   device)
+            for slot, whole in zip(slots, summed):
+                start, stop = slot.bounds[0]
+                with tf.device(device):
+                    slot.parts[0].assign(tf.reshape(whole, [-1])[start:stop])
+
+    @property
+    def whole_slot_variables(self) -> list[tf.Variable]:
+        """The slots every replica holds whole (Adafactor's factored moments), local
+        replica 0's, ordered by path then name."""
+        return [s.parts[0] for s in self._all_slots() if not s.sharded]

@@ -1,0 +1,129 @@
+"""Optimizer states sharded across trainer clients (real processes on loopback).
+
+Two clients with task.train.shard_optimizer_states=True (Adam, SmallConvPipe, K=2) each
+hold half of every slot. They must train as one process with R=2 unsharded replicas
+does: loss at every step, and the chief's checkpoints (weights and WHOLE Adam slots,
+under the same keys) within 1e-5. The sharded run is done in two halves, so its second
+half restores the chief's checkpoint into sharded clients (the non-chief, given an
+empty logdir, must receive its half of the slots from the chief); the chief's step-2
+checkpoint also resumes in one unsharded process with R=1 and 4 micro-batches. oneDNN
+is off in every process (its kernels round differently per batch shape). Every
+process is stopped by its PID in teardown.
+"""
+import os
+import re
+import shutil
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests import trainer_helpers as th
+from tests.test_clients import Processes, free_port
+
+STEPS = 4
+EXACT = {'TF_ENABLE_ONEDNN_OPTS': '0'}
+SHARDED = {'task.train.shard_optimizer_states': True}
+SLOT_BYTES = re.compile(r'optimizer slots: (\d+) bytes per replica in this process, '
+                        r'(\d+) unsharded')
+
+
+def _flags(steps: int, **overrides) -> list[str]:
+    return [*th.fast_flags(steps, 2), *([th.overrides(**overrides)] if overrides else [])]
+
+
+def _start_clients(processes: Processes, logdirs, data_dir: str, *flags: str) -> list:
+    spec = 'trainer=' + ','.join(f'127.0.0.1:{free_port()}' for _ in logdirs)
+    procs = []
+    for task, logdir in enumerate(logdirs):
+        cmd = [f'--num_logical_cpus=2' if a.startswith('--num_logical_cpus=') else a
+               for a in th.command(th.FAST, logdir, data_dir, *flags)]
+        procs.append(processes.start([*cmd, f'--task={task}', f'--cluster_spec={spec}'],
+                                     env=EXACT))
+    return procs
+
+
+def _finish(procs, timeout: float = 400) -> list[str]:
+    out = []
+    for proc in procs:
+        _, err = proc.communicate(timeout=timeout)
+        assert proc.returncode == 0, err[-3000:]
+        out.append(err)
+    return out
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory, data_dir):
+    root = tmp_path_factory.mktemp('sharded_clients')
+    d = {name: str(root / name) for name in ('chief', 'other', 'reference', 'unsharded')}
+    processes = Processes()
+    try:
+        first = _start_clients(processes, [d['chief'], d['other']], data_dir,
+                               *_flags(STEPS // 2, **SHARDED))
+        reference = processes.start(th.command(th.FAST, d['reference'], data_dir, *_flags(
+            STEPS, **{'task.pipeline.num_replicas': 2})), env=EXACT)
+        d['first_stderr'] = _finish(first)
+        assert not os.path.exists(d['other'])
+        shutil.copytree(d['chief'], d['unsharded'])
+        os.makedirs(d['other'])  # empty: the non-chief has no access to the chief's logdir
+        second = _start_clients(processes, [d['chief'], d['other']], data_dir,
+                                *_flags(STEPS, **SHARDED))
+        unsharded = processes.start(th.command(th.FAST, d['unsharded'], data_dir, *_flags(
+            STEPS, **{'task.pipeline.num_micro_batches': 4})), env=EXACT)
+        d['second_stderr'] = _finish([*second, unsharded, reference])
+        yield d
+    finally:
+        processes.stop_all()
+
+
+def _state(logdir: str, step: int) -> dict:
+    """Every saved value of ckpt-`step` (model, optimizer slots and step, global step)."""
+    prefix = os.path.join(logdir, 'train', f'ckpt-{step}')
+    reader = tf.train.load_checkpoint(prefix)
+    return {name: reader.get_tensor(name) for name, _ in tf.train.list_variables(prefix)
+            if name.startswith(('model/', 'optimizer/', 'step/'))}
+
+
+def _assert_same_checkpoint(actual: str, expected: str, step: int) -> None:
+    got, want = _state(actual, step), _state(expected, step)
+    assert got.keys() == want.keys()
+    slots = [name for name in want if '/_slots/' in name]
+    assert len(slots) == 2 * len([n for n in want if n.startswith('model/')])  # Adam: m, v
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6,
+                                   err_msg=f'ckpt-{step} {name}')
+    # The slots moved: the comparison is not between two zero tensors.
+    assert any(np.abs(want[name]).max() > 0 for name in slots)
+
+
+def _assert_same_losses(actual: str, expected: str, steps) -> None:
+    got = th.losses_by_step(os.path.join(actual, 'train'))
+    want = th.losses_by_step(os.path.join(expected, 'train'))
+    assert sorted(got) == list(steps), got
+    for step in steps:
+        np.testing.assert_allclose(got[step], want[step], rtol=1e-5, err_msg=f'step {step}')
+
+
+def test_sharded_clients_train_as_one_unsharded_process_with_whole_slots_saved(runs):
+    _assert_same_losses(runs['chief'], runs['reference'], range(1, STEPS + 1))
+    for step in (STEPS // 2, STEPS):
+        _assert_same_checkpoint(runs['chief'], runs['reference'], step)
+    assert os.listdir(runs['other']) == []  # the non-chief wrote nothing
+
+
+def test_the_chiefs_checkpoint_resumes_in_one_unsharded_process(runs):
+    _assert_same_losses(runs['unsharded'], runs['reference'], range(1, STEPS + 1))
+    _assert_same_checkpoint(runs['unsharded'], runs['reference'], STEPS)
+
+
+def test_each_client_holds_half_of_the_slots(runs):
+    chief, other = runs['first_stderr'][:2]
+    (held_0, whole_0), = SLOT_BYTES.findall(chief)
+    (held_1, whole_1), = SLOT_BYTES.findall(other)
+    assert whole_0 == whole_1
+    whole = int(whole_0)
+    assert int(held_0) + int(held_1) == whole  # the halves partition every slot
+    # Each half is ceil(n/2) or floor(n/2) elements of each slot: within 4 bytes per slot.
+    num_slots = 2 * len([n for n in _state(runs['reference'], STEPS) if n.startswith('model/')])
+    for held in (int(held_0), int(held_1)):
+        assert abs(held - whole / 2) <= 4 * num_slots / 2
