@@ -209,7 +209,7 @@ def _score_in_process(params, logdir: str, tmp_path) -> dict:
     copy = shutil.copytree(logdir, str(tmp_path / f'copy{len(os.listdir(tmp_path))}'))
     job = eval_jobs.Evaler(params, 'dev', copy, max_steps=2)
     checkpoints.restore(job.checkpoint, os.path.join(copy, 'train', 'ckpt-2'), partial=True)
-    os.makedirs(job.job_dir)
+    os.makedirs(job.job_dir, exist_ok=True)
     job.process(2, tf.summary.create_noop_writer())
     return _scores(os.path.join(job.job_dir, 'score-2.txt'))
 
@@ -223,10 +223,10 @@ def test_evaler_and_decoder_use_the_recorded_params(lm_logdir, data_dir, tmp_pat
     with open(os.path.join(logdir, 'decoder_test', 'decoder_out-2.jsonl')) as f:
         assert len(f.readlines()) == 2
     recorded = experiment.load_params(LM, th.overrides(**LM_OVERRIDES).split('=', 1)[1])
-    expected = _score_in_process(recorded, logdir, tmp_path)
+    expected = _score_in_process(recorded, lm_logdir.logdir, tmp_path)
     assert scores == pytest.approx(expected, rel=1e-5)
     two_heads = experiment.load_params(LM, 'task.eval.samples_per_summary=16')
-    wrong = _score_in_process(two_heads, logdir, tmp_path)  # what main computed silently
+    wrong = _score_in_process(two_heads, lm_logdir.logdir, tmp_path)  # what main computed silently
     assert abs(wrong['log_pplx'] - scores['log_pplx']) > 1e-3, (wrong, scores)
 
 
