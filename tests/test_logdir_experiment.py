@@ -60,6 +60,8 @@ def test_a_job_builds_the_recorded_model_with_its_own_job_keys_on_top(tmp_path):
     assert params.task.decoder.top_k == 5  # a recorded job key the command leaves alone
     assert params.task.eval.samples_per_summary == 16  # the command's job keys win
     assert params.task.pipeline.num_micro_batches == 4
+    bf16 = experiment.load_params(LM, 'task.fprop_dtype=tf.bfloat16')  # a job's precision
+    assert experiment.params_for_logdir(bf16, logdir, LM).task.fprop_dtype == tf.bfloat16
     fresh = str(tmp_path / 'fresh')  # no trainer yet: the command's params as they are
     assert experiment.params_for_logdir(mine, fresh, LM) is mine
 
@@ -67,7 +69,7 @@ def test_a_job_builds_the_recorded_model_with_its_own_job_keys_on_top(tmp_path):
 @pytest.mark.parametrize('override', [
     f'{HEADS}=2',  # the model's default, different from the record: still refused
     'task.pipeline.body[3].hidden_dim=64',
-    'task.fprop_dtype=tf.bfloat16',
+    'task.dtype=tf.bfloat16',
 ])
 def test_an_override_that_changes_the_recorded_model_is_refused_naming_it(tmp_path, override):
     logdir = _write_record(tmp_path, LM, f'{HEADS}=4')

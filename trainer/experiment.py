@@ -27,13 +27,15 @@ _LITERAL_WORDS = {'True', 'False', 'None'}  # read as the values they name, as n
 ATTEMPT_PARAMS_FILE = 'params-attempt.txt'
 # Keys that steer a job without changing the function its checkpoints compute: where the
 # data lives and which examples a job reads, how long training runs and how it updates,
-# how many examples an evaler or decoder takes and how a decoder samples, and how the
-# layers are laid out on devices (a pipelined run equals the unpartitioned one). A job on a
-# logdir applies them on top of the recorded params; every other key defines the model.
+# how many examples an evaler or decoder takes and how a decoder samples, how the layers
+# are laid out on devices (a pipelined run equals the unpartitioned one), and the precision
+# a job computes in (fprop_dtype: the variables keep their dtype, so a float32 run exports
+# as bfloat16). A job on a logdir applies them on top of the recorded params; every other
+# key defines the model.
 _JOB_KEYS = re.compile(r'(input|task\.train|task\.eval|task\.decoder)([.\[]|$)'
                        r'|task\.pipeline\.(balance|num_cells|virtual_stages|partition_by|'
                        r'devices|num_replicas|num_micro_batches|recompute|schedule|'
-                       r'cell_functions|jit_compile)$')
+                       r'cell_functions|jit_compile)$|(.*\.)?fprop_dtype$')
 # Of the training keys, the optimizer's class decides what the checkpointed slots mean.
 _OPTIMIZER_CLASS = 'task.train.optimizer.cls'
 
