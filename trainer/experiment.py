@@ -192,25 +192,33 @@ def _is_parent(text: str) -> bool:
     return text.startswith(('Params(', '[Params(', 'InstantiableParams('))
 
 
+_ABSENT = '(none)'  # the text of a key one of two params does not have
+
+
 def model_changes(old: Params, new: Params, keys: Optional[Sequence[str]] = None,
-                  optimizer: bool = False) -> list[str]:
-    """'key: old -> new' for each key that defines the model (not a job key) and differs.
+                  optimizer: bool = False) -> dict[str, tuple[str, str]]:
+    """{key: (old text, new text)} of each key that defines the model (not a job key) and
+    differs.
 
     Only among `keys` when given; with `optimizer`, the optimizer's class counts too
     (what a trainer's checkpointed slots mean).
     """
     before, after = _lines(old), _lines(new)
     candidates = keys if keys is not None else list(dict.fromkeys([*before, *after]))
-    return [f'{key}: {before.get(key, "(none)")} -> {after.get(key, "(none)")}'
-            for key in candidates
-            if before.get(key) != after.get(key) and not _is_parent(before.get(key, '')) and
-            not _is_parent(after.get(key, '')) and
-            (not _JOB_KEYS.match(key) or (optimizer and key == _OPTIMIZER_CLASS))]
+    changes = {}
+    for key in candidates:
+        pair = before.get(key, _ABSENT), after.get(key, _ABSENT)
+        if pair[0] != pair[1] and not any(map(_is_parent, pair)) and (
+                not _JOB_KEYS.match(key) or (optimizer and key == _OPTIMIZER_CLASS)):
+            changes[key] = pair
+    return changes
 
 
-def _summary(changes: list[str], most: int = 4) -> str:
-    more = f'; and {len(changes) - most} more' if len(changes) > most else ''
-    return '; '.join(changes[:most]) + more
+def _summary(changes: dict[str, tuple[str, str]], most: int = 4) -> str:
+    """'key: old -> new; ...' of the first `most` changes, for a one-line error."""
+    lines = [f'{key}: {old} -> {new}' for key, (old, new) in changes.items()]
+    more = f'; and {len(lines) - most} more' if len(lines) > most else ''
+    return '; '.join(lines[:most]) + more
 
 
 def _override_text(key: str, text: str) -> str:
@@ -264,9 +272,8 @@ def check_resumable(saved: Optional[Params], params: Params, train_dir: str) -> 
         return
     changes = model_changes(saved, params, optimizer=True)
     if changes:
-        before = _lines(saved)
-        matching = ','.join(_override_text(key, before[key]) for key in
-                            (c.split(':', 1)[0] for c in changes) if key in before)
+        matching = ','.join(_override_text(key, old) for key, (old, _) in changes.items()
+                            if old != _ABSENT)
         raise ValueError(f'the model or optimizer changed since the checkpoints in {train_dir} '
                          f'were written ({_summary(changes)}): they cannot be restored into '
                          f'another model; to resume, give --params_override={matching} as '
