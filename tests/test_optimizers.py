@@ -419,7 +419,8 @@ def test_schedule_peaks_and_floors():
     (lr_schedules.Cosine.Params().Set(warmup_steps=-1), 'warmup_steps=-1'),
     (lr_schedules.Cosine.Params().Set(warmup_steps=100, total_steps=100),
      'total_steps=100 must be an int > warmup_steps=100'),
-    (lr_schedules.Cosine.Params().Set(value=0.5, min_value=0.6), r'min_value=0.6 must be in'),
+    (lr_schedules.Cosine.Params().Set(value=0.5, min_value=0.6, total_steps=100),
+     r'min_value=0.6 must be in'),
 ])
 def test_bad_schedule_params_raise(p, match):
     with pytest.raises(ValueError, match=match):

@@ -9,6 +9,7 @@ otherwise a changed model would silently start from its initial weights.
 from __future__ import annotations
 
 import os
+import re
 from typing import Optional
 
 import tensorflow as tf
@@ -117,6 +118,7 @@ def restore(checkpoint: tf.train.Checkpoint, path: str, partial: bool = False) -
     `partial=True` lets the checkpoint hold objects this job does not build
     (an evaler has no optimizer); the model's own variables are still required.
     """
+    check_matches(checkpoint, path, partial)
     try:
         status = checkpoint.restore(path, options=io_options())
         status.assert_existing_objects_matched()
@@ -126,11 +128,81 @@ def restore(checkpoint: tf.train.Checkpoint, path: str, partial: bool = False) -
         raise  # the files went away (rotated out): the caller may look again
     except (tf.errors.OpError, ValueError, AssertionError, IndexError) as e:
         # IndexError: a truncated data file ('Read less bytes than requested').
+        # check_matches passed: its variables are this model's, so the files are damaged.
         raise CheckpointError(
-            f'checkpoint {path} cannot be restored into this model '
-            f'({one_line(str(e))[:300] or type(e).__name__}): if it is corrupt or partial, move '
-            'it out of the train dir to fall back to an older one; if the model changed, use a '
-            'new --logdir') from None
+            f'checkpoint {path} cannot be restored into this model although its variables '
+            f'match ({one_line(str(e))[:300] or type(e).__name__}): it is corrupt or partial; '
+            'move it out of the train dir to fall back to an older one') from None
+
+
+_VALUE_SUFFIX = '/.ATTRIBUTES/VARIABLE_VALUE'
+
+
+def _escape(name: str) -> str:
+    """A checkpoint key's part for an object name (TensorFlow's escaping of '.' and '/')."""
+    return name.replace('.', '..').replace('/', '.S')
+
+
+def _readable(key: str) -> str:
+    """'model/pipe.Sfc3.Sw/.ATTRIBUTES/VARIABLE_VALUE' -> 'model/pipe/fc3/w'."""
+    return re.sub(r'\.(S|\.)', lambda m: '/' if m.group(1) == 'S' else '.',
+                  key[:-len(_VALUE_SUFFIX)])
+
+
+def _expected(checkpoint: tf.train.Checkpoint) -> dict[str, tf.Variable]:
+    """{checkpoint key: variable (or a sharded optimizer's slot)} of every value the
+    object would save: the keys tf.train.Checkpoint writes for it."""
+    view, out = tf.train.TrackableView(checkpoint), {}
+
+    def walk(obj, key: str) -> None:
+        children = view.children(obj)
+        if not children and hasattr(obj, 'shape'):  # a variable, or a sharded slot
+            out[key + _VALUE_SUFFIX] = obj
+        for name, child in children.items():
+            walk(child, f'{key}/{_escape(name)}' if key else _escape(name))
+    walk(checkpoint, '')
+    return out
+
+
+def check_matches(checkpoint: tf.train.Checkpoint, path: str, partial: bool = False) -> None:
+    """Refuses a checkpoint of another model or optimizer before restoring it.
+
+    TensorFlow restores by name and only complains about what is missing, so a model
+    or optimizer whose values have the same names loads the wrong ones silently (Adam's
+    `m`/`v` read as Adafactor's, Adam's slots dropped by SGD). Every value the object
+    saves must be in the checkpoint with its shape and dtype, and (unless `partial`: an
+    evaler has no optimizer) every value the checkpoint holds under one of the object's
+    parts must be the object's. The error says what changed; the checkpoint is healthy.
+    """
+    try:
+        reader = tf.train.load_checkpoint(path)
+    except (tf.errors.OpError, ValueError):
+        return  # unreadable: check_readable and restore name that
+    shapes, dtypes = reader.get_variable_to_shape_map(), reader.get_variable_to_dtype_map()
+    expected = _expected(checkpoint)
+    problems = []
+    for key, value in expected.items():
+        name, shape, dtype = _readable(key), list(value.shape), getattr(value, 'dtype', None)
+        if key not in shapes:
+            problems.append(f'{name} {shape} is not in it')
+        elif shapes[key] != shape or dtype not in (None, dtypes[key]):
+            problems.append(f'{name} is {dtypes[key].name}{shapes[key]} there and '
+                            f'{getattr(dtype, "name", "")}{shape} here')
+    parts = {key.split('/', 1)[0] for key in expected}
+    owners = tf.train.TrackableView(checkpoint).children(checkpoint)
+    for key in sorted(shapes):
+        part = key.split('/', 1)[0]
+        if key.endswith(_VALUE_SUFFIX) and key not in expected and part in parts and not (
+                partial and part != 'model'):
+            kind = type(owners[part]).__name__
+            owner = part if kind.startswith('_') else f'{part} ({kind})'
+            problems.append(f'it holds {_readable(key)}, which this {owner} does not have')
+    if problems:
+        more = f' (and {len(problems) - 2} more)' if len(problems) > 2 else ''
+        raise CheckpointError(
+            f'checkpoint {path} was written by another model or optimizer: '
+            f'{"; ".join(problems[:2])}{more}: use a new --logdir for the changed model, or '
+            f'a --params_override that matches the params.txt beside it')
 
 
 def check_readable(path: str) -> None:

@@ -12,13 +12,14 @@ param and says how to fix it, so a typo fails at build time and not after hours.
 from __future__ import annotations
 
 import math
-from typing import Union
+from typing import NamedTuple, Optional, Union
 
 import tensorflow as tf
 
 from tfpipe.hyperparams import InstantiableParams, Params
 
-__all__ = ['BaseSchedule', 'Constant', 'LinearWarmupRsqrtDecay', 'Cosine']
+__all__ = ['BaseSchedule', 'Constant', 'LinearWarmupRsqrtDecay', 'Cosine', 'Horizon',
+           'follow_max_steps']
 
 StepLike = Union[int, tf.Tensor]
 
@@ -30,6 +31,12 @@ def _require(ok: bool, cls: type, message: str) -> None:
 
 class BaseSchedule:
     """Base class: holds frozen params and checks the common ``value`` param."""
+
+    # The param that is the run's length (a schedule that decays to its end), or None.
+    # None as its value means "the run's max_steps": the trainer fills it in
+    # (follow_max_steps), so a longer --max_steps stretches the schedule instead of
+    # training past its end at the final rate.
+    HORIZON: Optional[str] = None
 
     @classmethod
     def Params(cls) -> InstantiableParams:
@@ -114,15 +121,18 @@ class Cosine(BaseSchedule):
     """Linear warm-up to ``value``, cosine decay to ``min_value`` at ``total_steps``.
 
     After ``total_steps`` the rate stays at ``min_value``, so training a little longer
-    than planned neither crashes nor restarts the cycle.
+    than planned neither crashes nor restarts the cycle. ``total_steps=None`` (the
+    default) follows the run's max_steps.
     """
+
+    HORIZON = 'total_steps'
 
     @classmethod
     def Params(cls) -> InstantiableParams:
         p = super().Params()
         p.Define('warmup_steps', 0, 'Steps of the linear ramp from 0 to value; >= 0.')
-        p.Define('total_steps', 100000, 'Step at which the decay reaches min_value; '
-                 '> warmup_steps.')
+        p.Define('total_steps', None, 'Step at which the decay reaches min_value; '
+                 '> warmup_steps. None: the run\'s max_steps (set by the trainer).')
         p.Define('min_value', 0.0, 'Final value, in [0, value].')
         return p
 
@@ -130,6 +140,9 @@ class Cosine(BaseSchedule):
         super().__init__(params)
         warmup = self._check_warmup()
         total, low = params.total_steps, params.min_value
+        _require(total is not None, type(self), 'total_steps=None follows the run\'s '
+                 'max_steps, which only the trainer knows: set p.total_steps, or pass the '
+                 'params through lr_schedules.follow_max_steps')
         _require(isinstance(total, int) and total > warmup, type(self),
                  f'total_steps={total!r} must be an int > warmup_steps={warmup}; raise '
                  'p.total_steps or lower p.warmup_steps')
@@ -145,3 +158,39 @@ class Cosine(BaseSchedule):
         decay = p.min_value + (p.value - p.min_value) * 0.5 * (1.0 + tf.cos(math.pi * frac))
         return tf.where(s < float(p.warmup_steps),
                         self._warmup(s, p.value, p.warmup_steps), decay)
+
+
+class Horizon(NamedTuple):
+    """A schedule's params fitted to a run, and what the trainer says about it once."""
+    params: Params
+    message: Optional[str]  # None: the schedule does not depend on the run's length
+    warn: bool  # the schedule ends before the run does
+
+
+def follow_max_steps(params: Params, max_steps: int) -> Horizon:
+    """The schedule of a run of `max_steps`: an unset horizon (None) becomes max_steps.
+
+    An explicit horizon is kept; one shorter than the run is reported as a warning,
+    since every step past it trains at the schedule's final value (SmallConvPipe once
+    inherited total_steps=1000 and spent 19,000 of 20,000 steps at rate 0).
+    """
+    name = getattr(params.cls, 'HORIZON', None)
+    if name is None:
+        return Horizon(params, None, False)
+    cls = params.cls.__name__
+    set_to = params.Get(name)
+    if set_to is None:
+        # A run that ends inside the warm-up (a few test steps) keeps a valid schedule;
+        # its rates are the ramp's either way.
+        horizon = max(max_steps, params.Get('warmup_steps') + 1 if 'warmup_steps' in params
+                      else 1)
+        floor = '' if horizon == max_steps else f', at least warmup_steps + 1 = {horizon}'
+        return Horizon(params.Copy().Set(**{name: horizon}),
+                       f'lr_schedule {cls}: {name} follows max_steps={max_steps}{floor} (set '
+                       f'task.train.lr_schedule.{name} to fix it)', False)
+    if isinstance(set_to, int) and set_to < max_steps:
+        return Horizon(params, f'lr_schedule {cls}: {name}={set_to} < max_steps={max_steps}: '
+                               f'the last {max_steps - set_to} steps train at the schedule\'s '
+                               f'final value; set task.train.lr_schedule.{name}=None to follow '
+                               'max_steps', True)
+    return Horizon(params, f'lr_schedule {cls}: {name}={set_to} (max_steps={max_steps})', False)

@@ -51,8 +51,9 @@ class _PollingJob:
         self.task.CheckInput(self.input_params)
         self.checkpoint = checkpoints.make(self.task.VariablesByPath())
         path = checkpoints.latest(self.train_dir) if os.path.isdir(self.train_dir) else None
-        if path is not None:
+        if path is not None:  # fails now, before anything is written, on a bad checkpoint
             checkpoints.check_readable(path)
+            checkpoints.check_matches(self.checkpoint, path, partial=True)
 
     def _processed(self) -> set[int]:
         path = os.path.join(self.job_dir, PROCESSED_FILE)

@@ -25,6 +25,19 @@ PARAMS_FILE = 'params.txt'
 _BARE_WORD = re.compile(r'[\w-]+')  # e.g. never, except_last, 1f1b
 _LITERAL_WORDS = {'True', 'False', 'None'}  # read as the values they name, as numbers are
 ATTEMPT_PARAMS_FILE = 'params-attempt.txt'
+# Keys that steer a job without changing the function its checkpoints compute: where the
+# data lives and which examples a job reads, how long training runs and how it updates,
+# how many examples an evaler or decoder takes and how a decoder samples, how the layers
+# are laid out on devices (a pipelined run equals the unpartitioned one), and the precision
+# a job computes in (fprop_dtype: the variables keep their dtype, so a float32 run exports
+# as bfloat16). A job on a logdir applies them on top of the recorded params; every other
+# key defines the model.
+_JOB_KEYS = re.compile(r'(input|task\.train|task\.eval|task\.decoder)([.\[]|$)'
+                       r'|task\.pipeline\.(balance|num_cells|virtual_stages|partition_by|'
+                       r'devices|num_replicas|num_micro_batches|recompute|schedule|'
+                       r'cell_functions|jit_compile)$|(.*\.)?fprop_dtype$')
+# Of the training keys, the optimizer's class decides what the checkpointed slots mean.
+_OPTIMIZER_CLASS = 'task.train.optimizer.cls'
 
 
 @gin.configurable('model')
@@ -169,10 +182,103 @@ def saved_train_params(train_dir: str, params: Params,
     return saved
 
 
+def _lines(params: Params) -> dict[str, str]:
+    """{key: value text} of every line of params.ToText(), in its order."""
+    return dict(line.split(' : ', 1) for line in params.ToText().splitlines() if ' : ' in line)
+
+
+def _is_parent(text: str) -> bool:
+    """A line that only names a Params (or a list of them): its own lines say what differs."""
+    return text.startswith(('Params(', '[Params(', 'InstantiableParams('))
+
+
+_ABSENT = '(none)'  # the text of a key one of two params does not have
+
+
+def model_changes(old: Params, new: Params, keys: Optional[Sequence[str]] = None,
+                  optimizer: bool = False) -> dict[str, tuple[str, str]]:
+    """{key: (old text, new text)} of each key that defines the model (not a job key) and
+    differs.
+
+    Only among `keys` when given; with `optimizer`, the optimizer's class counts too
+    (what a trainer's checkpointed slots mean).
+    """
+    before, after = _lines(old), _lines(new)
+    candidates = keys if keys is not None else list(dict.fromkeys([*before, *after]))
+    changes = {}
+    for key in candidates:
+        pair = before.get(key, _ABSENT), after.get(key, _ABSENT)
+        if pair[0] != pair[1] and not any(map(_is_parent, pair)) and (
+                not _JOB_KEYS.match(key) or (optimizer and key == _OPTIMIZER_CLASS)):
+            changes[key] = pair
+    return changes
+
+
+def _summary(changes: dict[str, tuple[str, str]], most: int = 4) -> str:
+    """'key: old -> new; ...' of the first `most` changes, for a one-line error."""
+    lines = [f'{key}: {old} -> {new}' for key, (old, new) in changes.items()]
+    more = f'; and {len(lines) - most} more' if len(lines) > most else ''
+    return '; '.join(lines[:most]) + more
+
+
+def _override_text(key: str, text: str) -> str:
+    """The --params_override item that sets `key` back to `text` (a class: a new Params)."""
+    if key.endswith('.cls'):
+        return f'{key[:-len(".cls")]}=Params(cls={text})'
+    return f'{key}={text}'
+
+
+def params_for_logdir(params: Params, logdir: Optional[str], model: str,
+                      set_keys: Sequence[str] = ()) -> Params:
+    """The params a job reading `logdir` builds from: the ones its trainer recorded in
+    train/params.txt, with the job keys this command sets applied on top.
+
+    One logdir is one experiment: an evaler, decoder, generate, export or inspect run
+    that rebuilt the model from its own flags would load the checkpoints into another
+    model whenever the shapes happen to fit (a 2-head attention reads a 4-head one's
+    weights). `params` are the command's (the model and its overrides, before
+    --tfds_data_dir is filled in); `set_keys` the keys its overrides name, so that one
+    set to the model's default is seen too. A logdir without recorded params (no
+    trainer has saved there yet) keeps `params`. Raises ValueError naming the model
+    keys this command sets to values other than the record's.
+    """
+    if not logdir:
+        return params
+    check_logdir(logdir, model)
+    path = os.path.join(logdir, 'train', PARAMS_FILE)
+    registered = model_registry.get_params(model)
+    recorded = saved_train_params(os.path.dirname(path), registered)
+    if recorded is None:
+        return params
+    default, mine = _lines(registered), _lines(params)
+    chosen = [key for key, text in mine.items() if text != default.get(key) or key in set_keys]
+    changes = model_changes(recorded, params, chosen)
+    if changes:
+        raise ValueError(f'{path} records the model this logdir was trained with, and this '
+                         f'command changes it ({_summary(changes)}): leave these overrides out '
+                         '(every job on a logdir builds the recorded model), or train the '
+                         'change in a new --logdir')
+    for name, input_params in recorded.input.IterParams():  # where the data lives: this job's
+        if input_params is not None and 'data_dir' in input_params:
+            input_params.data_dir = registered.input.Get(name).data_dir
+    recorded.FromText('\n'.join(f'{key} : {mine[key]}' for key in chosen if _JOB_KEYS.match(key)))
+    return recorded
+
+
 def check_resumable(saved: Optional[Params], params: Params, train_dir: str) -> None:
-    """The checkpointed input position only fits the input it was saved from."""
+    """Checkpoints restore only into the model and optimizer they were saved from, and the
+    checkpointed input position only into the input it was saved from."""
     if saved is None or not os.path.exists(os.path.join(train_dir, 'checkpoint')):
         return
+    changes = model_changes(saved, params, optimizer=True)
+    if changes:
+        matching = ','.join(_override_text(key, old) for key, (old, _) in changes.items()
+                            if old != _ABSENT)
+        raise ValueError(f'the model or optimizer changed since the checkpoints in {train_dir} '
+                         f'were written ({_summary(changes)}): they cannot be restored into '
+                         f'another model; to resume, give --params_override={matching} as '
+                         f'recorded in {PARAMS_FILE} there, or train the change in a new '
+                         '--logdir')
     old, new = saved.input.train.Copy(), params.input.train.Copy()
     for input_params in (old, new):  # where the data lives may change; what it is may not
         if 'data_dir' in input_params:

@@ -28,12 +28,11 @@ def run(params: Params, logdir: str, model: str, checkpoint: Optional[str],
     path = _checkpoint_path(train_dir, checkpoint)
     checkpoints.check_readable(path)
     # The checkpoints were trained with train/params.txt: the same dtypes, body and ties
-    # whatever the overrides of this command (a bfloat16 run exports as bfloat16).
-    saved = experiment.saved_train_params(train_dir, params)
-    task_params = (saved or params).task
+    # without repeating the overrides (a bfloat16 run exports as bfloat16).
+    params = experiment.params_for_logdir(params, logdir, model)
     target = export_dir or os.path.join(logdir, EXPORT_SUBDIR, str(checkpoints.step_of(path)))
     features = export.feature_specs(params.input.train)
-    return export.export(task_params, features, path, target, placement, overwrite)
+    return export.export(params.task, features, path, target, placement, overwrite)
 
 
 def _checkpoint_path(train_dir: str, name: Optional[str]) -> str:

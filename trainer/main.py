@@ -193,7 +193,10 @@ def main(argv) -> int:
     if FLAGS.mode == 'sync':
         logdir_access.check_directory(FLAGS.logdir, '--logdir')
     _configure_devices()
-    params, options = _load_params_and_options()
+    # Jobs that read a logdir build the model its trainer recorded; a trainer checks that
+    # it resumes the same model (trainer/experiment.py).
+    params, options = _load_params_and_options(
+        from_logdir=FLAGS.mode != 'sync' or 'trainer' not in jobs)
     if FLAGS.mode == 'inspect_params':
         print(params.ToText())
         return 0
@@ -272,8 +275,11 @@ def _check_required_flags() -> None:
         raise UsageError('--logdir is required: the directory for checkpoints and summaries')
 
 
-def _load_params_and_options():
-    """The model's params with every override applied, and the runtime options of the flags."""
+def _load_params_and_options(from_logdir: bool = False):
+    """The model's params with every override applied, and the runtime options of the flags.
+
+    `from_logdir`: the params --logdir's trainer recorded, with this command's job keys on top.
+    """
     import tensorflow_datasets as tfds
     tfds.disable_progress_bar()
     from trainer import experiment, train_job
@@ -289,6 +295,12 @@ def _load_params_and_options():
             raise UsageError(f'--pipeline_trace_step={FLAGS.pipeline_trace_step} must be a '
                              'step >= 1 (1 is the first training step)')
         options.pipeline_trace_step = FLAGS.pipeline_trace_step
+    if from_logdir:
+        named = [key for key, _ in experiment.split_overrides(FLAGS.params_override)]
+        named += list(experiment.gin_model_overrides())
+        if FLAGS.max_steps is not None:
+            named.append('task.train.max_steps')
+        params = experiment.params_for_logdir(params, FLAGS.logdir, FLAGS.model, named)
     _set_data_dir(params)
     return params, options
 

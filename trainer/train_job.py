@@ -43,7 +43,7 @@ import gin
 import tensorflow as tf
 from absl import logging
 
-from tfpipe import checkpoints, fprop_context, memory_stats
+from tfpipe import checkpoints, fprop_context, lr_schedules, memory_stats
 from tfpipe.base_layer import flatten_by_path
 from tfpipe.hyperparams import Params
 from tfpipe.optimizers import BaseOptimizer, clip_by_global_norm
@@ -180,7 +180,10 @@ class Trainer:
             for optimizer, variables in zip(self.optimizers, self.replica_variables):
                 optimizer.CreateSlots(variables)
             self.optimizer = self.optimizers[0]
-        self.schedule = tp.lr_schedule.Instantiate()
+        horizon = lr_schedules.follow_max_steps(tp.lr_schedule, self.max_steps)
+        if horizon.message:
+            (logging.warning if horizon.warn else logging.info)(horizon.message)
+        self.schedule = horizon.params.Instantiate()
         self.learning_rate = tp.learning_rate
         self.clip_norm = tp.clip_gradient_norm_to_value or None
         self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name='global_step')

@@ -30,7 +30,7 @@ class AmoebaNetD(TfdsModelParams):
         p.train.Set(max_steps=50000, learning_rate=0.05, clip_gradient_norm_to_value=5.0,
                     save_interval_steps=1000, summary_interval_steps=100)
         p.train.optimizer = optimizers.RMSProp.Params()
-        p.train.lr_schedule = lr_schedules.Cosine.Params().Set(
-            value=1.0, warmup_steps=1000, total_steps=50000, min_value=0.0)
+        p.train.lr_schedule = lr_schedules.Cosine.Params().Set(  # decays over max_steps
+            value=1.0, warmup_steps=1000, min_value=0.0)
         p.eval.Set(samples_per_summary=10000, decoder_samples_per_summary=1000)
         return p

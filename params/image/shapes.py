@@ -30,8 +30,8 @@ class AmoebaNetPipe(TfdsModelParams):
         p.train.Set(max_steps=1000, learning_rate=0.003, save_interval_steps=250,
                     summary_interval_steps=50)
         p.train.optimizer = optimizers.Adam.Params()
-        p.train.lr_schedule = lr_schedules.Cosine.Params().Set(
-            value=1.0, warmup_steps=50, total_steps=1000, min_value=0.0)
+        p.train.lr_schedule = lr_schedules.Cosine.Params().Set(  # decays over max_steps
+            value=1.0, warmup_steps=50, min_value=0.0)
         p.eval.Set(samples_per_summary=1024, decoder_samples_per_summary=256)
         return p
 
