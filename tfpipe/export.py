@@ -140,7 +140,11 @@ def export(task_params: Params, features: dict[str, tf.TensorSpec], checkpoint_p
     try:
         pinned = _pin(checkpoint_path, pin_dir)
         module, signatures = build(task_params, features, placement)
-        checkpoints.restore(checkpoints.make(module.variables_by_path), pinned, partial=True)
+        try:
+            checkpoints.restore(checkpoints.make(module.variables_by_path), pinned, partial=True)
+        except checkpoints.CheckpointError as e:  # name the user's checkpoint, not the pin
+            raise checkpoints.CheckpointError(str(e).replace(
+                pinned, os.path.abspath(checkpoint_path))) from None
         tmp = tempfile.mkdtemp(prefix=f'{prefix}.tmp-', dir=parent)
         tf.saved_model.save(module, tmp, signatures=signatures)
         if placement == ONE_DEVICE:
