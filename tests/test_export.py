@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import threading
 
 import numpy as np
 import pytest
@@ -167,6 +168,27 @@ def test_a_checkpoint_rotated_out_during_the_export_still_exports(trained_4_step
             'probabilities'],
         tf.saved_model.load(reference).signatures['serving_default'](image=image)[
             'probabilities'])
+
+
+def test_a_state_file_naming_a_rotated_checkpoint_for_an_instant_is_read_again(
+        trained_4_steps, data_dir, tmp_path):
+    """A trainer deletes the rotated checkpoint just before it rewrites train/checkpoint:
+    for that instant the file names no checkpoint with files. Here it names ckpt-6 until
+    a thread writes the real state 0.3 s later, as the trainer would."""
+    logdir = trained_4_steps.copy_to(tmp_path / 'run')
+    state = os.path.join(logdir, 'train', 'checkpoint')
+    with open(state) as f:
+        real = f.read()
+    with open(state, 'w') as f:
+        f.write('model_checkpoint_path: "ckpt-6"\nall_model_checkpoint_paths: "ckpt-6"\n')
+    writer = threading.Timer(0.3, lambda: open(state, 'w').write(real))
+    writer.start()
+    try:
+        path = _export(th.FAST, logdir, data_dir, tmp_path / 'out')
+    finally:
+        writer.join()
+    assert tf.saved_model.load(path).signatures['serving_default'](
+        image=tf.zeros([1, 16, 16, 3]))['classes'].shape == [1]
 
 
 def test_a_checkpoint_gone_before_the_pin_is_refused_and_leaves_nothing(trained_4_steps,

@@ -10,6 +10,7 @@ looks once more for the newest.
 from __future__ import annotations
 
 import os
+import time
 from typing import Optional
 
 import tensorflow as tf
@@ -19,6 +20,7 @@ from tfpipe.hyperparams import Params
 from trainer import experiment, logdir_access, train_job
 
 EXPORT_SUBDIR = 'export'
+RESOLVE_RETRY_SECONDS = 1.0
 
 
 def run(params: Params, logdir: str, model: str, checkpoint: Optional[str],
@@ -30,8 +32,7 @@ def run(params: Params, logdir: str, model: str, checkpoint: Optional[str],
         export.check_target(os.path.abspath(export_dir), overwrite)
     experiment.check_logdir(logdir, model)
     train_dir = train_job.train_dir_of(logdir)
-    path = _checkpoint_path(train_dir, checkpoint)
-    checkpoints.check_readable(path)
+    path = _resolve(train_dir, checkpoint)
     # The checkpoints were trained with train/params.txt: the same dtypes, body and ties
     # whatever the overrides of this command (a bfloat16 run exports as bfloat16).
     saved = experiment.saved_train_params(train_dir, params)
@@ -43,9 +44,25 @@ def run(params: Params, logdir: str, model: str, checkpoint: Optional[str],
     except export.CheckpointGoneError:
         if checkpoint is not None:
             raise
-    path = _checkpoint_path(train_dir, None)  # rotated out before the pin: the newest, once
+    path = _resolve(train_dir, None)  # rotated out before the pin: the newest, once
     return export.export(task_params, features, path,
                          export_dir or _default_target(logdir, path), placement, overwrite)
+
+
+def _resolve(train_dir: str, name: Optional[str]) -> str:
+    """`_checkpoint_path`, checked readable; looked up once more a moment later if that
+    fails: a live trainer deletes the rotated checkpoint just before it rewrites
+    train/checkpoint, which then names files that are gone for an instant. A state file
+    or checkpoint that stays broken is the error."""
+    try:
+        path = _checkpoint_path(train_dir, name)
+        checkpoints.check_readable(path)
+        return path
+    except checkpoints.CheckpointError:
+        time.sleep(RESOLVE_RETRY_SECONDS)
+    path = _checkpoint_path(train_dir, name)
+    checkpoints.check_readable(path)
+    return path
 
 
 def _default_target(logdir: str, path: str) -> str:
