@@ -5,10 +5,14 @@ moving statistics and Dropout's masks are what a step split over clients could g
 wrong (statistics combined across processes, masks by global example index), and
 SmallConvPipe has neither; the built-in model with both (AmoebaNetPipe) takes ~40 s to
 its first step on this machine.
+
+It trains with plain SGD at a constant learning rate: Adam divides each update by the
+gradient's own scale, so a cross-client sum off by a factor (halved, or not summed)
+would still give the one-process weights; with SGD every weight moves by lr x gradient.
 """
 from model_registry import RegisterSingleTaskModel
 from params.image.shapes import SmallConvPipe
-from tfpipe import layers
+from tfpipe import layers, lr_schedules, optimizers
 
 
 @RegisterSingleTaskModel
@@ -23,4 +27,7 @@ class SmallConvBNPipe(SmallConvPipe):
         body.insert(5, layers.BatchNorm.Params().Set(name='bn1', dim=16, decay=0.9))
         p.pipeline.body = body
         p.pipeline.balance = [3, 5]
+        p.train.learning_rate = 0.1
+        p.train.optimizer = optimizers.SGD.Params()
+        p.train.lr_schedule = lr_schedules.Constant.Params()
         return p

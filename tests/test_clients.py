@@ -168,6 +168,19 @@ def test_an_evaler_runs_unchanged_on_the_chiefs_logdir(runs, data_dir):
     assert scores['num_examples'] == '32' and np.isfinite(float(scores['loss']))
 
 
+def test_a_clients_progress_reports_its_hosts_peak_memory(runs):
+    """A client's devices are named /job:trainer/replica:0/task:i, not localhost: its
+    progress lines and summaries still carry the allocator's peak (docs/memory.md)."""
+    import glob
+    import tensorflow as tf
+    peaks = [float(tf.make_ndarray(value.tensor))
+             for path in glob.glob(os.path.join(_train(runs['fill_drain']['chief']),
+                                                'events.out.tfevents.*'))
+             for event in tf.compat.v1.train.summary_iterator(path)
+             for value in event.summary.value if value.tag == 'peak_bytes/CPU:0']
+    assert peaks and min(peaks) > 0, peaks
+
+
 # -- Bad input: exit 2 with one line, before anything is written ---------------------------
 
 @pytest.mark.parametrize('spec, job, task, environ, message', [

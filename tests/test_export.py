@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import threading
 
 import numpy as np
 import pytest
@@ -112,10 +113,93 @@ def test_cli_export_matches_the_evaler_and_loads_without_tfpipe(cli_export, data
     _check_classifier(saved_model, th.FAST, logdir, data_dir, 4, tmp_path)
 
 
-def test_named_checkpoint_exports_that_step(trained_4_steps, data_dir, tmp_path):
+def test_the_export_dir_gets_the_users_umask(cli_export):
+    _, saved_model = cli_export
+    umask = os.umask(0o022)
+    os.umask(umask)  # the binary ran with this process's umask
+    assert os.stat(saved_model).st_mode & 0o777 == 0o777 & ~umask
+
+
+def test_a_signature_refuses_inputs_of_another_shape(cli_export):
+    _, saved_model = cli_export
+    serve = tf.saved_model.load(saved_model).signatures['serving_default']
+    assert serve(image=tf.zeros([2, 16, 16, 3]))['classes'].shape == [2]
+    for shape in ([2, 32, 32, 3], [2, 16, 16], [2, 16, 16, 1]):
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=r'signature serving_default: input image must have shape '
+                                 r'\[batch, 16, 16, 3\]'):
+            serve(image=tf.zeros(shape))
+
+
+@pytest.mark.parametrize('as_path', [False, True], ids=['name', 'path'])
+def test_named_checkpoint_exports_that_step(trained_4_steps, data_dir, tmp_path, as_path):
+    name = 'ckpt-2'
+    if as_path:
+        name = os.path.join(trained_4_steps.logdir, 'train', name)
     path = _export(th.FAST, trained_4_steps.logdir, data_dir, tmp_path / 'at_2',
-                   checkpoint='ckpt-2')
+                   checkpoint=name)
     _check_classifier(path, th.FAST, trained_4_steps.logdir, data_dir, 2, tmp_path)
+
+
+def test_a_checkpoint_rotated_out_during_the_export_still_exports(trained_4_steps, data_dir,
+                                                                   tmp_path):
+    """The trainer deletes a checkpoint (save_max_to_keep) while the export builds the model:
+    here the task itself deletes its files, for real, between the pin and the restore."""
+    logdir = trained_4_steps.copy_to(tmp_path / 'run')
+    prefix = os.path.join(logdir, 'train', 'ckpt-4')
+
+    class RotatedWhileBuilding(ImageClassifier):
+        def ServingSignatures(self, features):
+            for name in os.listdir(os.path.dirname(prefix)):
+                if name.startswith('ckpt-4.'):
+                    os.remove(os.path.join(os.path.dirname(prefix), name))
+            return super().ServingSignatures(features)
+
+    params = _params(th.FAST, data_dir, {})
+    params.task.cls = RotatedWhileBuilding
+    target = tmp_path / 'out'
+    export.export(params.task, export.feature_specs(params.input.train), prefix, str(target))
+    assert not os.path.exists(prefix + '.index')
+    assert sorted(os.listdir(tmp_path)) == ['out', 'run']  # the pinned copy is gone too
+    reference = _export(th.FAST, trained_4_steps.logdir, data_dir, tmp_path / 'reference')
+    image = tf.random.stateless_uniform([3, 16, 16, 3], [1, 2])
+    np.testing.assert_array_equal(
+        tf.saved_model.load(str(target)).signatures['serving_default'](image=image)[
+            'probabilities'],
+        tf.saved_model.load(reference).signatures['serving_default'](image=image)[
+            'probabilities'])
+
+
+def test_a_state_file_naming_a_rotated_checkpoint_for_an_instant_is_read_again(
+        trained_4_steps, data_dir, tmp_path):
+    """A trainer deletes the rotated checkpoint just before it rewrites train/checkpoint:
+    for that instant the file names no checkpoint with files. Here it names ckpt-6 until
+    a thread writes the real state 0.3 s later, as the trainer would."""
+    logdir = trained_4_steps.copy_to(tmp_path / 'run')
+    state = os.path.join(logdir, 'train', 'checkpoint')
+    with open(state) as f:
+        real = f.read()
+    with open(state, 'w') as f:
+        f.write('model_checkpoint_path: "ckpt-6"\nall_model_checkpoint_paths: "ckpt-6"\n')
+    writer = threading.Timer(0.3, lambda: open(state, 'w').write(real))
+    writer.start()
+    try:
+        path = _export(th.FAST, logdir, data_dir, tmp_path / 'out')
+    finally:
+        writer.join()
+    assert tf.saved_model.load(path).signatures['serving_default'](
+        image=tf.zeros([1, 16, 16, 3]))['classes'].shape == [1]
+
+
+def test_a_checkpoint_gone_before_the_pin_is_refused_and_leaves_nothing(trained_4_steps,
+                                                                          data_dir, tmp_path):
+    params = _params(th.FAST, data_dir, {})
+    with pytest.raises(export.CheckpointGoneError, match=r'ckpt-9 was removed .* before the '
+                                                         r'export could read it'):
+        export.export(params.task, export.feature_specs(params.input.train),
+                      os.path.join(trained_4_steps.logdir, 'train', 'ckpt-9'),
+                      str(tmp_path / 'new' / 'model'))
+    assert os.listdir(tmp_path) == []
 
 
 def test_export_of_a_two_replica_run(trained_4_steps_two_replicas, data_dir, tmp_path):
@@ -206,6 +290,8 @@ def _refused(model, logdir, data_dir, *flags) -> str:
     ('other_model', r'holds checkpoints of model image.shapes.SmallConvPipe, not '
                     r'image.shapes.AmoebaNetPipe: use a new --logdir'),
     ('bad_name', r'--checkpoint=ckpt-7 is not a checkpoint of .*: give one of ckpt-2, ckpt-4'),
+    ('other_dir', r'--checkpoint=/elsewhere/train/ckpt-2 is not a checkpoint of .*: give one '
+                  r'of ckpt-2, ckpt-4 \(a name or its path\)'),
     ('not_empty', r'--export_dir .* exists and is not empty: pass --overwrite'),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(trained_4_steps, data_dir, tmp_path,
@@ -218,6 +304,8 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(trained_4_steps, data_d
         model = AMOEBA
     elif case == 'bad_name':
         flags = ['--checkpoint=ckpt-7']
+    elif case == 'other_dir':
+        flags = ['--checkpoint=/elsewhere/train/ckpt-2']
     else:
         target.mkdir()
         (target / 'keep.txt').write_text('mine')
@@ -225,6 +313,30 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(trained_4_steps, data_d
     line = _refused(model, logdir, data_dir, f'--export_dir={target}', *flags)
     assert re.search(message, line), line
     assert (th.snapshot(str(tmp_path)), th.snapshot(trained_4_steps.logdir)) == before
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """An empty tmpfs mounted read-only (root writes through chmod)."""
+    mount = tmp_path / 'ro'
+    mount.mkdir()
+    if subprocess.run(['mount', '-t', 'tmpfs', '-o', 'ro,size=1m', 'tmpfs', str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip('needs permission to mount a tmpfs (root)')
+    try:
+        yield str(mount)
+    finally:
+        subprocess.run(['umount', str(mount)], check=True)
+
+
+def test_a_read_only_export_dir_is_named(trained_4_steps, data_dir, read_only_dir):
+    before = th.snapshot(trained_4_steps.logdir)
+    line = _refused(th.FAST, trained_4_steps.logdir, data_dir,
+                    f'--export_dir={read_only_dir}/model')
+    assert line == (f'error: --export_dir {read_only_dir}/model (its nearest existing parent '
+                    f'{read_only_dir}) is not writable: give a directory this user can write, '
+                    'e.g. under /tmp')
+    assert th.snapshot(trained_4_steps.logdir) == before
 
 
 def test_overwrite_replaces_a_non_empty_export_dir(trained_4_steps, data_dir, tmp_path):

@@ -109,6 +109,24 @@ def test_other_documents_and_padding_leave_a_documents_losses_unchanged():
     assert np.abs(xent_leaky[0, skip:skip + n] - xent_alone[0, :n]).max() > 1e-3
 
 
+def test_padding_changes_no_rows_training_loss():
+    """The training loss (PerExampleLoss through the pipeline) of a document padded to the
+    context equals that of the same document in a row of its own length: padding neither
+    adds loss nor counts as tokens of the mean."""
+    task = lm_task(num_micro_batches=1, dtype=tf.float32)
+    doc = 'def f(x):\n  return x'
+    exact, padded = rows([doc], length=len(doc) + 1), rows([doc], length=CONTEXT)
+    assert (exact['segment_ids'].numpy() == 1).all()
+    assert (padded['segment_ids'].numpy() == 0).sum() == CONTEXT - len(doc) - 1
+    losses = []
+    for batch in (exact, padded):
+        with fprop_context.training(step=1):
+            loss, _ = task.ForwardBackward(task.theta, batch)
+        losses.append(float(loss))
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+    assert losses[0] > 1.0  # an untrained model: a mean counting padding would be far lower
+
+
 def test_eval_metrics_are_per_token_over_real_examples():
     task = lm_task(dtype=tf.float32)
     batch = generated_batch()

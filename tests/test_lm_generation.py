@@ -30,6 +30,43 @@ def test_cached_equals_uncached(task, prompt, sampling):
     assert (cached[1].numpy() <= 0).all()
 
 
+def test_in_graph_generation_equals_the_cached_steps(task, prompt):
+    """generate_in_graph (the exported `generate`: dynamic shapes, a tf.while_loop) gives
+    generate's greedy tokens and log-probs; the log-probs see any misplaced cache write
+    (a token at the wrong position) even where the argmax does not move."""
+    expected = task.generator.generate(task.theta['pipe'], prompt, NEW)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int32),
+                                  tf.TensorSpec([], tf.int32)])
+    def in_graph(ids, num_new):
+        return task.generator.generate_in_graph(task.theta['pipe'], ids, num_new)
+    ids, log_probs = in_graph(tf.cast(prompt, tf.int32), tf.constant(NEW))
+    np.testing.assert_array_equal(ids.numpy(), expected[0].numpy())
+    np.testing.assert_allclose(log_probs.numpy(), expected[1].numpy(), atol=1e-5)
+
+
+@pytest.mark.parametrize('temperature, top_k', [
+    (float('nan'), 0), (float('inf'), 0), (-float('inf'), 0), (-1.0, 0), (1e-40, 0),
+    (1.0, -1)])
+def test_non_finite_or_out_of_range_sampling_is_refused(temperature, top_k):
+    with pytest.raises(ValueError, match=f'temperature={temperature}'):
+        generation.Sampling(temperature, top_k)
+
+
+def test_extreme_temperatures_draw_valid_tokens(task, prompt):
+    """The smallest normal temperature is greedy; a huge one stays within top_k."""
+    theta = task.theta['pipe']
+    greedy = task.generator.generate(theta, prompt, NEW)[0].numpy()
+    coldest = task.generator.generate(theta, prompt, NEW,
+                                      generation.Sampling(temperature=1.2e-38, seed=1))[0]
+    np.testing.assert_array_equal(coldest.numpy(), greedy)
+    logits = tf.random.stateless_normal([64, 50], [1, 2])
+    top = tf.math.top_k(logits, 3).indices.numpy()
+    for seed in range(4):
+        token, _ = generation._choose(logits, generation.Sampling(3e38, 3, seed), tf.constant(0))
+        assert all(t in row for t, row in zip(token.numpy(), top))
+
+
 def test_same_seed_same_tokens_other_seed_other_tokens(task, prompt):
     def sample(seed):
         return task.generator.generate(task.theta['pipe'], prompt, NEW, generation.Sampling(

@@ -86,6 +86,8 @@ def test_generate_mode_repeats_in_process_sampling(trained):
      'max_length=1000'),
     ('prompt longer than the context', ['--mode=generate', '--prompt=' + 'x' * 100],
      'exceeds the context'),
+    ('non-finite temperature', ['--mode=generate', '--temperature=nan'],
+     'temperature=nan and top_k=0 must be finite and >= 0'),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(trained, tmp_path, what, flags,
                                                          message):

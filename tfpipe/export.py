@@ -17,12 +17,20 @@ Placement:
   process ('/job:localhost/replica:0/task:0/device:CPU:1'); a runtime without
   such a device places those ops elsewhere (TensorFlow's soft placement).
 
-The SavedModel is written into a temporary directory beside the target and
-renamed into place, so a failed export leaves nothing half-written.
+Every signature checks the declared sizes of its inputs (an image model exported
+for 16x16 refuses 32x32 with an error naming the shape, instead of answering).
+
+The checkpoint is pinned before the model is built: its files are hard-linked
+(or copied, across file systems) beside the target, so a live trainer that
+rotates it out (`save_max_to_keep`) meanwhile does not pull it from under the
+restore. The SavedModel is written into a temporary directory beside the
+target and renamed into place with the user's umask, so a failed export
+leaves nothing half-written.
 """
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from typing import Optional
@@ -38,6 +46,10 @@ ONE_DEVICE = 'one_device'
 PIPELINED = 'pipelined'
 PLACEMENTS = (ONE_DEVICE, PIPELINED)
 SAVED_MODEL_FILE = 'saved_model.pb'
+
+
+class CheckpointGoneError(ValueError):
+    """The checkpoint's files went away before the export pinned them (rotated out)."""
 
 
 def inference_task_params(task_params: Params, placement: str = ONE_DEVICE) -> Params:
@@ -72,15 +84,42 @@ def build(task_params: Params, features: dict[str, tf.TensorSpec],
     module.variables_by_path = task.VariablesByPath()
     concrete = {}
     for name, sig in signatures.items():
-        concrete[name] = tf.function(_in_evaluation(sig.fn)).get_concrete_function(**sig.inputs)
+        concrete[name] = tf.function(_serving_fn(name, sig)).get_concrete_function(**sig.inputs)
     return module, concrete
 
 
-def _in_evaluation(fn):
+def _serving_fn(name: str, sig):
+    """`sig.fn` in evaluation mode, behind a check of every input's declared sizes.
+
+    A loaded signature passes a tensor of any shape to its graph (TensorFlow does
+    not check it): a convolutional net answers a 32x32 image as readily as a
+    16x16 one, and an input of another rank can abort the process in a kernel.
+    The check turns both into an error naming the shape.
+    """
     def serve(**inputs):
+        checked = {key: _checked(name, key, spec.shape, inputs[key])
+                   for key, spec in sig.inputs.items()}
         with fprop_context.evaluation():
-            return fn(**inputs)
+            return sig.fn(**checked)
     return serve
+
+
+def _checked(signature: str, key: str, declared: tf.TensorShape, value: tf.Tensor) -> tf.Tensor:
+    """`value`, available only once it is found to have `declared`'s rank and known sizes."""
+    rank = len(declared)
+    known = [i for i, d in enumerate(declared) if d is not None]
+    shape = tf.shape(value)
+    padded = tf.concat([shape, tf.fill([rank], -1)], 0)  # a lower rank gathers -1, not an error
+    got = tf.concat([[tf.size(shape)], tf.gather(padded, tf.constant(known, tf.int32))], 0)
+    expected = [rank] + [declared[i] for i in known]
+    shown = '[' + ', '.join('batch' if i == 0 and d is None else ('any' if d is None else str(d))
+                            for i, d in enumerate(declared)) + ']'
+    check = tf.debugging.assert_equal(
+        got, tf.constant(expected, got.dtype), summarize=len(expected),
+        message=f'signature {signature}: input {key} must have shape {shown}, the shape the '
+                'model was exported for (x below: the rank and those sizes as given)')
+    with tf.control_dependencies([check]):  # no kernel sees the input before the check
+        return tf.identity(value)
 
 
 def export(task_params: Params, features: dict[str, tf.TensorSpec], checkpoint_path: str,
@@ -88,27 +127,77 @@ def export(task_params: Params, features: dict[str, tf.TensorSpec], checkpoint_p
     """Writes the SavedModel of `checkpoint_path` to `export_dir` and returns it.
 
     An `export_dir` that exists and is not empty is refused unless `overwrite`;
-    it is then replaced whole, only once the new SavedModel is complete.
+    it is then replaced whole, only once the new SavedModel is complete. Raises
+    CheckpointGoneError when the checkpoint's files are gone before they are pinned.
     """
     export_dir = os.path.abspath(export_dir)
     check_target(export_dir, overwrite)
-    module, signatures = build(task_params, features, placement)
-    checkpoints.restore(checkpoints.make(module.variables_by_path), checkpoint_path,
-                        partial=True)
     parent = os.path.dirname(export_dir)
     created = _make_dirs(parent)
-    tmp = tempfile.mkdtemp(prefix=f'.{os.path.basename(export_dir)}.tmp-', dir=parent)
+    prefix = f'.{os.path.basename(export_dir)}'
+    pin_dir = tempfile.mkdtemp(prefix=f'{prefix}.checkpoint-', dir=parent)
+    tmp = None
     try:
+        pinned = _pin(checkpoint_path, pin_dir)
+        module, signatures = build(task_params, features, placement)
+        try:
+            checkpoints.restore(checkpoints.make(module.variables_by_path), pinned, partial=True)
+        except checkpoints.CheckpointError as e:  # name the user's checkpoint, not the pin
+            raise checkpoints.CheckpointError(str(e).replace(
+                pinned, os.path.abspath(checkpoint_path))) from None
+        tmp = tempfile.mkdtemp(prefix=f'{prefix}.tmp-', dir=parent)
         tf.saved_model.save(module, tmp, signatures=signatures)
         if placement == ONE_DEVICE:
             clear_devices(tmp)
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700, private to this user
         _replace(tmp, export_dir)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(pin_dir, ignore_errors=True)
         if created is not None:
             _remove_empty(created, parent)
         raise
+    shutil.rmtree(pin_dir, ignore_errors=True)
     return export_dir
+
+
+def _pin(checkpoint_path: str, directory: str) -> str:
+    """The checkpoint's files hard-linked (or copied) into `directory`; returns the new prefix.
+
+    A link keeps the files' data for the export whatever the trainer deletes,
+    without copying on the same file system. Raises CheckpointGoneError if the
+    index or any data shard is gone already.
+    """
+    source = os.path.abspath(checkpoint_path)
+    name = os.path.basename(source)
+    target = os.path.join(directory, name)
+    try:
+        files = [f for f in os.listdir(os.path.dirname(source)) if f.startswith(name + '.')]
+        for f in files:
+            src, dst = os.path.join(os.path.dirname(source), f), os.path.join(directory, f)
+            try:
+                os.link(src, dst)
+            except FileNotFoundError:
+                raise
+            except OSError:  # another file system, or links not allowed
+                shutil.copyfile(src, dst)
+    except FileNotFoundError:
+        files = []
+    shards = [re.fullmatch(r'.*\.data-\d+-of-(\d+)', f) for f in files]
+    counts = {int(m.group(1)) for m in shards if m}
+    if name + '.index' not in files or len(counts) != 1 or \
+            sum(m is not None for m in shards) != counts.pop():
+        raise CheckpointGoneError(
+            f'checkpoint {source} was removed (a running trainer rotates old checkpoints out, '
+            'save_max_to_keep) before the export could read it: export a newer one')
+    return target
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def check_target(export_dir: str, overwrite: bool) -> None:

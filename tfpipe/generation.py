@@ -15,6 +15,7 @@ stateless seed (seed, i), so the same seed gives the same continuation.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import tensorflow as tf
@@ -27,6 +28,8 @@ from tfpipe.pipeline.pipelining_layer import PipeliningLayer
 
 __all__ = ['Sampling', 'Generator']
 
+_FLOAT32_TINY = 1.1754943508222875e-38  # np.finfo(np.float32).tiny
+
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
@@ -37,9 +40,13 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0 or self.top_k < 0:
+        if not math.isfinite(self.temperature) or self.temperature < 0 or self.top_k < 0:
             raise ValueError(f'temperature={self.temperature} and top_k={self.top_k} must be '
-                             '>= 0 (temperature 0: greedy; top_k 0: every token)')
+                             'finite and >= 0 (temperature 0: greedy; top_k 0: every token)')
+        if 0 < self.temperature < _FLOAT32_TINY:  # the kernels flush it to 0: logits / 0
+            raise ValueError(f'temperature={self.temperature} is below float32\'s smallest '
+                             f'normal number ({_FLOAT32_TINY:.3g}): use 0 for greedy, or a '
+                             'larger temperature')
 
 
 def _choose(logits: tf.Tensor, sampling: Sampling,
@@ -50,10 +57,12 @@ def _choose(logits: tf.Tensor, sampling: Sampling,
     if sampling.temperature == 0:
         token = tf.argmax(logits, -1, output_type=tf.int32)
     else:
-        scaled = logits / sampling.temperature
-        if sampling.top_k:
-            kth = tf.math.top_k(scaled, min(sampling.top_k, scaled.shape[-1])).values[:, -1:]
-            scaled = tf.where(scaled < kth, tf.constant(-1e9, scaled.dtype), scaled)
+        # Shifted so the largest is 0: a tiny temperature sends the others to -inf (greedy
+        # in the limit), never the largest to +inf, which would draw no valid token.
+        scaled = (logits - tf.reduce_max(logits, -1, keepdims=True)) / sampling.temperature
+        if sampling.top_k:  # ranked on the logits: a huge temperature flushes scaled to 0
+            kth = tf.math.top_k(logits, min(sampling.top_k, logits.shape[-1])).values[:, -1:]
+            scaled = tf.where(logits < kth, tf.constant(-math.inf, scaled.dtype), scaled)
         token = tf.cast(tf.random.stateless_categorical(
             scaled, 1, seed=tf.stack([tf.constant(sampling.seed, tf.int64),
                                       tf.cast(index, tf.int64)]))[:, 0], tf.int32)

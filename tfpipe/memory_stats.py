@@ -18,11 +18,17 @@ BFC_VARIABLE = 'TF_CPU_ALLOCATOR_USE_BFC'
 def allocator_devices(devices: Iterable[str]) -> list[str]:
     """One device per allocator among this process's `devices` ('CPU:0', 'GPU:1', ...):
     every logical CPU shares the host's allocator, which CPU:0 names. Another
-    process's devices (a cluster worker's) are left out: their statistics are theirs."""
+    process's devices (a cluster worker's, another trainer client's) are left out:
+    their statistics are theirs. A trainer client's own devices are named by its
+    task ('/job:trainer/replica:0/task:1/device:CPU:0'), not 'localhost'."""
+    from tensorflow.python.eager import context  # the only way to ask for this task's name
+    own = tf.DeviceSpec.from_string(context.context().host_address_space())
     names = []
     for device in devices:
         spec = tf.DeviceSpec.from_string(device)
-        if spec.job not in (None, 'localhost') or spec.device_type is None:
+        if spec.device_type is None or spec.job not in (None, 'localhost') and (
+                (spec.job, spec.replica or 0, spec.task or 0) !=
+                (own.job, own.replica or 0, own.task or 0)):
             continue
         index = 0 if spec.device_type == 'CPU' else spec.device_index or 0
         name = f'{spec.device_type}:{index}'

@@ -32,6 +32,7 @@ def generate(params, logdir: str) -> dict:
     from tfpipe.lm_inputs import EOD_ID
     from tfpipe.tasks import lm
     from trainer import train_job
+    sampling = generation.Sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.seed)  # checks first
     task = params.task.Instantiate()
     if not isinstance(task, lm.LanguageModel):
         raise ValueError(f'--mode=generate continues text with a language model; this '
@@ -43,7 +44,6 @@ def generate(params, logdir: str) -> dict:
                          'first, or point --logdir at a logdir that has one')
     checkpoints.restore(checkpoints.make(task.VariablesByPath()), path, partial=True)
     prompt = tf.concat([[EOD_ID], inputs.byte_tokenize(FLAGS.prompt)], 0)[None, :]
-    sampling = generation.Sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.seed)
     ids, log_probs = task.generator.generate(task.theta['pipe'], prompt, FLAGS.num_new_tokens,
                                              sampling)
     record = lm.continuation(ids[0].numpy(), log_probs[0].numpy())

@@ -46,8 +46,8 @@ flags.DEFINE_enum('mode', 'sync', ['sync', 'inspect_params', 'inspect_model',
                   'one step as configured vs K=1 (exit 1 beyond 1e-5 relative); export: a '
                   'checkpoint as a SavedModel (docs/export.md); generate: continue --prompt '
                   'with the newest checkpoint of a language model (docs/language_models.md).')
-flags.DEFINE_string('checkpoint', None, 'export: the checkpoint to export, e.g. ckpt-300; '
-                    'default: the newest.')
+flags.DEFINE_string('checkpoint', None, 'export: the checkpoint to export, e.g. ckpt-300 or '
+                    '<logdir>/train/ckpt-300; default: the newest.')
 flags.DEFINE_string('export_dir', None, 'export: where to write the SavedModel; default: '
                     '<logdir>/export/<step>.')
 flags.DEFINE_bool('overwrite', False, 'export: replace an --export_dir that is not empty.')

@@ -67,6 +67,7 @@ class LanguageModel(BaseTask):
                              f'model has {self.generator.context} positions: set the input\'s '
                              'max_length between 1 and that, or raise the body\'s max_length')
         self.generator.check_lengths(p.decoder.prompt_length, p.decoder.num_new_tokens)
+        generation.Sampling(p.decoder.temperature, p.decoder.top_k, p.decoder.seed)  # checks
 
     def PipelineInputs(self, batch):
         return {'x': batch['inputs'], 'segment_ids': batch['segment_ids'],
