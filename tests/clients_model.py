@@ -6,9 +6,11 @@ wrong (statistics combined across processes, masks by global example index), and
 SmallConvPipe has neither; the built-in model with both (AmoebaNetPipe) takes ~40 s to
 its first step on this machine.
 
-It trains with plain SGD at a constant learning rate: Adam divides each update by the
-gradient's own scale, so a cross-client sum off by a factor (halved, or not summed)
-would still give the one-process weights; with SGD every weight moves by lr x gradient.
+It trains with SGD with momentum at a constant learning rate: Adam divides each update
+by the gradient's own scale, so a cross-client sum off by a factor (halved, or not
+summed) would still give the one-process weights; with momentum SGD every update is
+linear in the gradient, and the momentum slot is optimizer state that a restart must
+restore (tests/test_launcher.py compares it).
 """
 from model_registry import RegisterSingleTaskModel
 from params.image.shapes import SmallConvPipe
@@ -28,6 +30,6 @@ class SmallConvBNPipe(SmallConvPipe):
         p.pipeline.body = body
         p.pipeline.balance = [3, 5]
         p.train.learning_rate = 0.1
-        p.train.optimizer = optimizers.SGD.Params()
+        p.train.optimizer = optimizers.SGD.Params().Set(momentum=0.9)
         p.train.lr_schedule = lr_schedules.Constant.Params()
         return p
