@@ -176,7 +176,7 @@ def _train(logdir: str) -> str:
 
 
 def checkpoint_values(path: str) -> dict:
-    """Every variable of a checkpoint: weights, BatchNorm statistics, Adam slots, step and
+    """Every variable of a checkpoint: weights, BatchNorm statistics, optimizer slots, step and
     input position (not the count of saves, which says nothing about training)."""
     reader = tf.train.load_checkpoint(path)
     return {name: reader.get_tensor(name) for name, _ in tf.train.list_variables(path)
