@@ -34,7 +34,7 @@ from __future__ import annotations
 import difflib
 import functools
 import importlib
-from typing import Callable, Dict, Sequence, Union
+from typing import Callable, Dict, Optional, Sequence, Union
 
 import tensorflow as tf
 import tensorflow_datasets as tfds
@@ -263,11 +263,22 @@ class TfdsInput:
         EvalDataset to see every example. Its tf.data iterator checkpoints hold the
         shuffle buffer; `Iterator()` checkpoints only the position.
         """
-        return self._Batches(0, 0).map(lambda batch, epochs, indices: batch).prefetch(2)
+        return self._Batches(0, 0).map(lambda batch, epoch, index: batch).prefetch(2)
 
-    def Iterator(self) -> InputIterator:
-        """An iterator over Dataset()'s batches whose checkpoint is its position only."""
-        return InputIterator(self)
+    def Iterator(self, share: Optional[range] = None) -> InputIterator:
+        """An iterator over Dataset()'s batches whose checkpoint is its position only.
+
+        `share`: yield only examples [share.start, share.stop) of each batch (a
+        trainer client's micro-batches, `replicas.examples_of_group`); the others
+        are skipped before they are decoded or preprocessed. The position still
+        counts whole batches, so it restores into an iterator of any share.
+        """
+        p = self.params
+        if share is not None and not (0 <= share.start < share.stop <= p.batch_size
+                                      and share.step == 1):
+            raise ValueError(f'{p.name}: share {share} is not a run of examples within a batch '
+                             f'of {p.batch_size}')
+        return InputIterator(self, share)
 
     def EvalDataset(self, num_examples: int) -> tf.data.Dataset:
         """Every one of the first `num_examples` examples (all, if the split is smaller).
@@ -287,7 +298,28 @@ class TfdsInput:
         return ds.prefetch(2)
 
     def _Preprocess(self, ex: Example) -> Example:
-        return PREPROCESSORS[self.params.preprocess](self.params)(ex)
+        return PREPROCESSORS[self.params.preprocess](self.params)(self._Decode(ex))
+
+    def _DeferredDecoders(self) -> Optional[dict]:
+        """tfds decoders that leave images encoded until `_Decode`.
+
+        The seeded shuffle sees every stored example (the order depends on all of
+        them), but a trainer client decodes only its share: image features travel
+        through the shuffle buffer as their stored (PNG/JPEG) bytes.
+        """
+        features = getattr(getattr(self._builder, 'info', None), 'features', None)
+        if not isinstance(features, tfds.features.FeaturesDict):
+            return None  # your own examples (DatasetInput): nothing is encoded
+        skipped = {key: tfds.decode.SkipDecoding() for key, feature in features.items()
+                   if isinstance(feature, tfds.features.Image)}
+        return skipped or None
+
+    def _Decode(self, ex: Example) -> Example:
+        """Decodes the features `_DeferredDecoders` left encoded (strings); others pass."""
+        skipped = self._DeferredDecoders() or {}
+        return {key: (self._builder.info.features[key].decode_example(value)
+                      if key in skipped and value.dtype == tf.string else value)
+                for key, value in ex.items()}
 
     def _Epochs(self, start_epoch: int) -> tf.data.Dataset:
         """(example, epoch, index in epoch) from the start of `start_epoch` on.
@@ -304,7 +336,8 @@ class TfdsInput:
         read_config = tfds.ReadConfig(shuffle_seed=p.seed, try_autocache=False,
                                       shuffle_reshuffle_each_iteration=False)
         stored = _regroup(p, self._builder.as_dataset(split=p.split, shuffle_files=shuffle,
-                                                      read_config=read_config))
+                                                      read_config=read_config,
+                                                      decoders=self._DeferredDecoders()))
 
         def epoch_examples(epoch: tf.Tensor) -> tf.data.Dataset:
             ds = stored
@@ -324,15 +357,26 @@ class TfdsInput:
             tf.data.experimental.ExternalStatePolicy.IGNORE
         return ds.with_options(options)
 
-    def _Batches(self, start_epoch: int, start_index: int) -> tf.data.Dataset:
-        """(batch, epochs [B], indices [B]) of the examples from a position on."""
+    def _Batches(self, start_epoch: int, start_index: int,
+                 share: Optional[range] = None) -> tf.data.Dataset:
+        """(batch, epoch, index): the batches from a position on, each with the position
+        (epoch, index of the next example) after it.
+
+        With `share` a batch holds only those examples of each whole batch: the
+        whole batch is cut from the shuffled stream (still encoded), its share
+        kept and only that decoded and preprocessed.
+        """
         p = self.params
         ds = self._Epochs(start_epoch).skip(start_index)
+        if share is not None and len(share) < p.batch_size:
+            ds = ds.window(p.batch_size, drop_remainder=True).flat_map(
+                functools.partial(_share_of_window, share=share, size=p.batch_size))
+        size = p.batch_size if share is None else len(share)
         ds = ds.map(lambda ex, epoch, index: (self._Preprocess(ex), epoch, index),
                     num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-        ds = ds.batch(p.batch_size, drop_remainder=True)
+        ds = ds.batch(size, drop_remainder=True)
         self._CheckStatic(ds.element_spec[0])
-        return ds
+        return ds.map(lambda batch, epochs, indices: (batch, epochs[-1], indices[-1] + 1))
 
     def _CheckStatic(self, spec: Dict[str, tf.TensorSpec]) -> None:
         p = self.params
@@ -350,6 +394,16 @@ def _epoch_seed(seed: int, epoch: tf.Tensor) -> tf.Tensor:
     """The shuffle seed of one epoch: a stateless hash of (seed, epoch)."""
     return tf.random.stateless_uniform([], seed=tf.stack([tf.constant(seed, tf.int64), epoch]),
                                        minval=0, maxval=2 ** 31 - 1, dtype=tf.int64)
+
+
+def _share_of_window(examples: dict, epochs: tf.data.Dataset, indices: tf.data.Dataset,
+                     share: range, size: int) -> tf.data.Dataset:
+    """Examples `share` of one batch-sized window, each carrying the position of the
+    window's last example (so the batch of them ends where the whole batch ends)."""
+    last_epoch, last_index = tf.data.Dataset.zip((epochs, indices)).skip(
+        size - 1).get_single_element()
+    return tf.data.Dataset.zip(examples).skip(share.start).take(len(share)).map(
+        lambda ex: (ex, last_epoch, last_index))
 
 
 def _pad_batch(batch: Example, size: int) -> Example:
@@ -373,13 +427,15 @@ class InputIterator(tf.Module):
     batches an uninterrupted run would have seen.
     """
 
-    def __init__(self, tfds_input: TfdsInput):
+    def __init__(self, tfds_input: TfdsInput, share: Optional[range] = None):
         super().__init__(name='input_iterator')
         self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name='epoch')
         self.index = tf.Variable(0, dtype=tf.int64, trainable=False, name='index')
-        self._make = tfds_input._Batches  # pylint: disable=protected-access
+        self._make = functools.partial(tfds_input._Batches,  # pylint: disable=protected-access
+                                       share=share)
         self._live = None  # generator of (batch, position after it); a generator is never tracked
         self._live_from = None
+        self.batch_bytes: Optional[int] = None  # of the last batch, as fed to the step
 
     def __iter__(self) -> InputIterator:
         return self
@@ -392,11 +448,13 @@ class InputIterator(tf.Module):
         self.epoch.assign(epoch)
         self.index.assign(index)
         self._live_from = (epoch, index)
+        self.batch_bytes = sum(t.shape.num_elements() * t.dtype.size
+                               for t in tf.nest.flatten(batch))
         return batch
 
     def _Generate(self, epoch: int, index: int):
-        for batch, epochs, indices in self._make(epoch, index).prefetch(2):
-            yield batch, (int(epochs[-1]), int(indices[-1]) + 1)
+        for batch, end_epoch, end_index in self._make(epoch, index).prefetch(2):
+            yield batch, (int(end_epoch), int(end_index))
 
 
 # What each preprocessor reads from a stored example: feature -> (dtype kind, rank).
@@ -470,9 +528,9 @@ class _ExamplesSource:
     def __init__(self, examples: tf.data.Dataset):
         self._examples = examples
 
-    def as_dataset(self, split: str, shuffle_files: bool = False,
-                   read_config: object = None) -> tf.data.Dataset:
-        del split, shuffle_files, read_config  # one split, in the function's own order
+    def as_dataset(self, split: str, shuffle_files: bool = False, read_config: object = None,
+                   decoders: object = None) -> tf.data.Dataset:
+        del split, shuffle_files, read_config, decoders  # one split, in the function's order
         return self._examples
 
 
