@@ -304,8 +304,10 @@ class TfdsInput:
         """tfds decoders that leave images encoded until `_Decode`.
 
         The seeded shuffle sees every stored example (the order depends on all of
-        them), but a trainer client decodes only its share: image features travel
-        through the shuffle buffer as their stored (PNG/JPEG) bytes.
+        them, not on their values), but a trainer client decodes only its share:
+        its image features travel through the shuffle buffer as their stored
+        (PNG/JPEG) bytes. Only for a share: tiny images (tfpipe_shapes' 16x16) are
+        larger as PNG than decoded, and a whole batch decodes everything anyway.
         """
         features = getattr(getattr(self._builder, 'info', None), 'features', None)
         if not isinstance(features, tfds.features.FeaturesDict):
@@ -321,13 +323,14 @@ class TfdsInput:
                       if key in skipped and value.dtype == tf.string else value)
                 for key, value in ex.items()}
 
-    def _Epochs(self, start_epoch: int) -> tf.data.Dataset:
+    def _Epochs(self, start_epoch: int, decode_later: bool = False) -> tf.data.Dataset:
         """(example, epoch, index in epoch) from the start of `start_epoch` on.
 
         Epoch e is the stored split (files in one seeded order, the same every
         epoch) through a shuffle buffer seeded by (seed, e): any epoch's order is
         a function of the seed alone, so a position (epoch, index) is all a
-        checkpoint needs to continue the same sequence.
+        checkpoint needs to continue the same sequence. `decode_later`: images stay
+        encoded (`_DeferredDecoders`) and `_Preprocess` decodes them.
         """
         p = self.params
         shuffle = p.shuffle_buffer > 0
@@ -337,7 +340,8 @@ class TfdsInput:
                                       shuffle_reshuffle_each_iteration=False)
         stored = _regroup(p, self._builder.as_dataset(split=p.split, shuffle_files=shuffle,
                                                       read_config=read_config,
-                                                      decoders=self._DeferredDecoders()))
+                                                      decoders=self._DeferredDecoders()
+                                                      if decode_later else None))
 
         def epoch_examples(epoch: tf.Tensor) -> tf.data.Dataset:
             ds = stored
@@ -367,8 +371,9 @@ class TfdsInput:
         kept and only that decoded and preprocessed.
         """
         p = self.params
-        ds = self._Epochs(start_epoch).skip(start_index)
-        if share is not None and len(share) < p.batch_size:
+        partial = share is not None and len(share) < p.batch_size
+        ds = self._Epochs(start_epoch, decode_later=partial).skip(start_index)
+        if partial:
             ds = ds.window(p.batch_size, drop_remainder=True).flat_map(
                 functools.partial(_share_of_window, share=share, size=p.batch_size))
         size = p.batch_size if share is None else len(share)
