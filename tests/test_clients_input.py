@@ -4,9 +4,9 @@ One module fixture runs, with oneDNN off (TF_ENABLE_ONEDNN_OPTS=0) so that R=1 a
 agree to float rounding: the one-process R=2 run of 4 steps (the reference); 2 clients
 for 2 steps; then the 2-client checkpoint resumed to step 4 by one process with R=1 and
 by 4 clients. Each must equal the reference within 1e-5 (loss at every step, final
-weights and BatchNorm statistics), each trainer logs the bytes it reads per step, and an
-R that cannot share the checkpoint's micro-batches exits 2 before writing. Every process
-is stopped by its PID in teardown.
+weights and BatchNorm statistics), each trainer logs the bytes it reads per step, and 3
+clients, which cannot share the checkpoint's 4 micro-batches, all exit 2 before writing.
+Every process is stopped by its PID in teardown.
 """
 import os
 import re
@@ -112,18 +112,29 @@ def test_the_2_clients_equal_the_one_process_r2_run(runs):
         np.testing.assert_allclose(losses[step], want[step], rtol=1e-5)
 
 
-def test_an_r_that_cannot_share_the_micro_batches_exits_2_before_writing(runs, data_dir,
-                                                                          tmp_path):
+def test_an_r_that_cannot_share_the_micro_batches_exits_2_in_every_client_before_writing(
+        runs, data_dir, tmp_path):
+    """3 clients on the 2-client checkpoint (4 micro-batches per global batch): the chief
+    refuses, and the others, told the checkpoint's split by the chief, refuse alike."""
     d, _ = runs
-    logdir = str(tmp_path / 'r3')
-    shutil.copytree(d['r2'], logdir)
-    before = th.snapshot(logdir)
-    result = th.run(MODEL, logdir, data_dir, '--num_logical_cpus=6', *_flags(
-        STEPS, **{'task.pipeline.num_replicas': 3}))
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert th.error_line(result) == (
-        f'error: the checkpoint in {logdir}/train was trained with 4 micro-batches per global '
-        'batch (2 replicas x 2), which 3 replicas cannot share evenly: resume with R in 1, 2, '
-        '4 (trainer clients, or task.pipeline.num_replicas in one process), or use a new '
-        '--logdir')
-    assert th.snapshot(logdir) == before
+    chief = str(tmp_path / 'r3')
+    shutil.copytree(d['r2'], chief)
+    before = th.snapshot(chief)
+    others = [str(tmp_path / f'r3_{t}') for t in (1, 2)]
+    processes = Processes()
+    try:
+        errs = [err for _, err in (proc.communicate(timeout=300) for proc in _clients(
+            processes, [chief] + others, data_dir, STEPS))]
+        codes = [proc.returncode for proc in processes.procs]
+    finally:
+        processes.stop_all()
+    assert codes == [2, 2, 2], [err[-2000:] for err in errs]
+    for err, checkpoint in zip(errs, [f'the checkpoint in {chief}/train', "the chief's "
+                                      'checkpoint', "the chief's checkpoint"]):
+        assert [line for line in err.splitlines() if line.startswith('error: ')] == [
+            f'error: {checkpoint} was trained with 4 micro-batches per '
+            'global batch (2 replicas x 2), which 3 replicas cannot share evenly: resume with '
+            'R in 1, 2, 4 (trainer clients, or task.pipeline.num_replicas in one process), or '
+            'use a new --logdir'], err[-3000:]
+    assert th.snapshot(chief) == before
+    assert not any(os.path.exists(other) for other in others)

@@ -23,14 +23,16 @@ import tensorflow as tf
 from absl import logging
 
 from tfpipe import checkpoints, devices
+from tfpipe.cluster import WorkerUnavailableError
 from tfpipe.hyperparams import Params
 from tfpipe.pipeline import across_clients
 
 _REPLICAS_KEY = 'batch_split/replicas/.ATTRIBUTES/VARIABLE_VALUE'
 _MICRO_KEY = 'batch_split/micro_batches/.ATTRIBUTES/VARIABLE_VALUE'
-# How long a client waits for the chief's record. The chief sends it as soon as it has
-# checked its logdir; a chief that refused its flags has exited, and this bounds the wait.
-EXCHANGE_TIMEOUT_SECONDS = 120.0
+# How long a client waits for the chief's record. Every client enters the exchange once
+# all of them serve (clients.start), and the chief sends it as soon as it has checked its
+# logdir (seconds); a chief that refused its flags has exited, and this bounds the wait.
+EXCHANGE_TIMEOUT_SECONDS = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,19 +77,22 @@ def from_chief(peers: across_clients.Peers, split: Optional[Split]) -> Optional[
     try:
         summed, = across_clients.all_reduce_sum(peers, [values], devices.local_cpu(),
                                                 timeout=EXCHANGE_TIMEOUT_SECONDS)
-    except tf.errors.DeadlineExceededError:
-        raise ValueError(f'trainer task 0 (the chief) did not send its checkpoint\'s batch '
-                         f'split within {EXCHANGE_TIMEOUT_SECONDS:g} s: read the chief\'s error '
-                         'and restart every client') from None
+    except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
+            tf.errors.CancelledError, tf.errors.AbortedError):
+        raise WorkerUnavailableError(
+            f'trainer task 0 (the chief) did not send its checkpoint\'s batch split within '
+            f'{EXCHANGE_TIMEOUT_SECONDS:g} s: it exited or hangs; read its error and restart '
+            'every client') from None
     replicas, micro = (int(v) for v in summed.numpy())
     return Split(replicas, micro) if replicas else None
 
 
-def resume(params: Params, replicas: int, saved_split: Optional[Split], train_dir: str) -> Split:
+def resume(params: Params, replicas: int, saved_split: Optional[Split],
+           checkpoint: str) -> Split:
     """The split this run trains with; sets task.pipeline.num_micro_batches to its M.
 
     Raises ValueError (before anything is written) when `replicas` cannot split the
-    saved checkpoint's global micro-batches evenly.
+    saved checkpoint's global micro-batches evenly. `checkpoint` names it in the error.
     """
     pipeline = params.task.pipeline
     if saved_split is None or saved_split.replicas == replicas:
@@ -96,7 +101,7 @@ def resume(params: Params, replicas: int, saved_split: Optional[Split], train_di
     if total % replicas:
         valid = ', '.join(str(r) for r in range(1, total + 1) if total % r == 0)
         raise ValueError(
-            f'the checkpoint in {train_dir} was trained with {total} micro-batches per global '
+            f'{checkpoint} was trained with {total} micro-batches per global '
             f'batch ({saved_split.replicas} replicas x {saved_split.micro_batches}), which '
             f'{replicas} replicas cannot share evenly: resume with R in {valid} (trainer '
             'clients, or task.pipeline.num_replicas in one process), or use a new --logdir')

@@ -213,7 +213,9 @@ class Trainer:
         saved = batch_split.saved(self.train_dir) if self._is_chief else None
         if self.peers is not None:
             saved = batch_split.from_chief(self.peers, saved)
-        return batch_split.resume(self.params, count, saved, self.train_dir)
+        where = (f'the checkpoint in {self.train_dir}' if self._is_chief
+                 else "the chief's checkpoint")
+        return batch_split.resume(self.params, count, saved, where)
 
     def step_timeout(self) -> float:
         """Seconds a step may take before the cluster watchdog gives up on a frozen worker.
