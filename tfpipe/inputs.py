@@ -39,7 +39,8 @@ from typing import Callable, Dict, Optional, Sequence, Union
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from tfpipe import datasets, lm_inputs
+from tfpipe import datasets, input_iterator, lm_inputs
+from tfpipe.input_iterator import Example, InputIterator
 from tfpipe.datasets.reverse import EOS_ID, PAD_ID
 from tfpipe.hyperparams import InstantiableParams, Params
 
@@ -51,7 +52,6 @@ __all__ = ['BYTE_OFFSET', 'BYTE_VOCAB_SIZE', 'EOS_ID', 'PAD_ID', 'PREPROCESSORS'
 BYTE_OFFSET = 2  # byte b becomes id b + 2, so PAD (0) and EOS (1) stay free
 BYTE_VOCAB_SIZE = 256 + BYTE_OFFSET
 
-Example = Dict[str, tf.Tensor]
 # A preprocessor is built from the input's params and maps one stored example
 # to the layout a task reads; it runs inside tf.data, so it must be graph code.
 PreprocessorFactory = Callable[[Params], Callable[[Example], Example]]
@@ -278,7 +278,7 @@ class TfdsInput:
                                       and share.step == 1):
             raise ValueError(f'{p.name}: share {share} is not a run of examples within a batch '
                              f'of {p.batch_size}')
-        return InputIterator(self, share)
+        return InputIterator(functools.partial(self._Batches, share=share))
 
     def EvalDataset(self, num_examples: int) -> tf.data.Dataset:
         """Every one of the first `num_examples` examples (all, if the split is smaller).
@@ -375,7 +375,8 @@ class TfdsInput:
         ds = self._Epochs(start_epoch, decode_later=partial).skip(start_index)
         if partial:
             ds = ds.window(p.batch_size, drop_remainder=True).flat_map(
-                functools.partial(_share_of_window, share=share, size=p.batch_size))
+                functools.partial(input_iterator.share_of_window, share=share,
+                                  size=p.batch_size))
         size = p.batch_size if share is None else len(share)
         ds = ds.map(lambda ex, epoch, index: (self._Preprocess(ex), epoch, index),
                     num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
@@ -401,16 +402,6 @@ def _epoch_seed(seed: int, epoch: tf.Tensor) -> tf.Tensor:
                                        minval=0, maxval=2 ** 31 - 1, dtype=tf.int64)
 
 
-def _share_of_window(examples: dict, epochs: tf.data.Dataset, indices: tf.data.Dataset,
-                     share: range, size: int) -> tf.data.Dataset:
-    """Examples `share` of one batch-sized window, each carrying the position of the
-    window's last example (so the batch of them ends where the whole batch ends)."""
-    last_epoch, last_index = tf.data.Dataset.zip((epochs, indices)).skip(
-        size - 1).get_single_element()
-    return tf.data.Dataset.zip(examples).skip(share.start).take(len(share)).map(
-        lambda ex: (ex, last_epoch, last_index))
-
-
 def _pad_batch(batch: Example, size: int) -> Example:
     """Pads a (last, partial) batch with zero examples to the static `size`."""
     n = tf.shape(batch['weight'])[0]
@@ -419,47 +410,6 @@ def _pad_batch(batch: Example, size: int) -> Example:
         padding = [[0, size - n]] + [[0, 0]] * (value.shape.rank - 1)
         out[key] = tf.ensure_shape(tf.pad(value, padding), [size] + value.shape[1:].as_list())
     return out
-
-
-class InputIterator(tf.Module):
-    """Batches of a TfdsInput, checkpointed as a position instead of tf.data's buffers.
-
-    A tf.data iterator checkpoint holds its shuffle buffer: 10000 CIFAR-10 images
-    or 100000 WMT sentence pairs, tens of MB in every checkpoint. This one holds
-    two int64 variables, the epoch and the index in it of the next example; after
-    a restore, the next batch rebuilds the seeded order from that position
-    (reading through the epoch up to it once), so a resumed run sees exactly the
-    batches an uninterrupted run would have seen.
-    """
-
-    def __init__(self, tfds_input: TfdsInput, share: Optional[range] = None):
-        super().__init__(name='input_iterator')
-        self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name='epoch')
-        self.index = tf.Variable(0, dtype=tf.int64, trainable=False, name='index')
-        self._make = functools.partial(tfds_input._Batches,  # pylint: disable=protected-access
-                                       share=share)
-        self._live = None  # generator of (batch, position after it); a generator is never tracked
-        self._live_from = None
-        self.batch_bytes: Optional[int] = None  # of the last batch, as fed to the step
-
-    def __iter__(self) -> InputIterator:
-        return self
-
-    def __next__(self) -> Example:
-        position = (int(self.epoch.numpy()), int(self.index.numpy()))
-        if self._live is None or position != self._live_from:  # first batch, or restored
-            self._live = self._Generate(*position)
-        batch, (epoch, index) = next(self._live)
-        self.epoch.assign(epoch)
-        self.index.assign(index)
-        self._live_from = (epoch, index)
-        self.batch_bytes = sum(t.shape.num_elements() * t.dtype.size
-                               for t in tf.nest.flatten(batch))
-        return batch
-
-    def _Generate(self, epoch: int, index: int):
-        for batch, end_epoch, end_index in self._make(epoch, index).prefetch(2):
-            yield batch, (int(end_epoch), int(end_index))
 
 
 # What each preprocessor reads from a stored example: feature -> (dtype kind, rank).
