@@ -81,3 +81,29 @@ def test_the_trainers_checkpoint_holds_the_input_position_not_its_buffer(data_di
     data_bytes = sum(os.path.getsize(os.path.join(str(tmp_path), f))
                      for f in os.listdir(str(tmp_path)) if f.startswith('ckpt-2.'))
     assert data_bytes < 100_000  # a 4096-image buffer alone would be 3 MB
+
+
+def test_a_share_reads_its_examples_of_each_batch_and_its_position_restores_into_any_share(
+        data_dir, tmp_path):
+    """A trainer client's iterator (Iterator(share)): across an epoch boundary it yields
+    exactly its examples of each whole batch, and its position, which counts whole
+    batches, restores into the whole-batch iterator and into another share."""
+    tfds_input = _input(data_dir)
+    whole = tfds_input.Iterator()
+    straight = [next(whole) for _ in range(BATCHES_PER_EPOCH + 3)]
+    halves = [tfds_input.Iterator(range(0, 32)), tfds_input.Iterator(range(32, 64))]
+    for expected in straight[:BATCHES_PER_EPOCH + 1]:
+        got = [next(half) for half in halves]
+        for key in ('image', 'label'):
+            np.testing.assert_array_equal(
+                np.concatenate([g[key].numpy() for g in got]), expected[key].numpy())
+    assert halves[0].batch_bytes == halves[1].batch_bytes == whole.batch_bytes // 2
+    for half in halves:
+        assert (int(half.epoch.numpy()), int(half.index.numpy())) == (1, 64)
+    path = tf.train.Checkpoint(iterator=halves[1]).save(str(tmp_path / 'share' / 'ckpt'))
+    for resumed, share in ((tfds_input.Iterator(), range(64)),
+                           (tfds_input.Iterator(range(10, 21)), range(10, 21))):
+        tf.train.Checkpoint(iterator=resumed).restore(path).assert_consumed()
+        for expected in straight[BATCHES_PER_EPOCH + 1:]:
+            np.testing.assert_array_equal(next(resumed)['label'].numpy(),
+                                          expected['label'].numpy()[share.start:share.stop])

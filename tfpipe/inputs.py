@@ -34,12 +34,13 @@ from __future__ import annotations
 import difflib
 import functools
 import importlib
-from typing import Callable, Dict, Sequence, Union
+from typing import Callable, Dict, Optional, Sequence, Union
 
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from tfpipe import datasets, lm_inputs
+from tfpipe import datasets, input_iterator, lm_inputs
+from tfpipe.input_iterator import Example, InputIterator
 from tfpipe.datasets.reverse import EOS_ID, PAD_ID
 from tfpipe.hyperparams import InstantiableParams, Params
 
@@ -51,7 +52,6 @@ __all__ = ['BYTE_OFFSET', 'BYTE_VOCAB_SIZE', 'EOS_ID', 'PAD_ID', 'PREPROCESSORS'
 BYTE_OFFSET = 2  # byte b becomes id b + 2, so PAD (0) and EOS (1) stay free
 BYTE_VOCAB_SIZE = 256 + BYTE_OFFSET
 
-Example = Dict[str, tf.Tensor]
 # A preprocessor is built from the input's params and maps one stored example
 # to the layout a task reads; it runs inside tf.data, so it must be graph code.
 PreprocessorFactory = Callable[[Params], Callable[[Example], Example]]
@@ -263,11 +263,22 @@ class TfdsInput:
         EvalDataset to see every example. Its tf.data iterator checkpoints hold the
         shuffle buffer; `Iterator()` checkpoints only the position.
         """
-        return self._Batches(0, 0).map(lambda batch, epochs, indices: batch).prefetch(2)
+        return self._Batches(0, 0).map(lambda batch, epoch, index: batch).prefetch(2)
 
-    def Iterator(self) -> InputIterator:
-        """An iterator over Dataset()'s batches whose checkpoint is its position only."""
-        return InputIterator(self)
+    def Iterator(self, share: Optional[range] = None) -> InputIterator:
+        """An iterator over Dataset()'s batches whose checkpoint is its position only.
+
+        `share`: yield only examples [share.start, share.stop) of each batch (a
+        trainer client's micro-batches, `replicas.examples_of_group`); the others
+        are skipped before they are decoded or preprocessed. The position still
+        counts whole batches, so it restores into an iterator of any share.
+        """
+        p = self.params
+        if share is not None and not (0 <= share.start < share.stop <= p.batch_size
+                                      and share.step == 1):
+            raise ValueError(f'{p.name}: share {share} is not a run of examples within a batch '
+                             f'of {p.batch_size}')
+        return InputIterator(functools.partial(self._Batches, share=share))
 
     def EvalDataset(self, num_examples: int) -> tf.data.Dataset:
         """Every one of the first `num_examples` examples (all, if the split is smaller).
@@ -287,15 +298,39 @@ class TfdsInput:
         return ds.prefetch(2)
 
     def _Preprocess(self, ex: Example) -> Example:
-        return PREPROCESSORS[self.params.preprocess](self.params)(ex)
+        return PREPROCESSORS[self.params.preprocess](self.params)(self._Decode(ex))
 
-    def _Epochs(self, start_epoch: int) -> tf.data.Dataset:
+    def _DeferredDecoders(self) -> Optional[dict]:
+        """tfds decoders that leave images encoded until `_Decode`.
+
+        The seeded shuffle sees every stored example (the order depends on all of
+        them, not on their values), but a trainer client decodes only its share:
+        its image features travel through the shuffle buffer as their stored
+        (PNG/JPEG) bytes. Only for a share: tiny images (tfpipe_shapes' 16x16) are
+        larger as PNG than decoded, and a whole batch decodes everything anyway.
+        """
+        features = getattr(getattr(self._builder, 'info', None), 'features', None)
+        if not isinstance(features, tfds.features.FeaturesDict):
+            return None  # your own examples (DatasetInput): nothing is encoded
+        skipped = {key: tfds.decode.SkipDecoding() for key, feature in features.items()
+                   if isinstance(feature, tfds.features.Image)}
+        return skipped or None
+
+    def _Decode(self, ex: Example) -> Example:
+        """Decodes the features `_DeferredDecoders` left encoded (strings); others pass."""
+        skipped = self._DeferredDecoders() or {}
+        return {key: (self._builder.info.features[key].decode_example(value)
+                      if key in skipped and value.dtype == tf.string else value)
+                for key, value in ex.items()}
+
+    def _Epochs(self, start_epoch: int, decode_later: bool = False) -> tf.data.Dataset:
         """(example, epoch, index in epoch) from the start of `start_epoch` on.
 
         Epoch e is the stored split (files in one seeded order, the same every
         epoch) through a shuffle buffer seeded by (seed, e): any epoch's order is
         a function of the seed alone, so a position (epoch, index) is all a
-        checkpoint needs to continue the same sequence.
+        checkpoint needs to continue the same sequence. `decode_later`: images stay
+        encoded (`_DeferredDecoders`) and `_Preprocess` decodes them.
         """
         p = self.params
         shuffle = p.shuffle_buffer > 0
@@ -304,7 +339,9 @@ class TfdsInput:
         read_config = tfds.ReadConfig(shuffle_seed=p.seed, try_autocache=False,
                                       shuffle_reshuffle_each_iteration=False)
         stored = _regroup(p, self._builder.as_dataset(split=p.split, shuffle_files=shuffle,
-                                                      read_config=read_config))
+                                                      read_config=read_config,
+                                                      decoders=self._DeferredDecoders()
+                                                      if decode_later else None))
 
         def epoch_examples(epoch: tf.Tensor) -> tf.data.Dataset:
             ds = stored
@@ -324,15 +361,28 @@ class TfdsInput:
             tf.data.experimental.ExternalStatePolicy.IGNORE
         return ds.with_options(options)
 
-    def _Batches(self, start_epoch: int, start_index: int) -> tf.data.Dataset:
-        """(batch, epochs [B], indices [B]) of the examples from a position on."""
+    def _Batches(self, start_epoch: int, start_index: int,
+                 share: Optional[range] = None) -> tf.data.Dataset:
+        """(batch, epoch, index): the batches from a position on, each with the position
+        (epoch, index of the next example) after it.
+
+        With `share` a batch holds only those examples of each whole batch: the
+        whole batch is cut from the shuffled stream (still encoded), its share
+        kept and only that decoded and preprocessed.
+        """
         p = self.params
-        ds = self._Epochs(start_epoch).skip(start_index)
+        partial = share is not None and len(share) < p.batch_size
+        ds = self._Epochs(start_epoch, decode_later=partial).skip(start_index)
+        if partial:
+            ds = ds.window(p.batch_size, drop_remainder=True).flat_map(
+                functools.partial(input_iterator.share_of_window, share=share,
+                                  size=p.batch_size))
+        size = p.batch_size if share is None else len(share)
         ds = ds.map(lambda ex, epoch, index: (self._Preprocess(ex), epoch, index),
                     num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-        ds = ds.batch(p.batch_size, drop_remainder=True)
+        ds = ds.batch(size, drop_remainder=True)
         self._CheckStatic(ds.element_spec[0])
-        return ds
+        return ds.map(lambda batch, epochs, indices: (batch, epochs[-1], indices[-1] + 1))
 
     def _CheckStatic(self, spec: Dict[str, tf.TensorSpec]) -> None:
         p = self.params
@@ -360,43 +410,6 @@ def _pad_batch(batch: Example, size: int) -> Example:
         padding = [[0, size - n]] + [[0, 0]] * (value.shape.rank - 1)
         out[key] = tf.ensure_shape(tf.pad(value, padding), [size] + value.shape[1:].as_list())
     return out
-
-
-class InputIterator(tf.Module):
-    """Batches of a TfdsInput, checkpointed as a position instead of tf.data's buffers.
-
-    A tf.data iterator checkpoint holds its shuffle buffer: 10000 CIFAR-10 images
-    or 100000 WMT sentence pairs, tens of MB in every checkpoint. This one holds
-    two int64 variables, the epoch and the index in it of the next example; after
-    a restore, the next batch rebuilds the seeded order from that position
-    (reading through the epoch up to it once), so a resumed run sees exactly the
-    batches an uninterrupted run would have seen.
-    """
-
-    def __init__(self, tfds_input: TfdsInput):
-        super().__init__(name='input_iterator')
-        self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name='epoch')
-        self.index = tf.Variable(0, dtype=tf.int64, trainable=False, name='index')
-        self._make = tfds_input._Batches  # pylint: disable=protected-access
-        self._live = None  # generator of (batch, position after it); a generator is never tracked
-        self._live_from = None
-
-    def __iter__(self) -> InputIterator:
-        return self
-
-    def __next__(self) -> Example:
-        position = (int(self.epoch.numpy()), int(self.index.numpy()))
-        if self._live is None or position != self._live_from:  # first batch, or restored
-            self._live = self._Generate(*position)
-        batch, (epoch, index) = next(self._live)
-        self.epoch.assign(epoch)
-        self.index.assign(index)
-        self._live_from = (epoch, index)
-        return batch
-
-    def _Generate(self, epoch: int, index: int):
-        for batch, epochs, indices in self._make(epoch, index).prefetch(2):
-            yield batch, (int(epochs[-1]), int(indices[-1]) + 1)
 
 
 # What each preprocessor reads from a stored example: feature -> (dtype kind, rank).
@@ -470,9 +483,9 @@ class _ExamplesSource:
     def __init__(self, examples: tf.data.Dataset):
         self._examples = examples
 
-    def as_dataset(self, split: str, shuffle_files: bool = False,
-                   read_config: object = None) -> tf.data.Dataset:
-        del split, shuffle_files, read_config  # one split, in the function's own order
+    def as_dataset(self, split: str, shuffle_files: bool = False, read_config: object = None,
+                   decoders: object = None) -> tf.data.Dataset:
+        del split, shuffle_files, read_config, decoders  # one split, in the function's order
         return self._examples
 
 

@@ -47,12 +47,12 @@ from tfpipe import checkpoints, fprop_context, lr_schedules, memory_stats
 from tfpipe.base_layer import flatten_by_path
 from tfpipe.hyperparams import Params
 from tfpipe.optimizers import BaseOptimizer, clip_by_global_norm
-from tfpipe.pipeline import across_clients
+from tfpipe.pipeline import across_clients, replicas
 from tfpipe.pipeline.recorder import Recorder
 from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
 from tfpipe.tasks import classifier
 from tfpipe.tuning import timeline
-from trainer import experiment
+from trainer import batch_split, experiment
 
 
 @gin.configurable('trainer')
@@ -156,15 +156,21 @@ class Trainer:
         self.summary_interval = options.summary_interval_steps or tp.summary_interval_steps
         self.train_dir = train_dir
         self.params = params
+        self.peers = peers
+        self.split = self._resume_split()  # may set task.pipeline.num_micro_batches
         self.trace_step = options.pipeline_trace_step
         if self.trace_step is not None and self.trace_step > self.max_steps:
             raise ValueError(f'--pipeline_trace_step={self.trace_step} is beyond max_steps='
                              f'{self.max_steps}: pick a step in 1..{self.max_steps}')
         self.task = params.task.Instantiate()
         self.task.CheckInput(params.input.train)
-        self.peers = peers
+        self.batch_size = params.input.train.batch_size
+        self.input_share = None  # a client reads only its examples of each global batch
         if peers is not None:
-            self.task.pipe.JoinClients(peers)
+            self.input_share = replicas.examples_of_group(
+                self.batch_size, self.split.micro_batches, peers.count, peers.index,
+                'task.pipeline')
+            self.task.pipe.JoinClients(peers, global_batch_size=self.batch_size)
         self.replica_variables = [{p: v for p, v in copy.items() if v.trainable}
                                   for copy in self.task.pipe.ReplicaVariablesByPath()]
         self.variables = self.replica_variables[0]
@@ -188,12 +194,15 @@ class Trainer:
         self.clip_norm = tp.clip_gradient_norm_to_value or None
         self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name='global_step')
         self.input = params.input.train.Instantiate()
-        self.batch_size = params.input.train.batch_size
-        self.iterator = self.input.Iterator()  # checkpointed as its position, not its buffer
-        self.checkpoint = checkpoints.make(self.task.VariablesByPath(), step=self.global_step,
-                                           optimizer=self.optimizer, iterator=self.iterator)
+        # Checkpointed as its position in whole global batches, not its buffer: any R restores it.
+        self.iterator = self.input.Iterator(self.input_share)
+        restored = dict(step=self.global_step, optimizer=self.optimizer, iterator=self.iterator)
+        self.checkpoint = checkpoints.make(self.task.VariablesByPath(), **restored)
+        # Saved with every checkpoint, never restored: a resumed run reads it (batch_split).
+        saved = checkpoints.make(self.task.VariablesByPath(), **restored,
+                                 batch_split=batch_split.SplitRecord(self.split))
         self.manager = tf.train.CheckpointManager(
-            self.checkpoint, train_dir, checkpoint_name='ckpt',
+            saved, train_dir, checkpoint_name='ckpt',
             max_to_keep=options.save_max_to_keep or tp.save_max_to_keep)
         self._stop_signal: Optional[int] = None
         self._peer_stopping = False  # across clients: some client got SIGINT/SIGTERM (agreed)
@@ -205,6 +214,17 @@ class Trainer:
         self._step_timeout = options.step_timeout_seconds
         self._step_seconds: collections.deque = collections.deque(maxlen=STEP_TIMEOUT_WINDOW)
         self._recorder: Optional[Recorder] = None
+
+    def _resume_split(self) -> batch_split.Split:
+        """This run's replicas x micro-batches: the latest checkpoint's global count kept."""
+        pipeline = self.params.task.pipeline
+        count = self.peers.count if self.peers is not None else pipeline.num_replicas
+        saved = batch_split.saved(self.train_dir) if self._is_chief else None
+        if self.peers is not None:
+            saved = batch_split.from_chief(self.peers, saved)
+        where = (f'the checkpoint in {self.train_dir}' if self._is_chief
+                 else "the chief's checkpoint")
+        return batch_split.resume(self.params, count, saved, where)
 
     def step_timeout(self) -> float:
         """Seconds a step may take before the cluster watchdog gives up on a frozen worker.
@@ -377,6 +397,8 @@ class Trainer:
             except StopIteration:
                 out_of_data = True
                 break
+            if self.heartbeat is None:
+                self._log_input_bytes()
             begin = time.monotonic()
             try:
                 if step + 1 == self.trace_step:
@@ -418,6 +440,16 @@ class Trainer:
         elapsed = time.time() - start_time
         logging.info('trained steps %d..%d in %.1fs', start_step, step, elapsed)
         return step
+
+    def _log_input_bytes(self) -> None:
+        """What this process reads per step: its share of the global batch, once per run."""
+        share = self.input_share or range(self.batch_size)
+        who = (f'client {self.peers.index} of {self.peers.count}' if self.peers is not None
+               else 'this trainer')
+        logging.info('input: %s reads examples %d..%d of each global batch of %d: %d bytes '
+                     'per step (the global batch: %d)', who, share.start, share.stop - 1,
+                     self.batch_size, self.iterator.batch_bytes,
+                     self.iterator.batch_bytes // len(share) * self.batch_size)
 
     def _report(self, writer, progress: 'Progress', step: int, loss: float, norm: float,
                 lr: float) -> None:

@@ -63,11 +63,13 @@ def _group_key(device: str) -> int:
     return 1 + (spec.device_index or 0) + (0 if spec.device_type == 'CPU' else 100000)
 
 
-def all_reduce_sum(peers: Peers, tensors: Sequence[tf.Tensor], device: str) -> list[tf.Tensor]:
+def all_reduce_sum(peers: Peers, tensors: Sequence[tf.Tensor], device: str,
+                   timeout: float = 0) -> list[tf.Tensor]:
     """Sums each tensor over the clients, on this client's `device`.
 
     Tensors of one dtype are packed into one flat buffer, so every client
-    receives the same bits from one collective per dtype.
+    receives the same bits from one collective per dtype. `timeout` (seconds, 0:
+    none) raises DeadlineExceededError when a peer never joins.
     """
     out: list = [None] * len(tensors)
     by_dtype: dict[tf.DType, list[int]] = {}
@@ -80,7 +82,7 @@ def all_reduce_sum(peers: Peers, tensors: Sequence[tf.Tensor], device: str) -> l
             packed = tf.concat([tf.reshape(tensors[i], [-1]) for i in indices], 0)
             summed = collective_ops.all_reduce(packed, peers.count, _group_key(device),
                                                _next_instance(), 'Add', 'Id',
-                                               communication_hint='auto')
+                                               communication_hint='auto', timeout=timeout)
             for i, piece, shape in zip(indices, tf.split(summed, sizes), shapes):
                 out[i] = tf.reshape(piece, shape)
     return out

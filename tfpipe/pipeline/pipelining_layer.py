@@ -188,6 +188,7 @@ class PipeliningLayer(BaseLayer):
             for devices in self.replica_devices[1:]]
         self._recorder: recorder.Recorder | None = None
         self._peers: across_clients.Peers | None = None
+        self._global_batch: int | None = None  # a client fed only its share (JoinClients)
 
     def _Balance(self) -> list[int]:
         p = self.params
@@ -241,16 +242,21 @@ class PipeliningLayer(BaseLayer):
         """Copies replica 0's variables into the mirrors: call after restoring a checkpoint."""
         replicas.sync(self.ReplicaVariablesByPath())
 
-    def JoinClients(self, peers: across_clients.Peers) -> None:
+    def JoinClients(self, peers: across_clients.Peers,
+                    global_batch_size: int | None = None) -> None:
         """Makes this layer client `peers.index`'s replica of `peers.count` (one per process).
 
         Only the trainer's ForwardBackward runs across clients; the layer's own
-        num_replicas must then be 1 (each client holds one replica).
+        num_replicas must then be 1 (each client holds one replica). With
+        `global_batch_size` ForwardBackward takes only this client's share of each
+        global batch (`replicas.examples_of_group`, what its input reads); without,
+        the whole global batch, of which it keeps its share.
         """
         if self.num_replicas != 1:
             raise ValueError(f'{self.path}: num_replicas={self.num_replicas} in a client of '
                              f'{peers.count}: each trainer client holds one replica')
         self._peers = peers
+        self._global_batch = global_batch_size
 
     @contextlib.contextmanager
     def RecordTimeline(self) -> Iterator[recorder.Recorder]:
@@ -276,13 +282,39 @@ class PipeliningLayer(BaseLayer):
         num_groups = self.num_replicas * (self._peers.count if self._peers else 1)
         with tf.device(device), tf.name_scope('split'):
             inputs = tf.nest.map_structure(tf.convert_to_tensor, inputs)
-            groups = replicas.micro_batch_groups(microbatch.batch_size(inputs),
-                                                 p.num_micro_batches, num_groups, self.path)
-            micro = microbatch.split(inputs, p.num_micro_batches * num_groups)
-        sizes = [tf.nest.flatten(mb)[0].shape[0] for mb in micro]
+            batch = self._global_batch or microbatch.batch_size(inputs)
+            groups = replicas.micro_batch_groups(batch, p.num_micro_batches, num_groups,
+                                                 self.path)
+            micro = self._SplitBatch(inputs)
+        sizes = microbatch.micro_batch_sizes(batch, p.num_micro_batches * num_groups)
         if self._peers is not None:  # this client's group only, at its global offsets
             groups = groups[self._peers.index:self._peers.index + 1]
         return micro, microbatch.offsets(sizes), groups
+
+    def _SplitBatch(self, batch: Any) -> list:
+        """The R*M micro-batches of a mini-batch (inputs or targets).
+
+        A client fed only its share (`JoinClients(global_batch_size=N)`) holds its
+        own group's micro-batches, cut from the share exactly as from the whole
+        batch (sizes differ by at most 1, larger first), and None for the others'.
+        """
+        count = self.params.num_micro_batches * self.num_replicas * (
+            self._peers.count if self._peers else 1)
+        if self._global_batch is None:
+            return microbatch.split(batch, count)
+        share = replicas.examples_of_group(self._global_batch, self.params.num_micro_batches,
+                                           self._peers.count, self._peers.index, self.path)
+        got = microbatch.batch_size(batch)
+        if got != len(share):
+            raise ValueError(f'{self.path}: client {self._peers.index} of {self._peers.count} '
+                             f'got {got} examples; its share of a global batch of '
+                             f'{self._global_batch} is {len(share)} (examples {share.start}..'
+                             f'{share.stop - 1}): feed it the input read with that share')
+        group = replicas.micro_batch_groups(self._global_batch, self.params.num_micro_batches,
+                                            self._peers.count, self.path)[self._peers.index]
+        micro: list = [None] * len(microbatch.micro_batch_sizes(self._global_batch, count))
+        micro[group.start:group.stop] = microbatch.split(batch, len(group))
+        return micro
 
     def _Runs(self, thetas: list[list[dict]], micro: list, offsets: list[int],
               groups: list[range], ctx, **kwargs) -> list[PipelineRun]:
@@ -469,16 +501,17 @@ class PipeliningLayer(BaseLayer):
                 f'{self.path}: ForwardBackward computes training gradients but runs under '
                 'fprop_context.evaluation(); call it under fprop_context.training(step=...), '
                 'or use FProp (pipe(x)) to evaluate')
-        n = microbatch.batch_size(inputs)
+        n_inputs = microbatch.batch_size(inputs)
         n_targets = microbatch.batch_size(targets)
-        if n_targets != n:
-            raise ValueError(f'{self.path}: inputs have batch size {n} but targets have '
+        n = self._global_batch or n_inputs  # the loss is the mean over the global batch
+        if n_targets != n_inputs:
+            raise ValueError(f'{self.path}: inputs have batch size {n_inputs} but targets have '
                              f'{n_targets}; give one target per input example')
         thetas = self._ReadThetas(theta)
         micro, offsets, groups = self._Split(inputs, self.devices[0])
         with tf.device(self.devices[-1]), tf.name_scope('split_targets'):
-            micro_targets = microbatch.split(
-                tf.nest.map_structure(tf.convert_to_tensor, targets), len(micro))
+            micro_targets = self._SplitBatch(
+                tf.nest.map_structure(tf.convert_to_tensor, targets))
         losses = []
 
         def on_output_of(group: range):

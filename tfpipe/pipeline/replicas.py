@@ -93,6 +93,20 @@ def micro_batch_groups(batch: int, num_micro_batches: int, num_replicas: int,
     return groups
 
 
+def examples_of_group(batch: int, num_micro_batches: int, num_replicas: int, replica: int,
+                      where: str) -> range:
+    """The examples of the mini-batch that `replica` runs: its group's micro-batches.
+
+    Contiguous, so an input can hand each replica (or trainer client) only its
+    own examples and the micro-batches cut from them are the very ones cut
+    from the whole mini-batch.
+    """
+    group = micro_batch_groups(batch, num_micro_batches, num_replicas, where)[replica]
+    sizes = microbatch.micro_batch_sizes(batch, num_replicas * num_micro_batches)
+    start = sum(sizes[:group.start])
+    return range(start, start + sum(sizes[group.start:group.stop]))
+
+
 def group_key(devices: Sequence[str]) -> int:
     """One collective group per set of devices, stable for the life of the process."""
     key = tuple(devices)
