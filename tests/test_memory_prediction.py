@@ -9,10 +9,12 @@ trainer job alone (evaler and decoder threads in one process add their own).
 
 Beside the shipped models, models as users write them (tests/memory_models.py,
 issue 25): a wide conv net on its own in-memory images, and a byte LM with one
-long document, whose packing before the first step sets the peak.
+long document, whose packing before the first step sets the peak; and a Keras
+model pipelined by tfpipe.keras (tests/keras_memory_probe.py).
 """
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -64,3 +66,18 @@ def test_without_allocator_statistics_the_working_set_is_an_estimate_and_says_so
     assert result.returncode == 0, result.stderr[-3000:]
     assert 'estimated from layer outputs: the allocator keeps no statistics' in result.stdout
     assert 'all devices' in result.stdout and 'host allocator' not in result.stdout
+
+
+def _keras_probe(mode: str) -> float:
+    result = subprocess.run([sys.executable, '-m', 'tests.keras_memory_probe', mode],
+                            env=th.env(), cwd=th.REPO, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return float(result.stdout.split()[-1])
+
+
+def test_a_keras_models_predicted_fit_peak_within_15_percent_of_the_measured():
+    # tfpipe.keras.pipeline of a user's Sequential, compiled with Adam, fit on numpy
+    # arrays: keras_memory.predict_fit against the allocator's peak after fit.
+    predicted, measured = _keras_probe('predict'), _keras_probe('fit')
+    assert abs(predicted / measured - 1) <= TOLERANCE, (predicted, measured)
