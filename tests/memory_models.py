@@ -4,8 +4,8 @@ Registered like a user's own package (docs/own_models_and_data.md): data from an
 `examples_fn`, sizes no tfpipe default chose. The trainer imports them as
 `--model=tests.memory_models.<Class>` from the repository root.
 
-- `WideConvNet`: a wide plain conv net on its own 32x32 RGB images, the whole
-  split held by `from_tensor_slices` as a user's numpy arrays are.
+- `WideConvNet`: a wide plain conv net on its own 32x32 RGB images, shuffled
+  whole (the shuffle buffer holds the split).
 - `LongDocumentLM`: a byte LM whose training text has one long document among
   short ones (`LONG_DOCUMENT_BYTES`): packing it holds the whole document's
   token pairs at once.
@@ -30,14 +30,18 @@ SHORT_DOCUMENTS = 64
 
 
 def images(split: str) -> tf.data.Dataset:
-    """Random images whose label is the brightest of 10 horizontal bands."""
-    rng = np.random.default_rng({'train': 0, 'dev': 1}[split])
-    n = IMAGES[split]
-    x = rng.uniform(0, 1, (n, IMAGE_SIZE, IMAGE_SIZE, 3)).astype(np.float32)
-    labels = rng.integers(0, NUM_CLASSES, n)
-    for i, label in enumerate(labels):
-        x[i, 3 * label:3 * label + 3] += 1.0
-    return tf.data.Dataset.from_tensor_slices({'image': x, 'label': labels})
+    """Noise images whose label is the brightest of 10 horizontal bands, made by tf.data
+    ops: a numpy split would be copied into TensorFlow's allocator or read in place at
+    random (docs/memory.md), moving the measured peak by its size from run to run."""
+    seed = {'train': 0, 'dev': 1}[split]
+
+    def example(i: tf.Tensor) -> dict:
+        label = tf.cast(i % NUM_CLASSES, tf.int32)
+        noise = tf.random.stateless_uniform([IMAGE_SIZE, IMAGE_SIZE, 3],
+                                            seed=tf.stack([tf.constant(seed, tf.int64), i]))
+        band = tf.cast(tf.range(IMAGE_SIZE) // 3 == label, tf.float32)[:, None, None]
+        return {'image': noise + band, 'label': label}
+    return tf.data.Dataset.range(IMAGES[split]).map(example)
 
 
 def documents(split: str) -> tf.data.Dataset:
