@@ -7,7 +7,7 @@ logical CPUs share it), and the trainer (`--job=trainer`, the training step alon
 evaler and decoder threads in the same process add their own) prints the measured
 peak on its progress line. Prints both and their ratio. The 'users' configurations
 are models as users write them (tests/memory_models.py: a wide conv net on its own
-in-memory images, a byte LM with one 2 MiB document) and a Keras model pipelined by
+generated images, a byte LM with one 2 MiB document) and a Keras model pipelined by
 tfpipe.keras (tests/keras_memory_probe.py: `keras_memory.predict_fit` against the
 allocator's peak after `fit`, each in a fresh process).
 

@@ -8,7 +8,7 @@ the user runs them, in fresh processes with the trainer's BFC allocator; the
 trainer job alone (evaler and decoder threads in one process add their own).
 
 Beside the shipped models, models as users write them (tests/memory_models.py,
-issue 25): a wide conv net on its own in-memory images, and a byte LM with one
+issue 25): a wide conv net on its own generated images, and a byte LM with one
 long document, whose packing before the first step sets the peak; and a Keras
 model pipelined by tfpipe.keras (tests/keras_memory_probe.py).
 """
