@@ -5,11 +5,16 @@ For each model (and params overrides), in fresh processes with the BFC allocator
 `--mode=inspect_model` prints the predicted peak of the host's allocator (the
 logical CPUs share it), and the trainer (`--job=trainer`, the training step alone:
 evaler and decoder threads in the same process add their own) prints the measured
-peak on its progress line. Prints both and their ratio.
+peak on its progress line. Prints both and their ratio. The 'users' configurations
+are models as users write them (tests/memory_models.py: a wide conv net on its own
+generated images, a byte LM with one 2 MiB document) and a Keras model pipelined by
+tfpipe.keras (tests/keras_memory_probe.py: `keras_memory.predict_fit` against the
+allocator's peak after `fit`, each in a fresh process).
 
 Run (from the repository root; about 30 s per configuration):
     PYTHONPATH=. python benchmarks/memory_prediction_benchmark.py
     PYTHONPATH=. python benchmarks/memory_prediction_benchmark.py --configs=default
+    PYTHONPATH=. python benchmarks/memory_prediction_benchmark.py --configs=users
 """
 from __future__ import annotations
 
@@ -24,8 +29,12 @@ _PREDICTED = re.compile(r'host allocator .*: peak ([\d.]+) MiB')
 _MEASURED = re.compile(r'peak CPU:0 ([\d.]+) MiB')
 AMOEBA = 'image.shapes.AmoebaNetPipe'
 TRANSFORMER = 'mt.reverse.TransformerPipe'
+KERAS = 'keras'  # not a trainer model: tests/keras_memory_probe.py
+USERS = [('tests.memory_models.WideConvNet', ''), ('tests.memory_models.LongDocumentLM', ''),
+         (KERAS, '')]
 CONFIGS = {
     'default': [(AMOEBA, ''), (TRANSFORMER, '')],
+    'users': USERS,
     'all': [(AMOEBA, ''), (TRANSFORMER, ''),
             (AMOEBA, 'task.pipeline.num_micro_batches=1'),
             (AMOEBA, 'task.pipeline.num_micro_batches=8'),
@@ -35,15 +44,21 @@ CONFIGS = {
             (TRANSFORMER, 'task.pipeline.num_micro_batches=1'),
             (TRANSFORMER, 'task.pipeline.schedule=1f1b'),
             (AMOEBA, "task.fprop_dtype='bfloat16'"),
-            ('lm.pystdlib.TinyTransformerLM', '')],
+            ('lm.pystdlib.TinyTransformerLM', '')] + USERS,
 }
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _env() -> dict:
+    return dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', TF_CPU_ALLOCATOR_USE_BFC='true',
+                PYTHONPATH=REPO + os.pathsep + os.environ.get('PYTHONPATH', ''))
 
 
 def run_trainer(model: str, override: str, data_dir: str, *flags: str) -> str:
     """The trainer binary's stderr (its log) in a fresh logdir; raises on failure."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', TF_CPU_ALLOCATOR_USE_BFC='true',
-               PYTHONPATH=repo + os.pathsep + os.environ.get('PYTHONPATH', ''))
+    repo, env = REPO, _env()
     with tempfile.TemporaryDirectory() as logdir:
         result = subprocess.run(
             [sys.executable, '-m', 'trainer', f'--model={model}', f'--logdir={logdir}',
@@ -55,9 +70,20 @@ def run_trainer(model: str, override: str, data_dir: str, *flags: str) -> str:
     return result.stdout + result.stderr
 
 
+def keras_probe(mode: str) -> float:
+    """tests/keras_memory_probe.py's figure (MiB) in a fresh process."""
+    result = subprocess.run([sys.executable, '-m', 'tests.keras_memory_probe', mode],
+                            env=_env(), cwd=REPO, capture_output=True, text=True, timeout=1800)
+    if result.returncode != 0:
+        raise RuntimeError(result.stderr[-3000:])
+    return float(result.stdout.split()[-1])
+
+
 def predicted_and_measured(model: str, override: str, data_dir: str,
                            steps: int) -> tuple[float, float]:
     """(inspect_model's predicted host peak, the trainer's measured peak) in MiB."""
+    if model == KERAS:
+        return keras_probe('predict'), keras_probe('fit')
     predicted = _PREDICTED.findall(run_trainer(model, override, data_dir,
                                                '--mode=inspect_model'))
     measured = _MEASURED.findall(run_trainer(model, override, data_dir, '--job=trainer',
@@ -74,10 +100,10 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as data_dir:
         for name in ('tfpipe_shapes', 'tfpipe_reverse'):
             datasets.prepare(name, data_dir)
-        print(f'{"model":28s} {"overrides":38s} predicted  measured  predicted/measured')
+        print(f'{"model":36s} {"overrides":38s} predicted  measured  predicted/measured')
         for model, override in CONFIGS[args.configs]:
             predicted, measured = predicted_and_measured(model, override, data_dir, args.steps)
-            print(f'{model:28s} {override or "-":38s} {predicted:6.2f} MiB {measured:6.2f} MiB'
+            print(f'{model:36s} {override or "-":38s} {predicted:6.2f} MiB {measured:6.2f} MiB'
                   f'  {predicted / measured:.3f}', flush=True)
 
 

@@ -72,9 +72,21 @@ def test_host_peak_counts_every_state_and_held_batch_but_only_parallel_working_s
               memory_model.CellMemory('d2', static=300.0, stash=30.0, working=60.0)]
     held = [40.0, 60.0, 30.0]
     state = 600.0 + 130.0 + 1000.0  # static, held, input pipeline
-    assert memory_model.host_peak(memory, held, 1, input_bytes=1000.0) == state + 70.0
-    assert memory_model.host_peak(memory, held, 2, input_bytes=1000.0) == state + 130.0
-    assert memory_model.host_peak(memory, held, 8, input_bytes=1000.0) == state + 180.0
+    assert memory_model.host_peak(memory, held, 1, input_bytes=1000.0).peak == state + 70.0
+    assert memory_model.host_peak(memory, held, 2, input_bytes=1000.0).peak == state + 130.0
+    assert memory_model.host_peak(memory, held, 8, input_bytes=1000.0).peak == state + 180.0
+
+
+def test_host_peak_is_the_input_filling_its_buffers_when_that_holds_more_than_a_step():
+    memory = [memory_model.CellMemory('d0', static=100.0, stash=10.0, working=50.0)]
+    # A step: state 100 + input 20 + held 10 + working 50 = 180; filling: 100 + 500.
+    host = memory_model.host_peak(memory, [10.0], 1, input_bytes=20.0, input_peak=500.0)
+    assert (host.training, host.filling, host.peak) == (180.0, 600.0, 600.0)
+    assert host.refill_bound == 100.0 + 500.0 + 60.0  # the refill during a step
+    # A fill below the step's bytes leaves the step's peak.
+    host = memory_model.host_peak(memory, [10.0], 1, input_bytes=20.0, input_peak=30.0)
+    assert host.peak == host.training == 180.0
+    assert host.refill_bound == 190.0
 
 
 def test_cell_memory_divides_sharded_slots_and_keeps_two_copies_of_the_weights():
@@ -91,3 +103,27 @@ def test_measured_cell_inputs_replace_the_profiled_float32_ones_when_recomputing
     (d0, _) = memory_model.predict(PROFILES, cells(recompute=False), 4, 3, 'fill_drain',
                                    working_bytes=[500.0, 90.0], input_bytes=[6.0, 10.0])
     assert d0.held == 3 * 4 * (7.0 + 5.0)  # outputs kept, not inputs
+
+
+def _inspected_slot_mib(data_dir, capsys, sharded: bool) -> list[float]:
+    """Every 'optimizer slots X MiB' inspect_model prints for SmallConvPipe at R=2: the
+    four cells' lines, then the four devices' predicted lines."""
+    import re
+
+    from tests import trainer_helpers
+    from trainer import experiment, inspect_modes
+    params = experiment.load_params(
+        trainer_helpers.FAST, 'task.pipeline.num_replicas=2,'
+        f'task.train.shard_optimizer_states={sharded}')
+    params.input.train.data_dir = data_dir
+    inspect_modes.inspect_model(params)
+    out = capsys.readouterr().out
+    return [float(v) for v in re.findall(r'optimizer slots ([\d.e+-]+) MiB', out)]
+
+
+def test_inspect_model_divides_sharded_slot_bytes_by_r(data_dir, capsys):
+    whole = _inspected_slot_mib(data_dir, capsys, sharded=False)
+    sharded = _inspected_slot_mib(data_dir, capsys, sharded=True)
+    assert len(whole) == len(sharded) == 8  # 2 replicas x 2 cells, cells then devices
+    assert min(whole) > 0
+    assert sharded == pytest.approx([w / 2 for w in whole], rel=1e-3)

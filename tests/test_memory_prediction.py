@@ -6,9 +6,15 @@ the measured working sets of the cells running at once, the input pipeline's
 buffers) and the trainer's progress line prints the measured peak. Both run as
 the user runs them, in fresh processes with the trainer's BFC allocator; the
 trainer job alone (evaler and decoder threads in one process add their own).
+
+Beside the shipped models, models as users write them (tests/memory_models.py,
+issue 25): a wide conv net on its own generated images, and a byte LM with one
+long document, whose packing before the first step sets the peak; and a Keras
+model pipelined by tfpipe.keras (tests/keras_memory_probe.py).
 """
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -16,7 +22,8 @@ from tests import trainer_helpers as th
 
 PREDICTED = re.compile(r'host allocator .*: peak ([\d.]+) MiB')
 MEASURED = re.compile(r'peak CPU:0 ([\d.]+) MiB')
-TOLERANCE = 0.15  # the issue's goal
+TOLERANCE = 0.15  # the issue's goal: within 15%, so never more than 15% under
+STEPS = '--max_steps=10'
 
 
 def _run(tmp_path, model, data_dir, *flags):
@@ -25,13 +32,28 @@ def _run(tmp_path, model, data_dir, *flags):
     return result
 
 
-@pytest.mark.parametrize('model', ['image.shapes.AmoebaNetPipe', 'mt.reverse.TransformerPipe'])
-def test_predicted_host_peak_within_15_percent_of_the_trainers(tmp_path, data_dir, model):
-    inspect = _run(tmp_path, model, data_dir, '--mode=inspect_model')
+def _predicted_and_measured(tmp_path, model, data_dir):
+    inspect = _run(tmp_path / 'inspect', model, data_dir, '--mode=inspect_model')
     assert 'backward working sets measured' in inspect.stdout
     predicted = float(PREDICTED.findall(inspect.stdout)[-1])
-    trained = _run(tmp_path, model, data_dir, '--job=trainer', '--max_steps=10')
-    measured = float(MEASURED.findall(trained.stderr)[-1])
+    trained = _run(tmp_path / 'train', model, data_dir, '--job=trainer', STEPS)
+    return inspect.stdout, predicted, float(MEASURED.findall(trained.stderr)[-1])
+
+
+@pytest.mark.parametrize('model', ['image.shapes.AmoebaNetPipe', 'mt.reverse.TransformerPipe',
+                                   'tests.memory_models.WideConvNet'])
+def test_predicted_host_peak_within_15_percent_of_the_trainers(tmp_path, data_dir, model):
+    _, predicted, measured = _predicted_and_measured(tmp_path, model, data_dir)
+    assert abs(predicted / measured - 1) <= TOLERANCE, (predicted, measured)
+
+
+def test_a_long_document_packed_before_the_first_step_sets_the_predicted_peak(
+        tmp_path, data_dir):
+    # 2 MiB of text in one document: packing it holds its token pairs several times
+    # over while the shuffle buffer fills, far above any step of this small LM.
+    inspect, predicted, measured = _predicted_and_measured(
+        tmp_path, 'tests.memory_models.LongDocumentLM', data_dir)
+    assert 'at the input filling its buffers' in inspect
     assert abs(predicted / measured - 1) <= TOLERANCE, (predicted, measured)
 
 
@@ -44,3 +66,18 @@ def test_without_allocator_statistics_the_working_set_is_an_estimate_and_says_so
     assert result.returncode == 0, result.stderr[-3000:]
     assert 'estimated from layer outputs: the allocator keeps no statistics' in result.stdout
     assert 'all devices' in result.stdout and 'host allocator' not in result.stdout
+
+
+def _keras_probe(mode: str) -> float:
+    result = subprocess.run([sys.executable, '-m', 'tests.keras_memory_probe', mode],
+                            env=th.env(), cwd=th.REPO, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return float(result.stdout.split()[-1])
+
+
+def test_a_keras_models_predicted_fit_peak_within_15_percent_of_the_measured():
+    # tfpipe.keras.pipeline of a user's Sequential, compiled with Adam, fit on numpy
+    # arrays: keras_memory.predict_fit against the allocator's peak after fit.
+    predicted, measured = _keras_probe('predict'), _keras_probe('fit')
+    assert abs(predicted / measured - 1) <= TOLERANCE, (predicted, measured)

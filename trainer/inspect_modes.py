@@ -54,11 +54,14 @@ def inspect_model(params: Params) -> None:
     """Partition, devices, variables, and per cell: parameter, slot and activation bytes."""
     task = params.task.Instantiate()
     pipe = task.pipe
+    # First, while no other tf.data iterator of this process is being torn down.
+    input_measurement = host_input_measurement(params, task)
     m = pipe.params.num_micro_batches
     print(f'balance {list(pipe.balance)}  micro-batches {m}  recompute {pipe.params.recompute}'
           f'  replicas {pipe.num_replicas}')
     profiles = profile_model(params, task, m)
     batch = params.input.train.batch_size // pipe.num_replicas  # each replica's share
+    shards = slot_shards(params)
     for r, cells in enumerate(pipe.replica_cells):
         replica = f'replica {r} ' if pipe.num_replicas > 1 else ''
         for cell, (start, stop) in zip(cells, cell_ranges(pipe.balance)):
@@ -66,16 +69,27 @@ def inspect_model(params: Params) -> None:
                         for v in tf.nest.flatten(layer.theta))
             layers = profiles[start:stop]
             activations = (batch / m) * sum(p.output_bytes_per_example for p in layers)
+            slots = sum(p.slot_bytes for p in layers)
+            sharded = f' (1/{shards} of {_mib(slots)}: sharded)' if shards > 1 else ''
             tied = ''.join(f', reads {"/".join(t.owner)} of cell {t.owner_cell} as '
                            f'{"/".join(t.user)}' for t in cell.ties)
             print(f'{replica}cell {cell.index} on {cell.device}: {cell.names} ({count} params'
                   f'{tied})\n'
                   f'  parameters {_mib(sum(p.param_bytes for p in layers))}  optimizer slots '
-                  f'{_mib(sum(p.slot_bytes for p in layers))}  activations per micro-batch '
+                  f'{_mib(slots / shards)}{sharded}  activations per micro-batch '
                   f'{_mib(activations)} (profiled layer outputs at batch {batch}/{m})')
-    print_memory_prediction(params, task, profiles)
+    print_memory_prediction(params, task, profiles, input_measurement)
     for path, var in task.VariablesByPath().items():
         print(f'{path} {var.shape.as_list()} {var.dtype.name} {var.device}')
+
+
+def host_input_measurement(params: Params, task) -> Optional[working_memory.InputMeasurement]:
+    """The training input's measured bytes when the pipeline's cells are logical CPUs
+    of this host (they share its allocator with the input), else None."""
+    devices = [cell.device for cells in task.pipe.replica_cells for cell in cells]
+    if memory_stats.allocator_devices(devices) != ['CPU:0']:
+        return None
+    return working_memory.measure_input_pipeline(params.input.train)
 
 
 def slot_shards(params) -> int:
@@ -85,13 +99,15 @@ def slot_shards(params) -> int:
     return 1
 
 
-def print_memory_prediction(params: Params, task, profiles: list[profile.LayerProfile]) -> None:
+def print_memory_prediction(params: Params, task, profiles: list[profile.LayerProfile],
+                            input_measurement: Optional[working_memory.InputMeasurement] = None
+                            ) -> None:
     """Predicted bytes per device of one training step of the configured pipeline
     (memory_model.py): the model's state, held micro-batches and each cell's working
     set, measured (working_memory.py) when the allocator keeps statistics. When the
     cells are logical CPUs of this host they share one allocator, whose measured peak
     the trainer's progress line prints: the host line predicts that figure, with the
-    input pipeline's buffers."""
+    input pipeline's buffers (`input_measurement`, measured here if not given)."""
     pipe = task.pipe
     m = pipe.params.num_micro_batches
     batch = params.input.train.batch_size // pipe.num_replicas  # each replica's share
@@ -124,11 +140,9 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
         for device in replica_devices:
             print(f'  {device.describe()}')
     print(f'  all devices {_mib(sum(d.total for r in devices for d in r))}')
-    hosts = memory_stats.allocator_devices(c.device for cells in replicas for c in cells)
-    if hosts != ['CPU:0']:
-        return
-    input_bytes = working_memory.input_pipeline_bytes(params.input.train)
-    if input_bytes is None:
+    if input_measurement is None:
+        input_measurement = host_input_measurement(params, task)
+    if input_measurement is None:
         return
     cells = [mem for cells in replicas
              for mem in memory_model.cell_memory(profiles, cells, batch / m, shards, working,
@@ -139,9 +153,16 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
     # backward on a micro-batch waits for cell k+1's on the same one).
     parallelism = min(m, planner.local_parallelism(
         tf.config.threading.get_intra_op_parallelism_threads()))
-    peak = memory_model.host_peak(cells, held, parallelism, input_bytes)
-    print(f'  host allocator (every logical CPU, and the input pipeline\'s {_mib(input_bytes)} '
-          f'of buffers; {parallelism:g} backward tasks at once): peak {_mib(peak)}')
+    host = memory_model.host_peak(cells, held, parallelism, input_measurement.resident,
+                                  input_measurement.peak)
+    phase = 'the input filling its buffers' if host.filling > host.training else 'a step'
+    print(f'  host allocator (every logical CPU, and the input pipeline\'s '
+          f'{_mib(input_measurement.resident)} of buffers, {_mib(input_measurement.peak)} '
+          f'while it fills them; {parallelism:g} backward tasks at once): peak '
+          f'{_mib(host.peak)} (at {phase}: model state {_mib(host.state)}, activations '
+          f'{_mib(host.activations)})')
+    print(f'  host allocator if the input refills its buffers while a step runs (its next '
+          f'epoch, a long document later in the stream): up to {_mib(host.refill_bound)}')
 
 
 CALIBRATION_STEPS = 5

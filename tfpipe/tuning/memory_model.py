@@ -23,7 +23,9 @@ A device holds, for the cells placed on it:
 its state plus its fullest moment, the first backward. Logical CPUs share the
 host's allocator and its cores, so `host_peak` adds every device's state, the input
 pipeline's buffers and the held micro-batches, but the working sets of only as many
-backward tasks as run at once on the host's cores.
+backward tasks as run at once on the host's cores; and it compares that with the
+moment before the first step, when the input fills its buffers (a long document
+packed into LM rows can make that the larger of the two).
 """
 from __future__ import annotations
 
@@ -75,12 +77,13 @@ class DeviceMemory:
         return self.weights + self.gradient_sums + self.slots + self.activations
 
     def describe(self) -> str:
-        mib = 2 ** 20
-        return (f'{self.device}: weights {self.weights / mib:.2f} MiB  gradient sums '
-                f'{self.gradient_sums / mib:.2f} MiB  optimizer slots {self.slots / mib:.2f} '
-                f'MiB  activations {self.activations / mib:.2f} MiB (held micro-batches '
-                f'{self.held / mib:.2f}, backward working set {self.working / mib:.2f})  total '
-                f'{self.total / mib:.2f} MiB')
+        def mib(num_bytes: float) -> str:
+            return f'{num_bytes / 2 ** 20:.4g}'
+        return (f'{self.device}: weights {mib(self.weights)} MiB  gradient sums '
+                f'{mib(self.gradient_sums)} MiB  optimizer slots {mib(self.slots)} MiB  '
+                f'activations {mib(self.activations)} MiB (held micro-batches '
+                f'{mib(self.held)}, backward working set {mib(self.working)})  total '
+                f'{mib(self.total)} MiB')
 
 
 def in_flight(schedule: str, num_cells: int, cell: int, num_micro_batches: int) -> int:
@@ -144,14 +147,57 @@ def predict(profiles: Sequence[LayerProfile], cells: Sequence[CellLayout],
     return [DeviceMemory(device, *parts) for device, parts in totals.items()]
 
 
+@dataclasses.dataclass(frozen=True)
+class HostPeak:
+    """The predicted peak of one allocator shared by logical CPUs, by phase.
+
+    state           every cell's static bytes (weights, gradient sums, slots);
+    input_resident  what the input pipeline keeps once its buffers are full;
+    input_peak      what it holds at its fullest while it fills them;
+    activations     every cell's held micro-batches and the working sets of the
+                    backward tasks that run at once.
+    """
+
+    state: float
+    input_resident: float
+    input_peak: float
+    activations: float
+
+    @property
+    def training(self) -> float:
+        """A step at its fullest, beside the input's full buffers."""
+        return self.state + self.input_resident + self.activations
+
+    @property
+    def filling(self) -> float:
+        """The trainer's first `next()`: the input fills its buffers before any step
+        runs (the gradient sums, counted in `state`, do not exist yet: an overstatement
+        of one set of weights)."""
+        return self.state + self.input_peak
+
+    @property
+    def peak(self) -> float:
+        """What the trainer's progress line measures on a run whose input fills its
+        buffers once, before the first step."""
+        return max(self.training, self.filling)
+
+    @property
+    def refill_bound(self) -> float:
+        """The peak if the input fills its buffers again while a step runs: its next
+        epoch (the shuffle buffer refills) or a long document read later in the stream
+        (tf.data's threads read ahead during steps)."""
+        return self.state + max(self.input_peak, self.input_resident) + self.activations
+
+
 def host_peak(memory: Sequence[CellMemory], held: Sequence[float], parallelism: float,
-              input_bytes: float = 0.0) -> float:
+              input_bytes: float = 0.0, input_peak: float = 0.0) -> HostPeak:
     """Peak bytes of one allocator shared by the cells `memory` (logical CPUs of one
     host, every replica's cells): their static bytes, the input pipeline's
-    `input_bytes`, every cell's `held` bytes at their fullest, and the working sets of
-    the `parallelism` largest cells at once: as many backward tasks as run side by side
-    (no more than the host's cores, nor than the micro-batches, since cell k's backward
-    on a micro-batch waits for cell k+1's on the same one: the caller's bound).
+    `input_bytes` (`input_peak` while it fills), every cell's `held` bytes at their
+    fullest, and the working sets of the `parallelism` largest cells at once: as many
+    backward tasks as run side by side (no more than the host's cores, nor than the
+    micro-batches, since cell k's backward on a micro-batch waits for cell k+1's on
+    the same one: the caller's bound).
 
     Playing the schedule's ticks instead would be exact only if tasks took equal
     time; a backward that recomputes takes about three forwards, so the backwards of
@@ -159,5 +205,7 @@ def host_peak(memory: Sequence[CellMemory], held: Sequence[float], parallelism: 
     the peak predicted by ticks for the Transformer's 1F1B, 0.92x by this bound).
     """
     slots = max(1, int(parallelism))
-    return (input_bytes + sum(m.static for m in memory) + sum(held)
-            + sum(heapq.nlargest(slots, (m.working for m in memory))))
+    return HostPeak(state=sum(m.static for m in memory), input_resident=input_bytes,
+                    input_peak=max(input_peak, input_bytes),
+                    activations=sum(held) + sum(heapq.nlargest(slots,
+                                                               (m.working for m in memory))))

@@ -9,8 +9,11 @@ which the trainer turns on, and every GPU):
   every tensor the gradients need, inside the layers too (a separable convolution's
   intermediates, attention's probabilities), which the layers' outputs understate
   several times over;
-- the input pipeline's resident bytes: its shuffle buffer and prefetched batches,
-  which live on the host as long as the iterator does.
+- the input pipeline's bytes: what it keeps once its buffers are full (its shuffle
+  buffer and prefetched batches, a user's in-memory arrays), and what it holds at
+  its fullest while filling them: packing a long document into LM rows holds the
+  document's tokens several times over for a moment (tfpipe/lm_inputs.py), 5 MB of
+  text about 190 MiB.
 
 Each returns None when the allocator keeps no statistics, so callers can fall back
 to an estimate and say so.
@@ -95,16 +98,34 @@ def _num_bytes(struct: Any) -> float:
     return float(sum(t.shape.num_elements() * t.dtype.size for t in tf.nest.flatten(struct)))
 
 
-def input_pipeline_bytes(input_params: Params, device: str = 'CPU:0') -> Optional[float]:
-    """Bytes the training input holds once it runs: its iterator after a few batches
-    (shuffle buffer full, prefetch buffer refilled), holding the last batch as the
-    trainer does. None without allocator statistics for `device`'s host."""
+@dataclasses.dataclass(frozen=True)
+class InputMeasurement:
+    """The training input's bytes: `resident` once its buffers are full (held while
+    every step runs), `peak` at its fullest while it filled them (never below
+    `resident`)."""
+
+    resident: float
+    peak: float
+
+
+def measure_input_pipeline(input_params: Params, device: str = 'CPU:0',
+                           batches: int = 3) -> Optional[InputMeasurement]:
+    """The training input's bytes as the trainer's first `next()` meets them: its
+    iterator after `batches` batches (shuffle buffer full, prefetch buffer refilled),
+    holding the last batch as the trainer does. None without allocator statistics
+    for `device`'s host.
+
+    Call it before other tf.data iterators of this process are dropped: an
+    iterator's buffers are freed by its threads after it goes, and a free during
+    the measurement would be taken off it.
+    """
     allocator = _allocator(device)
     if allocator is None:
         return None
+    tf.config.experimental.reset_memory_stats(allocator)
     before = _current(allocator)
     iterator = input_params.Instantiate().Iterator()
-    for _ in range(3):
+    for _ in range(batches):
         batch = next(iterator)
     now, looks = _current(allocator), 0
     while looks < SETTLE_LOOKS:  # prefetch threads fill their buffer after next() returns
@@ -113,5 +134,6 @@ def input_pipeline_bytes(input_params: Params, device: str = 'CPU:0') -> Optiona
         if later == now:
             break
         now, looks = later, looks + 1
+    peak = int(tf.config.experimental.get_memory_info(allocator)['peak'])
     del batch, iterator
-    return float(now - before)
+    return InputMeasurement(float(now - before), float(max(peak, now) - before))
