@@ -19,8 +19,10 @@ from __future__ import annotations
 import errno
 import os
 import sys
+from typing import Sequence
 
 from absl import app, flags
+from absl import logging as absl_logging
 
 from trainer import generate_mode, logdir_access  # generate_mode defines its flags
 
@@ -65,6 +67,13 @@ flags.DEFINE_string('cluster_spec', None, 'worker=HOST:PORT,HOST:PORT[@chief=HOS
                     'worker servers (and the trainer\'s own address); or '
                     'trainer=HOST:PORT,HOST:PORT: one trainer client per replica '
                     '(docs/clients.md); default: TF_CONFIG.')
+flags.DEFINE_enum('cluster_resolver', None, ['slurm', 'tf_config'],
+                  'Where the trainer clients come from (docs/clients.md): slurm: one client '
+                  'per task of the srun step, addresses from Slurm (with --port_base); '
+                  'tf_config: TF_CONFIG must describe the clients (Ray Train, TFJob, Vertex '
+                  'AI, SageMaker); a process without it exits 2 instead of training alone.')
+flags.DEFINE_integer('port_base', 2222, 'With --cluster_resolver=slurm: the i-th task on a '
+                     'node serves at port --port_base+i.')
 flags.DEFINE_integer('task', None, 'With --job=worker: this worker\'s index in --cluster_spec; '
                      'with --job=trainer and a trainer cluster: this client\'s index.')
 flags.DEFINE_float('cluster_wait_seconds', 60.0, 'How long the trainer waits for every worker '
@@ -164,11 +173,10 @@ def _run_inspect_mode(params) -> int:
 def main(argv) -> int:
     """The binary in named steps: each mode returns its exit status."""
     del argv
-    from tfpipe import clients
     from tfpipe import cluster as cluster_lib
     if FLAGS.list_models:
         return _list_models()
-    client_cluster = clients.from_flags(FLAGS.cluster_spec, FLAGS.job, FLAGS.task, os.environ)
+    client_cluster = _resolved_clients()
     if client_cluster is not None:
         return _run_client(client_cluster)
     cluster = cluster_lib.from_flags(FLAGS.cluster_spec, FLAGS.job, FLAGS.task, os.environ)
@@ -192,6 +200,34 @@ def main(argv) -> int:
     if FLAGS.mode != 'sync':
         return _run_inspect_mode(params)
     return _run_jobs(params, options, jobs, cluster)
+
+
+def _resolved_clients():
+    """The trainer clients of --cluster_resolver, else of --cluster_spec or TF_CONFIG."""
+    from tfpipe import clients
+    from tfpipe.cluster import ClusterError
+    resolver = FLAGS.cluster_resolver
+    if resolver == 'slurm':
+        if FLAGS.cluster_spec or FLAGS.task is not None:
+            raise ClusterError('--cluster_resolver=slurm takes the cluster and the task from '
+                               'Slurm: drop --cluster_spec and --task')
+        from tfpipe import slurm
+        return slurm.client_cluster(FLAGS.port_base)
+    if resolver == 'tf_config':
+        if FLAGS.cluster_spec:
+            raise ClusterError('--cluster_resolver=tf_config reads the cluster from TF_CONFIG: '
+                               'drop --cluster_spec')
+        if not os.environ.get('TF_CONFIG'):
+            raise ClusterError('--cluster_resolver=tf_config but TF_CONFIG is not set: start '
+                               'this process as a task of its cluster (Ray Train\'s '
+                               'TensorflowTrainer, a TFJob, Vertex AI or SageMaker set it), or '
+                               'drop the flag to train in one process')
+    found = clients.from_flags(FLAGS.cluster_spec, FLAGS.job, FLAGS.task, os.environ)
+    if found is None and resolver == 'tf_config':
+        raise ClusterError('--cluster_resolver=tf_config but TF_CONFIG describes no trainer '
+                           'clients: give it "worker" (and optionally "chief") tasks, one per '
+                           'client')
+    return found
 
 
 def _export(params) -> int:
@@ -292,29 +328,29 @@ def _run_jobs(params, options, jobs: list[str], cluster) -> int:
     return code
 
 
-def _main_with_errors(argv) -> None:
+def _main_with_errors(argv) -> int:
+    """main's exit status, with validation errors as one line (absl.app exits with it)."""
     from tfpipe import checkpoints
     from tfpipe.cluster import WorkerUnavailableError
     from tfpipe.hyperparams import ParamsError
     from trainer import train_job
     try:
-        code = main(argv)
+        return main(argv)
     except (ValueError, ParamsError, checkpoints.CheckpointError) as e:
         # Validation errors: bad flags, params, data or checkpoints. Anything else is
         # a bug and keeps its traceback.
         print(f'error: {checkpoints.one_line(str(e)) or type(e).__name__}', file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
+        return EXIT_BAD_INPUT
     except (train_job.NonFiniteLossError, WorkerUnavailableError) as e:
         print(f'error: {e}', file=sys.stderr)
-        sys.exit(1)
+        return 1
     except OSError as e:
         if e.errno not in _STORAGE_ERRORS:
             raise
         print(f'error: {e.strerror} while writing {e.filename or "the logdir"}: '
               f'{_STORAGE_ERRORS[e.errno]}; checkpoints already written are intact',
               file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
-    sys.exit(code)
+        return EXIT_BAD_INPUT
 
 
 # A full or read-only disk is the machine's state, not a bug: one line and the fix.
@@ -324,8 +360,8 @@ _STORAGE_ERRORS = {errno.ENOSPC: 'free some space or point --logdir elsewhere',
                    errno.EACCES: 'make --logdir writable for this user or choose another'}
 
 
-def run() -> None:
-    """Console-script entry point (tfpipe-trainer) and `python -m trainer`."""
+def _set_environment_defaults() -> None:
+    """TensorFlow settings that only take effect when set before it loads."""
     # The CPU allocator that keeps peak statistics, so the trainer reports the peak bytes
     # per device (tfpipe/memory_stats.py); measured to cost no step time (docs/memory.md).
     # Set before TensorFlow loads (nothing above imports it); an explicit
@@ -336,4 +372,37 @@ def run() -> None:
     # the size of the L3 cache: AmoebaNetPipe's peak measured 63 MiB against 11 MiB with
     # them, at the same step time (docs/memory.md). TF_ENABLE_ONEDNN_OPTS=0 wins.
     os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '1')
+
+
+def run() -> None:
+    """Console-script entry point (tfpipe-trainer) and `python -m trainer`."""
+    _set_environment_defaults()
     app.run(_main_with_errors)
+
+
+_ran_in_process = False
+
+
+def run_in_process(argv: Sequence[str]) -> int:
+    """`trainer.run`: the binary as a call that returns its exit status.
+
+    For a process that a cluster manager owns and runs Python in (a Ray Train
+    worker's `train_loop_per_worker`), where sys.exit would end the worker and
+    sys.argv is not ours. Once per process: the flags, the logical devices and the
+    collective runtime are process-wide and TensorFlow cannot set them up twice.
+    """
+    global _ran_in_process
+    if _ran_in_process:
+        print('error: trainer.run was already called in this process: TensorFlow\'s devices '
+              'and cluster are set up once per process; run each training in a new process',
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
+    _ran_in_process = True
+    _set_environment_defaults()
+    try:
+        rest = FLAGS(['trainer', *argv])
+    except flags.Error as e:
+        print(f'error: {e}: see python -m trainer --helpfull', file=sys.stderr)
+        return EXIT_BAD_INPUT
+    absl_logging.use_absl_handler()
+    return _main_with_errors(rest)
