@@ -10,6 +10,7 @@ would see them, wrong.
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -18,6 +19,7 @@ import pytest
 
 from tests import trainer_helpers as th
 from tests.test_clients import MODEL, STEPS, assert_same_run
+from tfpipe import checkpoints
 
 SCRIPT_CONF = '/tmp/tfpipe-slurm/slurm.conf'  # .ci/slurm's default $TFPIPE_SLURM_DIR
 EXACT = {'TF_ENABLE_ONEDNN_OPTS': '0'}  # docs/clients.md: oneDNN's rounding is not exact
@@ -65,9 +67,10 @@ def free_port_pair() -> int:
     raise AssertionError('no two consecutive free ports')
 
 
-def trainer_command(logdir: str, data_dir: str, *flags: str, cpus: int = 2) -> list[str]:
+def trainer_command(logdir: str, data_dir: str, *flags: str, cpus: int = 2,
+                    steps: int = STEPS) -> list[str]:
     """The trainer of tests/test_clients.py's runs; a client has 2 logical CPUs (K=2)."""
-    cmd = th.command(MODEL, logdir, data_dir, *th.fast_flags(STEPS, 2),
+    cmd = th.command(MODEL, logdir, data_dir, *th.fast_flags(steps, 2),
                      th.overrides(**{'task.pipeline.schedule': 'fill_drain'}), *flags)
     return [a.replace('--num_logical_cpus=4', f'--num_logical_cpus={cpus}') for a in cmd]
 
@@ -105,6 +108,46 @@ def test_srun_two_clients_equal_one_process_with_two_replicas(slurm, tmp_path, d
     # Each task logged its own part: both clients trained every step.
     assert len(re.findall(rf'step {STEPS}/{STEPS}', errs[0])) == 2, errs[0][-3000:]
     assert_same_run(clients, reference)
+
+
+def _task_pid(job_name: str, rank: int, env: dict) -> int:
+    """The PID of task `rank` of the job's step, as Slurm lists it."""
+    job = subprocess.run(['squeue', '-h', '-n', job_name, '-o', '%i'], env=env,
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert len(job) == 1, job
+    listed = subprocess.run(['scontrol', 'listpids', job[0]], env=env, capture_output=True,
+                            text=True, check=True).stdout.splitlines()[1:]
+    pids = [int(row.split()[0]) for row in listed if row.split()[4] == str(rank)]
+    assert len(pids) == 1, listed
+    return pids[0]
+
+
+def test_a_task_killed_mid_run_ends_the_other_within_60_s_naming_it(slurm, tmp_path,
+                                                                      data_dir):
+    logdir, log = str(tmp_path / 'run'), tmp_path / 'srun.log'
+    port = free_port_pair()
+    name = f'tfpipe-test-{port}'
+    with open(log, 'w') as out:
+        proc = subprocess.Popen(['srun', '--ntasks=2', f'--job-name={name}', '--time=10',
+                                 *trainer_command(logdir, data_dir, '--cluster_resolver=slurm',
+                                                  f'--port_base={port}', steps=100000)],
+                                env=slurm, cwd=th.REPO, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        train_dir = os.path.join(logdir, 'train')
+        deadline = time.monotonic() + 240
+        while not (os.path.isdir(train_dir) and checkpoints.latest(train_dir)):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        os.kill(_task_pid(name, 1, slurm), signal.SIGKILL)
+        killed = time.monotonic()
+        proc.wait(timeout=90)
+        assert time.monotonic() - killed < 60, log.read_text()[-3000:]
+    finally:
+        stop(proc)
+    assert proc.returncode != 0
+    node = socket.gethostname().split('.')[0]  # .ci/slurm's node is this host
+    assert f'error: lost trainer task 1 ({node}:{port + 1})' in log.read_text(), \
+        log.read_text()[-3000:]
 
 
 # -- Bad input: exit 2 with one line, before anything is written to --logdir -------------
