@@ -74,6 +74,11 @@ def _argv(logdir: str, data_dir: str, *flags: str, cpus: int) -> list[str]:
 def test_two_ray_train_workers_equal_one_process_with_two_replicas(local_ray, tmp_path,
                                                                    data_dir):
     from ray.train.tensorflow import TensorflowTrainer
+    from tfpipe import clients as clients_lib
+    standard = '{"cluster": {"worker": ["h:1", "h:2"]}, "task": {"type": "worker", "index": 0}}'
+    # Else each worker would serve as a --job=worker server and fit() would never return.
+    assert clients_lib.from_flags(None, None, None, {'TF_CONFIG': standard}) is not None, \
+        'the standard TF_CONFIG is not a many-client run in this checkout'
     clients, reference = str(tmp_path / 'ray'), str(tmp_path / 'one_process')
     one_process = subprocess.Popen(
         [sys.executable, '-m', 'trainer',

@@ -70,8 +70,9 @@ flags.DEFINE_string('cluster_spec', None, 'worker=HOST:PORT,HOST:PORT[@chief=HOS
 flags.DEFINE_enum('cluster_resolver', None, ['slurm', 'tf_config'],
                   'Where the trainer clients come from (docs/clients.md): slurm: one client '
                   'per task of the srun step, addresses from Slurm (with --port_base); '
-                  'tf_config: TF_CONFIG must describe the clients (Ray Train, TFJob, Vertex '
-                  'AI, SageMaker); a process without it exits 2 instead of training alone.')
+                  'tf_config: this process is a task of TF_CONFIG\'s cluster (Ray Train, '
+                  'TFJob, Vertex AI, SageMaker), and without TF_CONFIG it exits 2 instead of '
+                  'training alone.')
 flags.DEFINE_integer('port_base', 2222, 'With --cluster_resolver=slurm: the i-th task on a '
                      'node serves at port --port_base+i.')
 flags.DEFINE_integer('task', None, 'With --job=worker: this worker\'s index in --cluster_spec; '
@@ -173,10 +174,12 @@ def _run_inspect_mode(params) -> int:
 def main(argv) -> int:
     """The binary in named steps: each mode returns its exit status."""
     del argv
+    from tfpipe import clients
     from tfpipe import cluster as cluster_lib
     if FLAGS.list_models:
         return _list_models()
-    client_cluster = _resolved_clients()
+    client_cluster = (_cluster_manager_clients() or
+                      clients.from_flags(FLAGS.cluster_spec, FLAGS.job, FLAGS.task, os.environ))
     if client_cluster is not None:
         return _run_client(client_cluster)
     cluster = cluster_lib.from_flags(FLAGS.cluster_spec, FLAGS.job, FLAGS.task, os.environ)
@@ -202,9 +205,8 @@ def main(argv) -> int:
     return _run_jobs(params, options, jobs, cluster)
 
 
-def _resolved_clients():
-    """The trainer clients of --cluster_resolver, else of --cluster_spec or TF_CONFIG."""
-    from tfpipe import clients
+def _cluster_manager_clients():
+    """--cluster_resolver: the clients of a Slurm step (else None), or a TF_CONFIG required."""
     from tfpipe.cluster import ClusterError
     resolver = FLAGS.cluster_resolver
     if resolver == 'slurm':
@@ -222,12 +224,7 @@ def _resolved_clients():
                                'this process as a task of its cluster (Ray Train\'s '
                                'TensorflowTrainer, a TFJob, Vertex AI or SageMaker set it), or '
                                'drop the flag to train in one process')
-    found = clients.from_flags(FLAGS.cluster_spec, FLAGS.job, FLAGS.task, os.environ)
-    if found is None and resolver == 'tf_config':
-        raise ClusterError('--cluster_resolver=tf_config but TF_CONFIG describes no trainer '
-                           'clients: give it "worker" (and optionally "chief") tasks, one per '
-                           'client')
-    return found
+    return None
 
 
 def _export(params) -> int:
