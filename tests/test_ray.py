@@ -13,11 +13,11 @@ import sys
 import time
 
 import pytest
+import ray  # setup.py's test extra
 
 from tests import trainer_helpers as th
 from tests.test_clients import MODEL, STEPS, assert_same_run
 
-ray = pytest.importorskip('ray', reason="ray[train] is in setup.py's test extra")
 EXACT = {'TF_ENABLE_ONEDNN_OPTS': '0'}  # docs/clients.md: oneDNN's rounding is not exact
 
 
