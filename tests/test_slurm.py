@@ -89,14 +89,14 @@ def stop(proc: subprocess.Popen) -> None:
 def test_srun_two_clients_equal_one_process_with_two_replicas(slurm, tmp_path, data_dir):
     clients, reference = str(tmp_path / 'slurm'), str(tmp_path / 'one_process')
     started = time.monotonic()
-    procs = [subprocess.Popen(['srun', '--ntasks=2', '--kill-on-bad-exit=1', '--time=10',
-                               *trainer_command(clients, data_dir, '--cluster_resolver=slurm',
-                                                f'--port_base={free_port_pair()}')],
-                              env=slurm, cwd=th.REPO, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True),
-             subprocess.Popen(trainer_command(reference, data_dir, th.overrides(
-                 **{'task.pipeline.num_replicas': 2}), cpus=4), env={**th.env(), **EXACT}, cwd=th.REPO,
-                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)]
+    srun = ['srun', '--ntasks=2', '--kill-on-bad-exit=1', '--time=10',
+            *trainer_command(clients, data_dir, '--cluster_resolver=slurm',
+                             f'--port_base={free_port_pair()}')]
+    one_process = trainer_command(reference, data_dir, th.overrides(
+        **{'task.pipeline.num_replicas': 2}), cpus=4)
+    procs = [subprocess.Popen(cmd, env=env, cwd=th.REPO, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+             for cmd, env in ((srun, slurm), (one_process, {**th.env(), **EXACT}))]
     try:
         errs = [proc.communicate(timeout=300)[1] for proc in procs]
     finally:
