@@ -24,6 +24,9 @@ from typing import Sequence
 from absl import app, flags
 from absl import logging as absl_logging
 
+# Importing tfpipe first sets oneDNN's kernels and the BFC allocator (peak bytes per
+# device) before TensorFlow loads (tfpipe/runtime_defaults.py); a variable the user set wins.
+import tfpipe  # noqa: F401  pylint: disable=unused-import
 from trainer import generate_mode, logdir_access  # generate_mode defines its flags
 
 FLAGS = flags.FLAGS
@@ -357,23 +360,8 @@ _STORAGE_ERRORS = {errno.ENOSPC: 'free some space or point --logdir elsewhere',
                    errno.EACCES: 'make --logdir writable for this user or choose another'}
 
 
-def _set_environment_defaults() -> None:
-    """TensorFlow settings that only take effect when set before it loads."""
-    # The CPU allocator that keeps peak statistics, so the trainer reports the peak bytes
-    # per device (tfpipe/memory_stats.py); measured to cost no step time (docs/memory.md).
-    # Set before TensorFlow loads (nothing above imports it); an explicit
-    # TF_CPU_ALLOCATOR_USE_BFC=false wins.
-    os.environ.setdefault('TF_CPU_ALLOCATOR_USE_BFC', 'true')
-    # oneDNN's CPU kernels, which TensorFlow turns on by itself only on some Intel CPUs.
-    # Without them (AMD EPYC here) each convolution backward allocates a scratch buffer
-    # the size of the L3 cache: AmoebaNetPipe's peak measured 63 MiB against 11 MiB with
-    # them, at the same step time (docs/memory.md). TF_ENABLE_ONEDNN_OPTS=0 wins.
-    os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '1')
-
-
 def run() -> None:
     """Console-script entry point (tfpipe-trainer) and `python -m trainer`."""
-    _set_environment_defaults()
     app.run(_main_with_errors)
 
 
@@ -394,8 +382,7 @@ def run_in_process(argv: Sequence[str]) -> int:
               'and cluster are set up once per process; run each training in a new process',
               file=sys.stderr)
         return EXIT_BAD_INPUT
-    _ran_in_process = True
-    _set_environment_defaults()
+    _ran_in_process = True  # TensorFlow's defaults were set by importing tfpipe (above)
     try:
         rest = FLAGS(['trainer', *argv])
     except flags.Error as e:
