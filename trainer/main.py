@@ -22,8 +22,10 @@ from __future__ import annotations
 import errno
 import os
 import sys
+from typing import Sequence
 
 from absl import app, flags
+from absl import logging as absl_logging
 
 # Importing tfpipe first sets oneDNN's kernels and the BFC allocator (peak bytes per
 # device) before TensorFlow loads (tfpipe/runtime_defaults.py); a variable the user set wins.
@@ -72,6 +74,14 @@ flags.DEFINE_string('cluster_spec', None, 'trainer=HOST:PORT,HOST:PORT: one trai
                     'HOST:PORT]: the --job=worker servers one trainer drives (and its own '
                     'address). Default: TF_CONFIG, whose chief/worker tasks are trainer '
                     'clients (servers with --job=worker).')
+flags.DEFINE_enum('cluster_resolver', None, ['slurm', 'tf_config'],
+                  'Where the trainer clients come from (docs/clients.md): slurm: one client '
+                  'per task of the srun step, addresses from Slurm (with --port_base); '
+                  'tf_config: this process is a task of TF_CONFIG\'s cluster (Ray Train, '
+                  'TFJob, Vertex AI, SageMaker), and without TF_CONFIG it exits 2 instead of '
+                  'training alone.')
+flags.DEFINE_integer('port_base', 2222, 'With --cluster_resolver=slurm: the i-th task on a '
+                     'node serves at port --port_base+i.')
 flags.DEFINE_integer('task', None, 'With --job=worker: this worker\'s index in --cluster_spec; '
                      'with --job=trainer and a trainer cluster: this client\'s index.')
 flags.DEFINE_integer('local_clients', None, 'Start this many trainer clients on this host, '
@@ -181,7 +191,8 @@ def main(argv) -> int:
     from tfpipe import cluster as cluster_lib
     if FLAGS.list_models:
         return _list_models()
-    client_cluster = clients.from_flags(FLAGS.cluster_spec, FLAGS.job, FLAGS.task, os.environ)
+    client_cluster = (_cluster_manager_clients() or
+                      clients.from_flags(FLAGS.cluster_spec, FLAGS.job, FLAGS.task, os.environ))
     if client_cluster is not None:
         return _run_client(client_cluster)
     cluster = cluster_lib.from_flags(FLAGS.cluster_spec, FLAGS.job, FLAGS.task, os.environ)
@@ -209,6 +220,28 @@ def main(argv) -> int:
     if FLAGS.mode != 'sync':
         return _run_inspect_mode(params)
     return _run_jobs(params, options, jobs, cluster)
+
+
+def _cluster_manager_clients():
+    """--cluster_resolver: the clients of a Slurm step (else None), or a TF_CONFIG required."""
+    from tfpipe.cluster import ClusterError
+    resolver = FLAGS.cluster_resolver
+    if resolver == 'slurm':
+        if FLAGS.cluster_spec or FLAGS.task is not None:
+            raise ClusterError('--cluster_resolver=slurm takes the cluster and the task from '
+                               'Slurm: drop --cluster_spec and --task')
+        from tfpipe import slurm
+        return slurm.client_cluster(FLAGS.port_base)
+    if resolver == 'tf_config':
+        if FLAGS.cluster_spec:
+            raise ClusterError('--cluster_resolver=tf_config reads the cluster from TF_CONFIG: '
+                               'drop --cluster_spec')
+        if not os.environ.get('TF_CONFIG'):
+            raise ClusterError('--cluster_resolver=tf_config but TF_CONFIG is not set: start '
+                               'this process as a task of its cluster (Ray Train\'s '
+                               'TensorflowTrainer, a TFJob, Vertex AI or SageMaker set it), or '
+                               'drop the flag to train in one process')
+    return None
 
 
 def _export(params) -> int:
@@ -321,32 +354,32 @@ def _run_jobs(params, options, jobs: list[str], cluster) -> int:
     return code
 
 
-def _main_with_errors(argv) -> None:
+def _main_with_errors(argv) -> int:
+    """main's exit status, with validation errors as one line (absl.app exits with it)."""
     from trainer import launcher  # imports no TensorFlow: the launcher process stays small
     if launcher.requested(FLAGS):
-        sys.exit(launcher.run(FLAGS, os.environ))
+        return launcher.run(FLAGS, os.environ)
     from tfpipe import checkpoints
     from tfpipe.cluster import WorkerUnavailableError
     from tfpipe.hyperparams import ParamsError
     from trainer import train_job
     try:
-        code = main(argv)
+        return main(argv)
     except (ValueError, ParamsError, checkpoints.CheckpointError) as e:
         # Validation errors: bad flags, params, data or checkpoints. Anything else is
         # a bug and keeps its traceback.
         print(f'error: {checkpoints.one_line(str(e)) or type(e).__name__}', file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
+        return EXIT_BAD_INPUT
     except (train_job.NonFiniteLossError, WorkerUnavailableError) as e:
         print(f'error: {e}', file=sys.stderr)
-        sys.exit(1)
+        return 1
     except OSError as e:
         if e.errno not in _STORAGE_ERRORS:
             raise
         print(f'error: {e.strerror} while writing {e.filename or "the logdir"}: '
               f'{_STORAGE_ERRORS[e.errno]}; checkpoints already written are intact',
               file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
-    sys.exit(code)
+        return EXIT_BAD_INPUT
 
 
 # A full or read-only disk is the machine's state, not a bug: one line and the fix.
@@ -359,3 +392,30 @@ _STORAGE_ERRORS = {errno.ENOSPC: 'free some space or point --logdir elsewhere',
 def run() -> None:
     """Console-script entry point (tfpipe-trainer) and `python -m trainer`."""
     app.run(_main_with_errors)
+
+
+_ran_in_process = False
+
+
+def run_in_process(argv: Sequence[str]) -> int:
+    """`trainer.run`: the binary as a call that returns its exit status.
+
+    For a process that a cluster manager owns and runs Python in (a Ray Train
+    worker's `train_loop_per_worker`), where sys.exit would end the worker and
+    sys.argv is not ours. Once per process: the flags, the logical devices and the
+    collective runtime are process-wide and TensorFlow cannot set them up twice.
+    """
+    global _ran_in_process
+    if _ran_in_process:
+        print('error: trainer.run was already called in this process: TensorFlow\'s devices '
+              'and cluster are set up once per process; run each training in a new process',
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
+    _ran_in_process = True  # TensorFlow's defaults were set by importing tfpipe (above)
+    try:
+        rest = FLAGS(['trainer', *argv])
+    except flags.Error as e:
+        print(f'error: {e}: see python -m trainer --helpfull', file=sys.stderr)
+        return EXIT_BAD_INPUT
+    absl_logging.use_absl_handler()
+    return _main_with_errors(rest)

@@ -36,6 +36,7 @@ import re
 import shutil
 import signal
 import statistics
+import threading
 import time
 from typing import Optional, Sequence
 
@@ -364,6 +365,14 @@ class Trainer:
                               for v in self.variables.values()])
 
     def _install_signal_handlers(self) -> dict:
+        """SIGINT/SIGTERM stop at a step with a checkpoint; none off the main thread.
+
+        Python takes handlers on the main thread only. A trainer run from another
+        thread (trainer.run in a Ray Train worker) leaves signals to the process's owner.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
         def handler(signum, frame):
             del frame
             self._stop_signal = signum
