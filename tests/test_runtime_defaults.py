@@ -69,3 +69,15 @@ def test_tensorflow_imported_first_is_left_alone_and_warned_only_without_onednn(
 def test_late_import_warning_only_when_the_kernels_are_off_unchosen(environ, onednn_on,
                                                                     expected):
     assert runtime_defaults.late_import_warning(environ, onednn_on) is expected
+
+
+def test_importing_tfpipe_or_the_trainer_loads_no_tensorflow():
+    """The settings only count before TensorFlow loads, and the launcher of local clients
+    (trainer/launcher.py) supervises processes without ever building a model."""
+    code = ('import sys, tfpipe, trainer.main\n'
+            'print("tensorflow" in sys.modules, tfpipe.PipeliningLayer.__name__, '
+            '"tensorflow" in sys.modules)')
+    done = subprocess.run([sys.executable, '-c', code], env=th.env(), cwd=th.REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ['False', 'PipeliningLayer', 'True']

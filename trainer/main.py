@@ -27,8 +27,9 @@ from typing import Sequence
 from absl import app, flags
 from absl import logging as absl_logging
 
-# Importing tfpipe first sets oneDNN's kernels and the BFC allocator (peak bytes per
-# device) before TensorFlow loads (tfpipe/runtime_defaults.py); a variable the user set wins.
+# Importing tfpipe (which loads no TensorFlow) sets oneDNN's kernels and the BFC allocator
+# (peak bytes per device) before TensorFlow loads (tfpipe/runtime_defaults.py); a variable
+# the user set wins.
 import tfpipe  # noqa: F401  pylint: disable=unused-import
 from trainer import generate_mode, logdir_access  # generate_mode defines its flags
 
