@@ -25,7 +25,6 @@ import sys
 import tempfile
 import time
 
-import tensorflow as tf
 import tensorflow_datasets as tfds
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -6,7 +6,6 @@ Each case runs in a fresh interpreter: TensorFlow reads the variables once, when
 it loads, and this test process loaded it long ago (tests/conftest.py).
 """
 import json
-import os
 import subprocess
 import sys
 

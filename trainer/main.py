@@ -117,7 +117,6 @@ class UsageError(ValueError):
 def _configure_devices() -> None:
     """Logical CPUs must exist before TensorFlow initialises, so this runs first."""
     import tensorflow as tf
-    import tfpipe
     kind = FLAGS.run_locally or ('gpu' if tf.config.list_physical_devices('GPU') else 'cpu')
     if kind == 'gpu' and not tf.config.list_physical_devices('GPU'):
         raise UsageError('--run_locally=gpu but TensorFlow sees no GPU on this machine: use '
