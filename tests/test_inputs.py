@@ -209,10 +209,11 @@ def test_iterator_checkpoint_resumes_at_the_same_element(data_dir, tmp_path):
         actual = next(fresh)
         np.testing.assert_array_equal(actual['label'].numpy(), e['label'].numpy())
         np.testing.assert_array_equal(actual['image'].numpy(), e['image'].numpy())
-    # Buffers are saved (~0.55 MB here), the dataset is not: with tfds' autocache the
-    # cached split (~1.05 MB of encoded images) would be in every checkpoint too.
+    # Buffers are saved, the dataset is not: with tfds' autocache the cached split (~1.05
+    # MB of encoded images) would be in every checkpoint too. The buffers measured 0.55
+    # to 1.01 MB: they hold however many 196 KB batches the prefetch had ready at the save.
     size = sum(os.path.getsize(str(tmp_path / f)) for f in os.listdir(tmp_path))
-    assert size < 1_000_000, size
+    assert size < 1_400_000, size
 
 
 # --- real datasets, mocked --------------------------------------------------------------------
