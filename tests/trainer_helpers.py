@@ -1,12 +1,13 @@
 """Running the trainer binary in a subprocess, on data generated once per session."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
 import subprocess
 import sys
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -125,3 +126,19 @@ def wait_for_checkpoint(proc: subprocess.Popen, train_dir: str, step: int,
         time.sleep(0.1)
     assert proc.poll() is None, proc.stderr.read()[-3000:]
     raise AssertionError(f'no checkpoint of step {step} in {train_dir} within {timeout} s')
+
+
+@contextlib.contextmanager
+def tmpfs(mount: str, options: str) -> Iterator[str]:
+    """A tmpfs mounted at the empty directory `mount` with `options` (e.g. 'ro,size=1m'),
+    unmounted afterwards: a real read-only or full disk. Mounting needs root; without it
+    the test is skipped."""
+    import pytest
+    os.makedirs(mount)
+    if subprocess.run(['mount', '-t', 'tmpfs', '-o', options, 'tmpfs', mount],
+                      capture_output=True).returncode != 0:
+        pytest.skip('needs permission to mount a tmpfs (root)')
+    try:
+        yield mount
+    finally:
+        subprocess.run(['umount', mount], check=True)
