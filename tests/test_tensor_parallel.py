@@ -196,3 +196,39 @@ def test_checkpoint_restores_into_any_t_k_r(saved, loaded, tmp_path):
         for path, var in target.ReplicaVariablesByPath()[1].items():
             np.testing.assert_array_equal(var.numpy(),
                                           target.VariablesByPath()[path].numpy())
+
+
+@pytest.mark.parametrize('cell_functions', [True, False], ids=['functions', 'unrolled'])
+@pytest.mark.parametrize('recompute', ['always', 'never'])
+def test_each_shard_computes_and_sums_on_its_device(recompute, cell_functions):
+    """Read from the traced graph (functions included): every device of every cell runs
+    forward and gradient matmuls and collectives, nothing the pipeline built is
+    unplaced, and each shard's weight gradient sum comes out on the shard's device."""
+    from tests.test_pipeline_placement import derived_gradient, phase_of, pipeline_nodes
+    from tfpipe.tuning import trace
+    pipe = tp_pipeline(2, 2, recompute=recompute, cell_functions=cell_functions)
+    x, y = inputs()
+    placed = []
+
+    @tf.function
+    def run():
+        with fprop_context.training(step=STEP):
+            loss, grads = pipe.ForwardBackward(pipe.theta, x, mz.loss_fn, y)
+        for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads)):
+            placed.append((v.device, g.device))
+        return loss
+    nodes = pipeline_nodes(run.get_concrete_function())
+    unplaced = [n.name for n in nodes if not n.device and not derived_gradient(n)]
+    assert not unplaced, unplaced[:10]
+    seen = {(trace.device_index(n.device), phase_of(n.name), n.op) for n in nodes if n.device}
+    for device in ('CPU:0', 'CPU:1', 'CPU:2', 'CPU:3'):
+        assert (device, 'forward', 'MatMul') in seen, device
+        assert (device, 'backward', 'MatMul') in seen, device
+        assert any(d == device and op == 'CollectiveReduce' for d, _, op in seen), device
+    shards = [(v, g) for v, g in placed if trace.device_index(v) in ('CPU:1', 'CPU:3')]
+    assert len(shards) == 6  # fc0 w, b; mlp fc1 w, b; mlp fc2 w; fc3 w: one shard each
+    for v, g in placed:
+        assert trace.device_index(g) == trace.device_index(v), (v, g)
+    assert [cell.shard_devices for cell in pipe.cells] == [
+        tuple(f'/job:localhost/replica:0/task:0/device:CPU:{i}' for i in pair)
+        for pair in ((0, 1), (2, 3))]
