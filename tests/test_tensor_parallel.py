@@ -232,3 +232,66 @@ def test_each_shard_computes_and_sums_on_its_device(recompute, cell_functions):
     assert [cell.shard_devices for cell in pipe.cells] == [
         tuple(f'/job:localhost/replica:0/task:0/device:CPU:{i}' for i in pair)
         for pair in ((0, 1), (2, 3))]
+
+
+def state_bytes_by_device(pipe):
+    """Measured: the bytes of the weights, Adam's slots and the gradient sums that the
+    traced step leaves on each device (a gradient's device read from the graph)."""
+    optimizer = tfpipe.optimizers.Adam.Params().Set(name='adam').Instantiate()
+    variables = {p: v for p, v in pipe.VariablesByPath().items() if v.trainable}
+    optimizer.CreateSlots(variables)
+    out = {}
+    for var in list(variables.values()) + optimizer.slot_variables:
+        out[var.device] = out.get(var.device, 0) + var.shape.num_elements() * var.dtype.size
+    x, y = inputs()
+    sums = []
+
+    @tf.function
+    def run():
+        with fprop_context.training(step=STEP):
+            _, grads = pipe.ForwardBackward(pipe.theta, x, mz.loss_fn, y)
+        sums.extend((g.device, g.shape.num_elements() * g.dtype.size)
+                    for g in tf.nest.flatten(grads))
+    run.get_concrete_function()
+    for device, size in sums:
+        out[device] += size
+    return out
+
+
+def predicted_state_by_device(pipe):
+    """What inspect_model predicts (weights + gradient sums + slots) from T=1 profiles."""
+    from tfpipe.tuning import memory_model, tensor_parallel_memory
+    from tfpipe.tuning.profile import Affine, LayerProfile
+    zero = Affine(0.0, 0.0)
+    profiles = [LayerProfile(p.name, zero, zero, 8 * p.cls.NumParams(p), 16 * p.cls.NumParams(p),
+                             0.0, 0.0) for p in pipe.params.body]  # float64, Adam: m and v
+    layouts = [memory_model.CellLayout(cell.device, start, stop, cell.recompute)
+               for cell, (start, stop) in zip(pipe.cells, partition.cell_ranges(pipe.balance))]
+    shares = tensor_parallel_memory.shares(pipe)
+    devices = memory_model.predict(tensor_parallel_memory.home_profiles(profiles, shares),
+                                   layouts, 1.0, 1, 'fill_drain')
+    devices += tensor_parallel_memory.shard_memory(
+        profiles, shares, layouts, [cell.shard_devices for cell in pipe.cells], 1.0, 1,
+        'fill_drain')
+    return {d.device: d.weights + d.gradient_sums + d.slots for d in devices}
+
+
+def test_split_state_falls_to_one_over_t_as_predicted():
+    whole = tp_pipeline(1, 2)
+    t1 = state_bytes_by_device(whole)
+    assert predicted_state_by_device(whole) == pytest.approx(t1, rel=0.15)
+    for t in (2, 4):
+        pipe = tp_pipeline(t, 2)
+        measured = state_bytes_by_device(pipe)
+        assert predicted_state_by_device(pipe) == pytest.approx(measured, rel=0.15)
+        assert sorted(measured) == sorted(d for cell in pipe.cells for d in cell.shard_devices)
+        for cell, home in zip(pipe.cells, whole.cells):
+            # The split layers' state (weights, sums, m, v: 4 x 8 bytes per float64) is
+            # whole on the T=1 device and 1/T of it on each of the T devices; the
+            # row-parallel biases and the plain Dense stay whole on the home device.
+            split = sum(32 * v.shape.num_elements() for layer in home.layers
+                        for path, v in layer.VariablesByPath().items()
+                        if path.split('/')[1] in ('fc0', 'mlp', 'fc3')
+                        and not path.endswith(('fc2/b', 'fc3/b')))
+            assert measured[cell.shard_devices[-1]] == split // t, (cell.index, t)
+            assert t1[home.device] - measured[cell.device] == split - split // t
