@@ -295,3 +295,36 @@ def test_split_state_falls_to_one_over_t_as_predicted():
                         and not path.endswith(('fc2/b', 'fc3/b')))
             assert measured[cell.shard_devices[-1]] == split // t, (cell.index, t)
             assert t1[home.device] - measured[cell.device] == split - split // t
+
+
+def tape_step(pipe):
+    """FProp under an outer tape: outputs, loss and gradients as whole weights."""
+    x, y = inputs()
+
+    @tf.function
+    def run():
+        with fprop_context.training(step=STEP):
+            with tf.GradientTape() as tape:
+                out = pipe.FProp(pipe.theta, x)
+                loss = tf.reduce_sum(mz.loss_fn(out, y)) / 10
+        return out, loss, tape.gradient(loss, pipe.theta)
+    out, loss, grads = run()
+    grads = {p: g.numpy() for p, g in flatten_by_path(grads, 'pipe').items()}
+    return out.numpy(), loss.numpy(), whole(pipe, grads)
+
+
+@pytest.mark.parametrize('cell_functions', [True, False], ids=['functions', 'unrolled'])
+@pytest.mark.parametrize('t,k,r', [(2, 2, 1), (2, 1, 2), (4, 1, 1)])
+def test_fprop_under_tape_and_eval_equal_t1(t, k, r, cell_functions):
+    ref_pipe = tp_pipeline(1, 1)
+    ref_out, ref_loss, ref_grads = tape_step(ref_pipe)
+    pipe = tp_pipeline(t, k, r, cell_functions=cell_functions)
+    out, loss, grads = tape_step(pipe)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-12)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_same(grads, ref_grads, 'grads')
+    x, _ = inputs()
+    with fprop_context.evaluation():
+        np.testing.assert_allclose(tf.function(pipe.FProp)(pipe.theta, x).numpy(),
+                                   tf.function(ref_pipe.FProp)(ref_pipe.theta, x).numpy(),
+                                   rtol=1e-5, atol=1e-12)
