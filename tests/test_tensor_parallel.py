@@ -328,3 +328,16 @@ def test_fprop_under_tape_and_eval_equal_t1(t, k, r, cell_functions):
         np.testing.assert_allclose(tf.function(pipe.FProp)(pipe.theta, x).numpy(),
                                    tf.function(ref_pipe.FProp)(ref_pipe.theta, x).numpy(),
                                    rtol=1e-5, atol=1e-12)
+
+
+@pytest.mark.parametrize('schedule', ['zb_h1', 'zb_h2', 'interleaved_1f1b'])
+def test_split_backward_and_interleaved_schedules(schedule):
+    """The other schedules: a split backward asks each shard for its input and its weight
+    gradients in two tasks; interleaved puts two cells on each device slot's group."""
+    if schedule == 'interleaved_1f1b':
+        pipe = tfpipe.PipeliningLayer.Params().Set(
+            name='pipe', body=tp_body(), balance=[1, 1, 1, 2], virtual_stages=2,
+            num_micro_batches=4, tensor_parallel=2, schedule=schedule).Instantiate()
+    else:
+        pipe = tp_pipeline(2, 2, schedule=schedule)
+    check(pipe)

@@ -171,7 +171,9 @@ class TensorParallelGroup:
         @tf.custom_gradient
         def local(*args):
             with self.device(t):
-                with tf.GradientTape(watch_accessed_variables=False) as tape:
+                # Persistent: a split backward (zb_*) asks for the input and the weight
+                # gradients in two tasks.
+                with tf.GradientTape(watch_accessed_variables=False, persistent=True) as tape:
                     tape.watch(args)
                     y = fn(*args)
 
