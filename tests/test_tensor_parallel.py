@@ -341,3 +341,15 @@ def test_split_backward_and_interleaved_schedules(schedule):
     else:
         pipe = tp_pipeline(2, 2, schedule=schedule)
     check(pipe)
+
+
+def test_eager_forward_backward_equals_t1():
+    """Outside tf.function each collective runs as a traced call of all its members."""
+    ref = reference()
+    pipe = tp_pipeline(2, 2)
+    x, y = inputs()
+    with fprop_context.training(step=STEP):
+        loss, grads = pipe.ForwardBackward(pipe.theta, x, mz.loss_fn, y)
+    np.testing.assert_allclose(loss.numpy(), ref['loss'], rtol=1e-5)
+    assert_same(whole(pipe, {p: g.numpy() for p, g in flatten_by_path(grads, 'pipe').items()}),
+                ref['grads'], 'grads')
