@@ -19,7 +19,7 @@ from tfpipe import checkpoints, fprop_context, layers, variable_shards
 from tfpipe.base_layer import flatten_by_path
 from tfpipe.layers.tensor_parallel_dense import (ColumnParallelDense, ParallelMLP,
                                                  RowParallelDense)
-from tfpipe.pipeline import partition, tensor_parallel
+from tfpipe.pipeline import partition
 
 STEP = 7
 
