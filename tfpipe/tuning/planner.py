@@ -38,23 +38,36 @@ class DeviceProfile:
 
 @dataclasses.dataclass
 class Config:
-    """One candidate and its prediction."""
+    """One configuration and its prediction (step_time, bubble, peak_bytes, fits; left at
+    their defaults for a configuration that is only to be measured, such as the model's
+    own)."""
 
     num_cells: int
     balance: list[int]
     num_micro_batches: int
     recompute: str
     schedule: str
-    step_time: float
-    bubble: float
-    peak_bytes: list[float]
+    step_time: float = 0.0
+    bubble: float = 0.0
+    peak_bytes: list[float] = dataclasses.field(default_factory=list)
     fits: bool = True
+    tensor_parallel: int = 1
 
     def overrides(self, prefix: str = 'task.pipeline') -> dict[str, Any]:
-        """The model params this configuration sets, by path."""
-        return {f'{prefix}.num_cells': self.num_cells, f'{prefix}.balance': list(self.balance),
-                f'{prefix}.num_micro_batches': self.num_micro_batches,
-                f'{prefix}.recompute': self.recompute, f'{prefix}.schedule': self.schedule}
+        """The model params this configuration sets, by path (T only when it splits
+        layers, so a plan without tensor parallelism applies to any model)."""
+        out = {f'{prefix}.num_cells': self.num_cells, f'{prefix}.balance': list(self.balance),
+               f'{prefix}.num_micro_batches': self.num_micro_batches,
+               f'{prefix}.recompute': self.recompute, f'{prefix}.schedule': self.schedule}
+        if self.tensor_parallel != 1:
+            out[f'{prefix}.tensor_parallel'] = self.tensor_parallel
+        return out
+
+    def describe(self) -> str:
+        """'K=2 M=4 recompute=always schedule=1f1b' (and T when it is not 1)."""
+        tensor = f' T={self.tensor_parallel}' if self.tensor_parallel != 1 else ''
+        return (f'K={self.num_cells}{tensor} M={self.num_micro_batches} '
+                f'recompute={self.recompute} schedule={self.schedule}')
 
     def params_override(self, prefix: str = 'task.pipeline') -> str:
         """The --params_override text that applies this configuration to a model: strings
