@@ -76,9 +76,9 @@ def model_params(name: str, data_dir: str):
 
 def predict_section(args) -> None:
     import tensorflow as tf
-    from tfpipe.tuning import planner
+    from tfpipe.tuning import planner, planning
     from tfpipe.tuning.calibration import MeasuredRun
-    from trainer import inspect_modes, train_job
+    from trainer import inspect_modes, plan_mode
 
     rounds, steps = (3, 3) if args.quick else (5, 6)
     intra = tf.config.threading.get_intra_op_parallelism_threads()
@@ -95,62 +95,39 @@ def predict_section(args) -> None:
         task = params.task.Instantiate()
         batch_size = params.input.train.batch_size
         profiles = inspect_modes.profile_model(params, task, 32)
-        owns = inspect_modes.calibration_params(params)
-        own_trainers = []
-        for p in owns:
-            trainer = train_job.Trainer(p, tempfile.mkdtemp(), train_job.RuntimeOptions())
-            batch = next(trainer.iterator)
-            inspect_modes.warm_up(trainer, batch)
-            own_trainers.append((trainer, batch))
-
-        def measured_runs(recorded):
-            return [MeasuredRun(list(t.task.pipe.balance),
-                                p.task.pipeline.num_micro_batches, lines, walls,
-                                p.task.pipeline.schedule, p.task.pipeline.recompute)
-                    for p, (t, _), (lines, walls) in zip(owns, own_trainers, recorded)]
-
-        # The recommendation comes from a calibration as inspect_pipeline makes it.
-        first = inspect_modes.fit_calibration(owns[0], profiles, measured_runs(
-            [inspect_modes.timed_steps(t, b, inspect_modes.CALIBRATION_STEPS)
-             for t, b in own_trainers]), device.model.parallelism)
-        configs = planner.search(profiles, batch_size, 4, device, calibration=first)
-        best = configs[0]
-        grid = {(k, m, 'always') for k, m in GRID if k <= len(profiles)}
-        grid.add((best.num_cells, best.num_micro_batches, best.recompute))
-        chosen = {}
-        for c in configs:
-            key = (c.num_cells, c.num_micro_batches, c.recompute)
-            if key in grid and c.schedule == best.schedule and key not in chosen:
-                chosen[key] = c
-        trainers = {}
-        for key, c in chosen.items():
-            p = params.Copy()
-            p.task.pipeline.Set(num_cells=None, balance=c.balance,
-                                num_micro_batches=c.num_micro_batches, recompute=c.recompute,
-                                schedule=c.schedule)
-            trainer = train_job.Trainer(p, tempfile.mkdtemp(), train_job.RuntimeOptions())
-            batch = next(trainer.iterator)
-            trainer._step(batch)[0].numpy()  # noqa: SLF001 - trace and warm up the real step
-            trainers[key] = (trainer, batch)
-        measured = {key: [] for key in trainers}  # seconds of every step
-        recorded = [([], []) for _ in own_trainers]
-        loads = []
-        for r in range(rounds):
-            keys = list(trainers)
-            keys = keys[r % len(keys):] + keys[:r % len(keys)]  # rotate the order
-            for (trainer, batch), (lines, walls) in zip(own_trainers, recorded):
-                got = inspect_modes.timed_steps(trainer, batch, steps)
-                lines += got[0]
-                walls += got[1]
-            for key in keys:
-                trainer, batch = trainers[key]
-                for _ in range(steps):
-                    start = time.perf_counter()
-                    trainer._step(batch)[0].numpy()  # noqa: SLF001
-                    measured[key].append(time.perf_counter() - start)
-            loads.append(os.getloadavg()[0])
-        cal = inspect_modes.fit_calibration(owns[0], profiles, measured_runs(recorded),
-                                            device.model.parallelism)
+        owns = planning.calibration_configs(plan_mode.configured_pipeline(task), profiles,
+                                            batch_size)
+        with plan_mode.StepMeasurer(params) as measure:
+            # The recommendation comes from a calibration as inspect_pipeline makes it.
+            first = planning.fit_calibration(
+                profiles, [measure(c, planning.CALIBRATION_STEPS, True) for c in owns],
+                batch_size, device.model.parallelism)
+            configs = planner.search(profiles, batch_size, 4, device, calibration=first)
+            best = configs[0]
+            grid = {(k, m, 'always') for k, m in GRID if k <= len(profiles)}
+            grid.add((best.num_cells, best.num_micro_batches, best.recompute))
+            chosen = {}
+            for c in configs:
+                key = (c.num_cells, c.num_micro_batches, c.recompute)
+                if key in grid and c.schedule == best.schedule and key not in chosen:
+                    chosen[key] = c
+            measured = {key: [] for key in chosen}  # seconds of every step
+            recorded = [([], []) for _ in owns]
+            loads = []
+            for r in range(rounds):
+                keys = list(chosen)
+                keys = keys[r % len(keys):] + keys[:r % len(keys)]  # rotate the order
+                for c, (lines, walls) in zip(owns, recorded):
+                    got = measure(c, steps, True)
+                    lines += got.timelines
+                    walls += got.step_seconds
+                for key in keys:
+                    measured[key] += measure(chosen[key], steps, False).step_seconds
+                loads.append(os.getloadavg()[0])
+        cal = planning.fit_calibration(
+            profiles, [MeasuredRun(c.balance, c.num_micro_batches, lines, walls, c.schedule,
+                                   c.recompute) for c, (lines, walls) in zip(owns, recorded)],
+            batch_size, device.model.parallelism)
         print(f'{name}: {cal.describe()}')
         print(f'{"model":<28} {"K":>2} {"M":>2} {"recompute":<11} {"predicted":>9} '
               f'{"fastest":>9} {"pred/fast":>9} {"median":>9} {"pred/med":>9}  (load average '
@@ -203,7 +180,9 @@ def run_inspect_pipeline(data_dir: str, logdir: str) -> tuple[dict, float]:
 
 
 def pick_section(args) -> None:
-    from trainer import experiment, inspect_modes, train_job
+    from tfpipe.tuning import planning
+    from tfpipe.tuning.planner import Config
+    from trainer import experiment, plan_mode
 
     runs, rounds, steps = 3, (3 if args.quick else 6), 5
     print(f'\n## pick: inspect_pipeline on {PICK_MODEL} {runs} times, then its picks and the '
@@ -225,24 +204,17 @@ def pick_section(args) -> None:
         picks.append((key, best))
         extra.append(report['measuring_seconds'])
         whole.append(seconds)
-    configs = {('grid',) + key: {'num_cells': key[0], 'num_micro_batches': key[1],
-                                 'recompute': key[2]} for key in HELD_OUT}
+    configs = {('grid',) + key: Config(key[0], None, key[1], key[2], 'fill_drain')
+               for key in HELD_OUT}  # balance None: the model's own partition
     for key, best in picks:
-        configs.setdefault(('pick',) + key, {k: best[k] for k in (
-            'num_cells', 'balance', 'num_micro_batches', 'recompute', 'schedule')})
-    trainers = {}
-    for name, overrides in configs.items():
-        p = experiment.load_params(PICK_MODEL)
-        p.input.train.data_dir = args.data_dir
-        p.task.pipeline.Set(**overrides)
-        trainer = train_job.Trainer(p, tempfile.mkdtemp(), train_job.RuntimeOptions())
-        batch = next(trainer.iterator)
-        for _ in range(2):
-            trainer._step(batch)[0].numpy()  # noqa: SLF001 - trace and warm up the real step
-        trainers[name] = (trainer, batch)
-    names = list(trainers)
+        configs.setdefault(('pick',) + key, Config(*(best[k] for k in (
+            'num_cells', 'balance', 'num_micro_batches', 'recompute', 'schedule'))))
+    params = experiment.load_params(PICK_MODEL)
+    params.input.train.data_dir = args.data_dir
+    names = list(configs)
     loads = [os.getloadavg()[0]]
-    measured = inspect_modes.interleaved_steps([trainers[n] for n in names], rounds, steps)
+    with plan_mode.StepMeasurer(params) as measure:
+        measured = planning.interleaved(measure, [configs[n] for n in names], rounds, steps)
     loads.append(os.getloadavg()[0])
     median = {name: statistics.median(v) for name, v in zip(names, measured)}
     best_grid = min(median[('grid',) + key] for key in HELD_OUT)

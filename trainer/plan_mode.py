@@ -16,7 +16,7 @@ import time
 from typing import Optional
 
 from tfpipe.hyperparams import Params
-from tfpipe.tuning import planner, planning, timeline
+from tfpipe.tuning import planner, planning, tensor_split, timeline
 from tfpipe.tuning.calibration import MeasuredRun
 from trainer import inspect_modes
 
@@ -66,9 +66,9 @@ class _Run:
 
 class StepMeasurer:
     """`planning.Measure` for this model: `measure(config, steps, record)` runs the model's
-    training step (pipeline, loss, gradient norm, update) with `config`'s overrides, one
-    replica and one virtual stage (the pipeline the planner plays), in a throwaway train
-    dir: the logdir is never touched.
+    training step (pipeline, loss, gradient norm, update) with `config`'s overrides, as
+    one replica on its share of the batch with one virtual stage (the pipeline the
+    planner plays), in a throwaway train dir: the logdir is never touched.
 
     A configuration's trainer is built, traced and warmed up on its first call and kept
     for the next (candidates are measured in interleaved rounds of a few steps), the
@@ -88,6 +88,7 @@ class StepMeasurer:
             self._runs.move_to_end(key)
             return self._runs[key]
         params = self.params.Copy().Set(**config.overrides())
+        params.input.train.batch_size //= params.task.pipeline.num_replicas
         params.task.pipeline.Set(num_replicas=1, virtual_stages=1)
         train_dir = tempfile.TemporaryDirectory()
         trainer = train_job.Trainer(params, train_dir.name, train_job.RuntimeOptions())
@@ -144,12 +145,19 @@ def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[f
     batch_size = params.input.train.batch_size
     max_m = min(max(planner.MICRO_BATCHES), batch_size)
     profiles = inspect_modes.profile_model(params, task, max_m)
+    replicas = params.task.pipeline.num_replicas
+    degrees = tensor_split.tensor_parallel_degrees(params.task.pipeline,
+                                                   num_devices // replicas)
     with StepMeasurer(params, capacity=planning.CANDIDATES) as measure:
         plan = planning.plan(profiles, batch_size, num_devices, device,
-                             configured_pipeline(task), None if device_profile else measure)
+                             configured_pipeline(task), None if device_profile else measure,
+                             replicas, tensor_parallel=degrees)
     best = plan.best
     print(f'{len(profiles)} layers profiled on {task.pipe.devices[0]}, batch {batch_size}; '
           f'{len(plan.configs)} configurations simulated for up to {num_devices} devices'
+          + (f' ({replicas} replicas of K x T <= {num_devices // replicas})' if replicas > 1
+             else '')
+          + (f', T in {degrees}' if degrees != [1] else '')
           + (f', budget {inspect_modes.mib(device.memory)} per device' if device.memory
              else ''))
     print(plan.calibration.describe())

@@ -77,14 +77,15 @@ def calibration_configs(configured: planner.Config, profiles: Sequence[LayerProf
     """The configurations whose measured steps calibrate the planner.
 
     First the model's own pipeline (`configured`) as the planner can play it
-    (fill_drain unless its schedule is one the planner searches); then the same
+    (fill_drain unless its schedule is one the planner searches; T=1: the calibrated
+    costs are those of one device, which tensor parallelism divides); then the same
     with twice (at the limit half) the micro-batches, which tells the per-call
     part of compute from the per-example part; then the same on one cell (two
     if it has one), which tells how much logical CPUs really run at once, and
     that once more under the other recompute policy ('never' if its cells
     recompute, else 'always'), which tells what keeping activations costs.
     """
-    own = dataclasses.replace(configured, balance=list(configured.balance))
+    own = dataclasses.replace(configured, balance=list(configured.balance), tensor_parallel=1)
     if own.schedule not in planner.SCHEDULES:
         own.schedule = 'fill_drain'
     runs = [own]
@@ -129,27 +130,34 @@ def interleaved(measure: Measure, configs: Sequence[planner.Config], rounds: int
 
 def plan(profiles: Sequence[LayerProfile], batch_size: int, num_devices: int,
          device: planner.DeviceProfile, configured: planner.Config,
-         measure: Optional[Measure] = None, calibration_steps: int = CALIBRATION_STEPS,
-         candidates: int = CANDIDATES, rounds: int = CANDIDATE_ROUNDS,
-         steps: int = CANDIDATE_STEPS, **search_options) -> Plan:
-    """The recommended configuration for `num_devices` devices of `device`.
+         measure: Optional[Measure] = None, replicas: int = 1,
+         calibration_steps: int = CALIBRATION_STEPS, candidates: int = CANDIDATES,
+         rounds: int = CANDIDATE_ROUNDS, steps: int = CANDIDATE_STEPS,
+         **search_options) -> Plan:
+    """The recommended configuration of one replica's pipeline (of `replicas`, each on its
+    share of `batch_size` and of the `num_devices` devices) for devices like `device`.
 
     With `measure`, the costs are first calibrated on measured steps of
     `calibration_configs(configured, ...)`, and then `candidates` of the best
     predicted are measured and the fastest measured recommended: predictions of
-    CPU steps can put configurations within 1% that run 1.4x apart. A budget no
-    configuration fits is a ValueError raised before anything is measured.
-    `search_options` go to `planner.search` (e.g. `tensor_parallel`).
+    CPU steps can put configurations within 1% that run 1.4x apart. `measure` runs
+    one replica on its share of the batch. A budget no configuration fits is a
+    ValueError raised before anything is measured. `search_options` go to
+    `planner.search` (e.g. `tensor_parallel`, the T to try).
     """
-    configs = planner.search(profiles, batch_size, num_devices, device, **search_options)
+    if num_devices < replicas:
+        raise ValueError(f'{replicas} replicas need at least as many devices, not '
+                         f'{num_devices}: raise --num_devices or lower num_replicas')
+    batch, devices = batch_size // replicas, num_devices // replicas
+    configs = planner.search(profiles, batch, devices, device, **search_options)
     best = planner.best_fitting(configs, device.memory)  # memory needs no calibration
     if measure is None:
         return Plan(configs, best)
     runs = [measure(c, calibration_steps, True)
-            for c in calibration_configs(configured, profiles, batch_size)]
-    calibration = fit_calibration(profiles, runs, batch_size, device.model.parallelism)
-    configs = planner.search(profiles, batch_size, num_devices, device,
-                             calibration=calibration, **search_options)
+            for c in calibration_configs(configured, profiles, batch)]
+    calibration = fit_calibration(profiles, runs, batch, device.model.parallelism)
+    configs = planner.search(profiles, batch, devices, device, calibration=calibration,
+                             **search_options)
     planner.best_fitting(configs, device.memory)
     begin = time.perf_counter()
     measured = planner.measurement_candidates(configs, candidates)
