@@ -136,3 +136,99 @@ def test_step_equals_t1(t, k, r):
 def test_every_policy_schedule_and_executor(t, k, recompute, schedule, cell_functions):
     check(tp_pipeline(t, k, recompute=recompute, schedule=schedule,
                       cell_functions=cell_functions))
+
+
+def train_and_save(pipe, directory):
+    """One Adam step, then a checkpoint of the weights and the optimizer's slots."""
+    optimizer = tfpipe.optimizers.Adam.Params().Set(name='adam').Instantiate()
+    variables = {p: v for p, v in pipe.VariablesByPath().items() if v.trainable}
+    optimizer.CreateSlots(variables)
+    x, y = inputs()
+
+    @tf.function
+    def run():
+        with fprop_context.training(step=STEP):
+            _, grads = pipe.ForwardBackward(pipe.theta, x, mz.loss_fn, y)
+        optimizer.Apply(tf.constant(0.01, tf.float64), flatten_by_path(grads, 'pipe'),
+                        variables)
+    run()
+    path = checkpoints.make(pipe.VariablesByPath(), optimizer=optimizer).save(
+        str(directory / 'ckpt'), options=checkpoints.io_options())
+    return path, optimizer, variables
+
+
+def restored(pipe, path):
+    optimizer = tfpipe.optimizers.Adam.Params().Set(name='adam').Instantiate()
+    variables = {p: v for p, v in pipe.VariablesByPath().items() if v.trainable}
+    optimizer.CreateSlots(variables)
+    checkpoints.restore(checkpoints.make(pipe.VariablesByPath(), optimizer=optimizer),
+                        path)
+    pipe.SyncReplicas()
+    return optimizer, variables
+
+
+def whole_state(pipe, optimizer, variables):
+    """Weights and Adam's m, v as whole values by path."""
+    state = {f'{p}': v.numpy() for p, v in pipe.VariablesByPath().items()}
+    out = {f'w:{k}': v for k, v in whole(pipe, state).items()}
+    for name in ('m', 'v'):
+        slots = {p: optimizer.GetSlot(p, name).numpy() for p in variables}
+        out.update({f'{name}:{k}': v for k, v in whole(pipe, slots).items()})
+    return out
+
+
+@pytest.mark.parametrize('saved,loaded', [((2, 2, 1), (1, 1, 1)), ((2, 2, 1), (4, 1, 2)),
+                                          ((1, 2, 2), (2, 2, 1)), ((4, 1, 1), (2, 2, 2))])
+def test_checkpoint_restores_into_any_t_k_r(saved, loaded, tmp_path):
+    source = tp_pipeline(*saved)
+    path, *saved_state = train_and_save(source, tmp_path)
+    state = whole_state(source, *saved_state)
+    target = tp_pipeline(*loaded)
+    got = whole_state(target, *restored(target, path))
+    assert sorted(got) == sorted(state)
+    for key in state:
+        np.testing.assert_array_equal(got[key], state[key], err_msg=key)
+    names = {n for n, _ in tf.train.list_variables(path)}
+    assert 'model/pipe.Smlp.Sfc1.Sw/.ATTRIBUTES/VARIABLE_VALUE' in names
+    assert 'optimizer/_slots/pipe-mlp-fc1-w/m/.ATTRIBUTES/VARIABLE_VALUE' in names
+    assert not any('shard' in n for n in names), names
+    if loaded[2] > 1:  # the mirrors got replica 0's restored weights
+        for path, var in target.ReplicaVariablesByPath()[1].items():
+            np.testing.assert_array_equal(var.numpy(),
+                                          target.VariablesByPath()[path].numpy())
+
+
+@pytest.mark.parametrize('cell_functions', [True, False], ids=['functions', 'unrolled'])
+@pytest.mark.parametrize('recompute', ['always', 'never'])
+def test_each_shard_computes_and_sums_on_its_device(recompute, cell_functions):
+    """Read from the traced graph (functions included): every device of every cell runs
+    forward and gradient matmuls and collectives, nothing the pipeline built is
+    unplaced, and each shard's weight gradient sum comes out on the shard's device."""
+    from tests.test_pipeline_placement import derived_gradient, phase_of, pipeline_nodes
+    from tfpipe.tuning import trace
+    pipe = tp_pipeline(2, 2, recompute=recompute, cell_functions=cell_functions)
+    x, y = inputs()
+    placed = []
+
+    @tf.function
+    def run():
+        with fprop_context.training(step=STEP):
+            loss, grads = pipe.ForwardBackward(pipe.theta, x, mz.loss_fn, y)
+        for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads)):
+            placed.append((v.device, g.device))
+        return loss
+    nodes = pipeline_nodes(run.get_concrete_function())
+    unplaced = [n.name for n in nodes if not n.device and not derived_gradient(n)]
+    assert not unplaced, unplaced[:10]
+    seen = {(trace.device_index(n.device), phase_of(n.name), n.op) for n in nodes if n.device}
+    for device in ('CPU:0', 'CPU:1', 'CPU:2', 'CPU:3'):
+        assert (device, 'forward', 'MatMul') in seen, device
+        assert (device, 'backward', 'MatMul') in seen, device
+        assert any(d == device and op == 'CollectiveReduce' for d, _, op in seen), device
+    shards = [(v, g) for v, g in placed if trace.device_index(v) in ('CPU:1', 'CPU:3')]
+    assert len(shards) == 6  # fc0 w, b; mlp fc1 w, b; mlp fc2 w; fc3 w: one shard each
+    for v, g in placed:
+        assert trace.device_index(g) == trace.device_index(v), (v, g)
+    assert [cell.shard_devices for cell in pipe.cells] == [
+        tuple(f'/job:localhost/replica:0/task:0/device:CPU:{i}' for i in pair)
+        for pair in ((0, 1), (2, 3))]
