@@ -5,8 +5,8 @@ cell's T devices and the activation all-reduces it runs.
 The rule is the layers' own: a layer class that splits over T devices (Megatron's
 column/row-parallel pair, multi-head attention split by heads, a vocabulary-parallel
 embedding) has a classmethod `TensorParallelWidths(p) -> list[int]`, the widths of its
-params that T must divide (hidden width, output columns, input rows, heads, vocabulary
-when it is not padded). Such a layer is one split unit: its weights are split, and it
+params that T must divide (hidden width, output columns, input rows, heads; none for a
+vocabulary split unevenly). Such a layer is one split unit: its weights are split, and it
 runs one activation all-reduce per micro-batch forward and one backward (Megatron's
 g and f of a pair; its children are not looked into). Every other layer runs on its
 cell's home device. A body with no split unit allows T=1 only: more devices per cell
@@ -49,13 +49,12 @@ def split_widths(body: Any) -> list[int]:
 
 def tensor_parallel_degrees(pipeline: Params, limit: int) -> list[int]:
     """The T (1..limit) the pipeline's params allow: T divides every split width of its
-    body. Only 1 when the params have no `tensor_parallel` (a tfpipe without tensor
+    body (a split unit with no widths, such as a vocabulary split unevenly, allows any T).
+    Only 1 when the params have no `tensor_parallel` (a tfpipe without tensor
     parallelism) or the body has no split unit."""
-    if 'tensor_parallel' not in pipeline:
+    if 'tensor_parallel' not in pipeline or not any(True for _ in _units(pipeline.body)):
         return [1]
     widths = split_widths(pipeline.body)
-    if not widths:
-        return [1]
     return [t for t in range(1, max(limit, 1) + 1) if all(w % t == 0 for w in widths)]
 
 
