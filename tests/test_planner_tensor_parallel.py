@@ -67,6 +67,8 @@ def test_a_cell_of_t_devices_holds_and_computes_a_tth_and_all_reduces_activation
     # One all-reduce per split layer per micro-batch forward, of its output (16 examples).
     assert (two[0].devices, two[0].collectives, two[0].collective_bytes) == (2, 4, 4 * 16 * 1e4)
     assert one[0].devices == 1
+    # On average the cell keeps 1 / 0.75 cores busy: T=2 on the split half, 1 on the rest.
+    assert (one[0].width, two[0].width) == (1.0, pytest.approx(4 / 3))
     # A ring all-reduce moves 2(T-1)/T of the bytes over each link, plus a latency each.
     device = simulator.DeviceModel(bandwidth=1e9, latency=1e-5)
     assert simulator.collective_time(two[0], device) == pytest.approx(
@@ -79,6 +81,18 @@ def test_a_cell_of_t_devices_holds_and_computes_a_tth_and_all_reduces_activation
     assert times[0] == pytest.approx(compute)
     assert times[1] == pytest.approx(0.75 * compute
                                      + 8 * simulator.collective_time(two[0], device))
+
+
+def test_on_shared_cores_a_split_cell_gains_only_the_cores_it_has():
+    whole = _layers(split=1.0)
+    one_core = simulator.DeviceModel(parallelism=1)
+    free = simulator.DeviceModel()
+    times = {(t, d.parallelism): float(simulator.simulate(
+        planner.SCHEDULES['fill_drain'](1, 4),
+        planner.cell_costs(whole, [4], 4, 64, 'never', tensor_parallel=t), d).step_time)
+        for t in (1, 4) for d in (one_core, free)}
+    assert times[(4, None)] == pytest.approx(times[(1, None)] / 4)  # four devices of its own
+    assert times[(4, 1)] == pytest.approx(times[(1, 1)])  # four shards on one core
 
 
 def test_search_tries_t_within_the_devices_and_the_budget_picks_it():
@@ -125,3 +139,17 @@ def test_a_configuration_of_t_devices_per_cell_is_measured_by_the_trainer(data_d
     assert run.balance == [2, 3] and len(run.timelines) == 1 and run.step_seconds[0] > 0
     # Both cells' tasks ran on their home devices (shard 0 of each T=2 group).
     assert len({e.label.device for e in run.timelines[0].events}) == 2
+
+
+def test_the_best_split_configuration_is_among_those_measured():
+    def config(k, m, t, step_time):
+        return planner.Config(k, [1] * k, m, 'never', 'fill_drain', step_time, 0.0, [0.0],
+                              True, t)
+    configs = [config(2, 4, 1, 1.0), config(3, 4, 1, 1.01), config(4, 4, 1, 1.02),
+               config(1, 1, 1, 1.03), config(2, 4, 2, 1.04)]
+    # The baseline on one cell, the best, the best with T > 1, the best overlapping (the
+    # best already), then the best of further (K, T).
+    assert planner.measurement_candidates(configs, 4) == [configs[3], configs[0], configs[4],
+                                                          configs[1]]
+    # Measured medians within 5% are a tie won by fewer devices: K=3,T=1 over K=2,T=2.
+    assert planner.pick_measured([configs[4], configs[1]], [[1.0], [1.02]]) == 1

@@ -149,10 +149,20 @@ def cell_costs(profiles: Sequence[LayerProfile], balance: Sequence[int],
             stash_bytes=cell_input if recomputes else activations,
             working_bytes=(activations if recomputes else 0.0) + params,
             output_bytes=b * layers[-1].output_bytes_per_example, devices=t,
+            width=_width(layers, t),
             collectives=sum(p.all_reduces for p in layers),
             collective_bytes=b * sum(p.all_reduces * p.output_bytes_per_example
                                      for p in layers)))
     return cells
+
+
+def _width(layers: Sequence[LayerProfile], tensor_parallel: int) -> float:
+    """The cores a cell of T devices keeps busy on average: its compute on all T devices
+    over its compute on the home device (T for split layers alone, 1 for none)."""
+    whole = sum(p.forward.per_example + p.backward.per_example for p in layers)
+    home = sum((p.forward.per_example + p.backward.per_example) * p.per_device(tensor_parallel)
+               for p in layers)
+    return whole / home if home > 0 else 1.0
 
 
 def balance_for(profiles: Sequence[LayerProfile], num_cells: int, micro: float,

@@ -186,7 +186,8 @@ def measurement_candidates(configs: Sequence[Config], count: int) -> list[Config
 
     In this order, each the best predicted fitting configuration of its kind: on one
     cell without recompute if that fits (no pipeline, no hand-over, no second forward:
-    the baseline a pipeline must beat); of any kind;
+    the baseline a pipeline must beat); of any kind; with cells of T > 1 devices (when
+    searched: logical CPUs sharing cores make tensor parallelism the hardest to predict);
     whose cells work at once (K > 1 and M > 1, the one way to more than one core's
     worth); the same on the fewest cells (the least hand-over and per-task cost); then
     the best of each further (K, T). Predictions of logical CPUs sharing cores go wrong
@@ -199,7 +200,8 @@ def measurement_candidates(configs: Sequence[Config], count: int) -> list[Config
     one_cell = [c for c in fitting if c.num_cells == 1]
     plain = ([c for c in one_cell if c.recompute == 'never' and c.tensor_parallel == 1]
              or [c for c in one_cell if c.recompute == 'never'] or one_cell)
-    kinds = (plain[:1] + fitting[:1] + overlapping[:1]
+    split = [c for c in fitting if c.tensor_parallel > 1]
+    kinds = (plain[:1] + fitting[:1] + split[:1] + overlapping[:1]
              + [c for c in overlapping if c.num_cells == fewest][:1])
     shapes = {(c.num_cells, c.tensor_parallel) for c in kinds}
     for config in fitting:

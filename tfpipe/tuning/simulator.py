@@ -48,7 +48,8 @@ class CellCosts:
     its home device (the fullest), and each forward and each backward task runs
     `collectives` all-reduces of `collective_bytes` bytes in all among the T
     (`collective_time`). Under shared cores a running task of the cell counts
-    as T tasks.
+    as `width` tasks: the cores it keeps busy on average (T while it computes a
+    split layer, 1 while it computes one that is not split).
     """
 
     time: dict[str, Number]
@@ -59,6 +60,7 @@ class CellCosts:
     devices: int = 1
     collectives: int = 0
     collective_bytes: float = 0.0
+    width: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,8 +138,9 @@ def _task_time(task: Task, cells: list[CellCosts], phases: set[str]) -> Number:
     return cost
 
 
-def _share(parallelism: Optional[Number], running: int) -> Number:
-    """The speed of each of `running` tasks under processor sharing (1: full speed)."""
+def _share(parallelism: Optional[Number], running: Number) -> Number:
+    """The speed of each of `running` tasks (counted by the cores each keeps busy) under
+    processor sharing (1: full speed)."""
     if parallelism is None or parallelism >= running:
         return 1
     if isinstance(parallelism, int):
@@ -217,7 +220,9 @@ def simulate(sched: Schedule, cells: list[CellCosts], device: DeviceModel = Devi
                                    'another device runs later; check it with schedule.validate')
             now = min(waiting)
             continue
-        rate = _share(device.parallelism, sum(cells[t.cell].devices for t in remaining))
+        running = sum(cells[t.cell].width for t in remaining)
+        # (a whole number as an int: keeps Fraction costs exact)
+        rate = _share(device.parallelism, int(running) if running == int(running) else running)
         step = min([min(remaining.values()) / rate] + [w - now for w in waiting])
         now = now + step
         for task in list(remaining):
