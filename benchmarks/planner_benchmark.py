@@ -16,6 +16,9 @@ Sections (the thread-pool default is measured by threads_benchmark.py):
   configurations before recommending), then its picks and a held-out grid (K=1 M=1 no
   recompute, K=2 M=4, K=2 M=2, K=4 M=4) measured side by side: pick/best ratios, how many
   distinct picks, and inspect_pipeline's time;
+- tensor: an MLP of Megatron pairs (ParallelMLP) on 4 logical CPUs as K=4,T=1 vs K=2,T=2 vs
+  K=1,T=4: the planner's predicted step (calibrated as inspect_pipeline does) and per-device
+  peak beside the measured median step, rounds interleaved;
 - table2: the shape of GPipe's Table 2 (normalised throughput over K and M) simulated from
   profiled AmoebaNet and Transformer bodies under an accelerator device profile.
 """
@@ -40,7 +43,8 @@ TOLERANCE = 0.25
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument('--section', choices=('all', 'predict', 'pick', 'table2'), default='all')
+    ap.add_argument('--section', choices=('all', 'predict', 'pick', 'tensor', 'table2'),
+                    default='all')
     ap.add_argument('--quick', action='store_true', help='fewer steps and rounds')
     ap.add_argument('--models', default=','.join(PREDICT_MODELS),
                     help='comma list for the predict section')
@@ -76,9 +80,9 @@ def model_params(name: str, data_dir: str):
 
 def predict_section(args) -> None:
     import tensorflow as tf
-    from tfpipe.tuning import planner
+    from tfpipe.tuning import planner, planning
     from tfpipe.tuning.calibration import MeasuredRun
-    from trainer import inspect_modes, train_job
+    from trainer import inspect_modes, plan_mode
 
     rounds, steps = (3, 3) if args.quick else (5, 6)
     intra = tf.config.threading.get_intra_op_parallelism_threads()
@@ -95,62 +99,39 @@ def predict_section(args) -> None:
         task = params.task.Instantiate()
         batch_size = params.input.train.batch_size
         profiles = inspect_modes.profile_model(params, task, 32)
-        owns = inspect_modes.calibration_params(params)
-        own_trainers = []
-        for p in owns:
-            trainer = train_job.Trainer(p, tempfile.mkdtemp(), train_job.RuntimeOptions())
-            batch = next(trainer.iterator)
-            inspect_modes.warm_up(trainer, batch)
-            own_trainers.append((trainer, batch))
-
-        def measured_runs(recorded):
-            return [MeasuredRun(list(t.task.pipe.balance),
-                                p.task.pipeline.num_micro_batches, lines, walls,
-                                p.task.pipeline.schedule, p.task.pipeline.recompute)
-                    for p, (t, _), (lines, walls) in zip(owns, own_trainers, recorded)]
-
-        # The recommendation comes from a calibration as inspect_pipeline makes it.
-        first = inspect_modes.fit_calibration(owns[0], profiles, measured_runs(
-            [inspect_modes.timed_steps(t, b, inspect_modes.CALIBRATION_STEPS)
-             for t, b in own_trainers]), device.model.parallelism)
-        configs = planner.search(profiles, batch_size, 4, device, calibration=first)
-        best = configs[0]
-        grid = {(k, m, 'always') for k, m in GRID if k <= len(profiles)}
-        grid.add((best.num_cells, best.num_micro_batches, best.recompute))
-        chosen = {}
-        for c in configs:
-            key = (c.num_cells, c.num_micro_batches, c.recompute)
-            if key in grid and c.schedule == best.schedule and key not in chosen:
-                chosen[key] = c
-        trainers = {}
-        for key, c in chosen.items():
-            p = params.Copy()
-            p.task.pipeline.Set(num_cells=None, balance=c.balance,
-                                num_micro_batches=c.num_micro_batches, recompute=c.recompute,
-                                schedule=c.schedule)
-            trainer = train_job.Trainer(p, tempfile.mkdtemp(), train_job.RuntimeOptions())
-            batch = next(trainer.iterator)
-            trainer._step(batch)[0].numpy()  # noqa: SLF001 - trace and warm up the real step
-            trainers[key] = (trainer, batch)
-        measured = {key: [] for key in trainers}  # seconds of every step
-        recorded = [([], []) for _ in own_trainers]
-        loads = []
-        for r in range(rounds):
-            keys = list(trainers)
-            keys = keys[r % len(keys):] + keys[:r % len(keys)]  # rotate the order
-            for (trainer, batch), (lines, walls) in zip(own_trainers, recorded):
-                got = inspect_modes.timed_steps(trainer, batch, steps)
-                lines += got[0]
-                walls += got[1]
-            for key in keys:
-                trainer, batch = trainers[key]
-                for _ in range(steps):
-                    start = time.perf_counter()
-                    trainer._step(batch)[0].numpy()  # noqa: SLF001
-                    measured[key].append(time.perf_counter() - start)
-            loads.append(os.getloadavg()[0])
-        cal = inspect_modes.fit_calibration(owns[0], profiles, measured_runs(recorded),
-                                            device.model.parallelism)
+        owns = planning.calibration_configs(plan_mode.configured_pipeline(task), profiles,
+                                            batch_size)
+        with plan_mode.StepMeasurer(params) as measure:
+            # The recommendation comes from a calibration as inspect_pipeline makes it.
+            first = planning.fit_calibration(
+                profiles, [measure(c, planning.CALIBRATION_STEPS, True) for c in owns],
+                batch_size, device.model.parallelism)
+            configs = planner.search(profiles, batch_size, 4, device, calibration=first)
+            best = configs[0]
+            grid = {(k, m, 'always') for k, m in GRID if k <= len(profiles)}
+            grid.add((best.num_cells, best.num_micro_batches, best.recompute))
+            chosen = {}
+            for c in configs:
+                key = (c.num_cells, c.num_micro_batches, c.recompute)
+                if key in grid and c.schedule == best.schedule and key not in chosen:
+                    chosen[key] = c
+            measured = {key: [] for key in chosen}  # seconds of every step
+            recorded = [([], []) for _ in owns]
+            loads = []
+            for r in range(rounds):
+                keys = list(chosen)
+                keys = keys[r % len(keys):] + keys[:r % len(keys)]  # rotate the order
+                for c, (lines, walls) in zip(owns, recorded):
+                    got = measure(c, steps, True)
+                    lines += got.timelines
+                    walls += got.step_seconds
+                for key in keys:
+                    measured[key] += measure(chosen[key], steps, False).step_seconds
+                loads.append(os.getloadavg()[0])
+        cal = planning.fit_calibration(
+            profiles, [MeasuredRun(c.balance, c.num_micro_batches, lines, walls, c.schedule,
+                                   c.recompute) for c, (lines, walls) in zip(owns, recorded)],
+            batch_size, device.model.parallelism)
         print(f'{name}: {cal.describe()}')
         print(f'{"model":<28} {"K":>2} {"M":>2} {"recompute":<11} {"predicted":>9} '
               f'{"fastest":>9} {"pred/fast":>9} {"median":>9} {"pred/med":>9}  (load average '
@@ -203,7 +184,9 @@ def run_inspect_pipeline(data_dir: str, logdir: str) -> tuple[dict, float]:
 
 
 def pick_section(args) -> None:
-    from trainer import experiment, inspect_modes, train_job
+    from tfpipe.tuning import planning
+    from tfpipe.tuning.planner import Config
+    from trainer import experiment, plan_mode
 
     runs, rounds, steps = 3, (3 if args.quick else 6), 5
     print(f'\n## pick: inspect_pipeline on {PICK_MODEL} {runs} times, then its picks and the '
@@ -225,24 +208,17 @@ def pick_section(args) -> None:
         picks.append((key, best))
         extra.append(report['measuring_seconds'])
         whole.append(seconds)
-    configs = {('grid',) + key: {'num_cells': key[0], 'num_micro_batches': key[1],
-                                 'recompute': key[2]} for key in HELD_OUT}
+    configs = {('grid',) + key: Config(key[0], None, key[1], key[2], 'fill_drain')
+               for key in HELD_OUT}  # balance None: the model's own partition
     for key, best in picks:
-        configs.setdefault(('pick',) + key, {k: best[k] for k in (
-            'num_cells', 'balance', 'num_micro_batches', 'recompute', 'schedule')})
-    trainers = {}
-    for name, overrides in configs.items():
-        p = experiment.load_params(PICK_MODEL)
-        p.input.train.data_dir = args.data_dir
-        p.task.pipeline.Set(**overrides)
-        trainer = train_job.Trainer(p, tempfile.mkdtemp(), train_job.RuntimeOptions())
-        batch = next(trainer.iterator)
-        for _ in range(2):
-            trainer._step(batch)[0].numpy()  # noqa: SLF001 - trace and warm up the real step
-        trainers[name] = (trainer, batch)
-    names = list(trainers)
+        configs.setdefault(('pick',) + key, Config(*(best[k] for k in (
+            'num_cells', 'balance', 'num_micro_batches', 'recompute', 'schedule'))))
+    params = experiment.load_params(PICK_MODEL)
+    params.input.train.data_dir = args.data_dir
+    names = list(configs)
     loads = [os.getloadavg()[0]]
-    measured = inspect_modes.interleaved_steps([trainers[n] for n in names], rounds, steps)
+    with plan_mode.StepMeasurer(params) as measure:
+        measured = planning.interleaved(measure, [configs[n] for n in names], rounds, steps)
     loads.append(os.getloadavg()[0])
     median = {name: statistics.median(v) for name, v in zip(names, measured)}
     best_grid = min(median[('grid',) + key] for key in HELD_OUT)
@@ -257,6 +233,81 @@ def pick_section(args) -> None:
           + f'; {len({key for key, _ in picks})} distinct pick(s); inspect_pipeline '
           f'{min(whole):.0f}-{max(whole):.0f} s per run, of which measuring the candidates '
           f'{min(extra):.0f}-{max(extra):.0f} s')
+
+
+# -- tensor --------------------------------------------------------------------------------
+
+TENSOR_GRID = ((4, 1), (2, 2), (1, 4))  # (K, T) on 4 devices
+
+
+def tensor_params(data_dir: str, width: int = 256, blocks: int = 4):
+    """Flatten, Dense to `width`, `blocks` ParallelMLP pairs (hidden 4 x width), logits;
+    batch 64, M=4: every block splits over T."""
+    from tfpipe import layers
+    from tfpipe.layers.tensor_parallel_dense import ParallelMLP
+    from trainer import experiment
+    params = experiment.load_params('image.shapes.SmallConvPipe')
+    body = [layers.Flatten.Params().Set(name='flat'),
+            layers.Dense.Params().Set(name='fc_in', input_dim=768, output_dim=width,
+                                      activation='relu')]
+    body += [ParallelMLP.Params().Set(name=f'mlp{i}', input_dim=width, hidden_dim=4 * width)
+             for i in range(blocks)]
+    body += [layers.Dense.Params().Set(name='logits', input_dim=width, output_dim=4)]
+    params.task.pipeline.Set(body=body, balance=None, num_cells=4, partition_by='params',
+                             input_shape=None, num_micro_batches=4, recompute='never')
+    params.input.train.Set(batch_size=64, data_dir=data_dir)
+    return params
+
+
+def tensor_section(args) -> None:
+    import tensorflow as tf
+    from tfpipe.tuning import planner, planning, tensor_split
+    from trainer import inspect_modes, plan_mode
+
+    rounds, steps = (3, 3) if args.quick else (6, 5)
+    params = tensor_params(args.data_dir)
+    task = params.task.Instantiate()
+    batch = params.input.train.batch_size
+    intra = tf.config.threading.get_intra_op_parallelism_threads()
+    device = planner.DeviceProfile(planner.simulator.DeviceModel(
+        parallelism=planner.local_parallelism(intra)))
+    degrees = tensor_split.tensor_parallel_degrees(params.task.pipeline, 4)
+    profiles = inspect_modes.profile_model(params, task, 4)
+    print(f'\n## tensor: {len(profiles)} layers ({sum(p.all_reduces for p in profiles)} '
+          f'split pairs), batch {batch}, M=4, recompute never, on 4 logical CPUs; T allowed: '
+          f'{degrees}; {rounds} interleaved rounds of {steps} steps; median step')
+    configured = plan_mode.configured_pipeline(task)
+    with plan_mode.StepMeasurer(params) as measure:
+        cal = planning.fit_calibration(
+            profiles, [measure(c, planning.CALIBRATION_STEPS, True)
+                       for c in planning.calibration_configs(configured, profiles, batch)],
+            batch, device.model.parallelism)
+        configs = planner.search(profiles, batch, 4, device, micro_batches=[4],
+                                 recompute=['never'], schedules=['fill_drain'],
+                                 calibration=cal, tensor_parallel=degrees)
+        grid = [next(c for c in configs if (c.num_cells, c.tensor_parallel) == kt)
+                for kt in TENSOR_GRID]
+        loads = [os.getloadavg()[0]]
+        measured = planning.interleaved(measure, grid, rounds, steps)
+        loads.append(os.getloadavg()[0])
+    print(cal.describe())
+    print(f'{"K":>2} {"T":>2} {"balance":<14} {"predicted ms":>12} {"median ms":>10} '
+          f'{"fastest ms":>10} {"pred/med":>8} {"peak MiB/device":>15} {"all-reduced MB/step":>19}  (load '
+          f'{min(loads):.1f}-{max(loads):.1f})')
+    fastest = min(statistics.median(m) for m in measured)
+    for c, m in zip(grid, measured):
+        med = statistics.median(m)
+        costs = planner.cell_costs(profiles, c.balance, 4, batch, 'never', cal,
+                                   c.tensor_parallel)
+        # Per step: M micro-batches x (forward + backward) of every cell's all-reduces.
+        reduced = 2 * 4 * sum(cell.collective_bytes for cell in costs) if c.tensor_parallel > 1 \
+            else 0.0
+        print(f'{c.num_cells:>2} {c.tensor_parallel:>2} {str(c.balance):<14} '
+              f'{1e3 * c.step_time:>12.2f} {1e3 * med:>10.2f} {1e3 * min(m):>10.2f} '
+              f'{c.step_time / med:>8.2f} '
+              f'{max(c.peak_bytes) / 2**20:>15.2f} {reduced / 1e6:>19.3f}'
+              + ('  <- fastest measured' if med == fastest else '')
+              + ('  <- predicted best' if c is min(grid, key=lambda g: g.step_time) else ''))
 
 
 # -- table2 --------------------------------------------------------------------------------
@@ -308,6 +359,8 @@ def main() -> int:
         predict_section(args)
     if args.section in ('all', 'pick'):
         pick_section(args)
+    if args.section in ('all', 'tensor'):
+        tensor_section(args)
     if args.section in ('all', 'table2'):
         table2_section(args)
     return 0

@@ -139,6 +139,52 @@ def test_inspect_pipeline_prints_the_best_and_writes_json(tmp_path, data_dir):
     assert calibration['step_overhead'] > 0  # the update and the norm are never free
 
 
+def test_the_planner_drives_the_search_through_the_measuring_function_it_is_handed(data_dir):
+    """planning.plan calibrates, measures candidates and picks through the one function the
+    trainer hands it (the model's real training step, counted here), in that order."""
+    from tfpipe.tuning import planning
+    from trainer import experiment, inspect_modes, plan_mode
+    params = experiment.load_params(trainer_helpers.FAST)
+    params.input.train.data_dir = data_dir
+    task = params.task.Instantiate()
+    batch = params.input.train.batch_size
+    profiles = inspect_modes.profile_model(params, task, 4)
+    device = planner.DeviceProfile(simulator.DeviceModel(parallelism=2))
+    configured = plan_mode.configured_pipeline(task)
+    calls = []
+    with plan_mode.StepMeasurer(params) as measure:
+        def counted(config, steps, record):
+            run = measure(config, steps, record)
+            calls.append((config, steps, record, run))
+            return run
+        result = planning.plan(profiles, batch, 2, device, configured, counted,
+                               calibration_steps=2, candidates=2, rounds=2, steps=1,
+                               micro_batches=(1, 2, 4))
+    # First the four calibration runs, recorded: the model's own [3, 2] at M=2, at M=4,
+    # then on one cell under both recompute policies.
+    assert [(c.balance, c.num_micro_batches, c.recompute, steps, record)
+            for c, steps, record, _ in calls[:4]] == [
+        ([3, 2], 2, 'always', 2, True), ([3, 2], 4, 'always', 2, True),
+        ([5], 2, 'always', 2, True), ([5], 2, 'never', 2, True)]
+    for config, steps, record, run in calls:  # each ran the configuration it was handed
+        assert run.balance == config.balance and len(run.step_seconds) == steps
+        assert len(run.timelines) == (steps if record else 0)
+        assert run.num_micro_batches == config.num_micro_batches
+    assert result.calibration.source.startswith(
+        '2 steps each of K=2 M=2 always, K=2 M=4 always, K=1 M=2 always, K=1 M=2 never')
+    # Then 2 interleaved rounds of the candidates, one step each, unrecorded, and the pick
+    # is one of them.
+    assert len(result.candidates) == 2 and result.best in result.candidates
+    rounds = [[c for c, _, _, _ in calls[4 + 2 * r:6 + 2 * r]] for r in range(2)]
+    assert rounds == [result.candidates, result.candidates[::-1]]
+    assert len(calls) == 8 and not any(record for _, _, record, _ in calls[4:])
+    assert all(len(s) == 2 for s in result.step_seconds)
+    assert result.configs[0].step_time > 0 and 'measured median' in result.describe_measured()
+    # Without a measuring function the profile alone decides.
+    alone = planning.plan(profiles, batch, 2, device, configured, micro_batches=(1, 2, 4))
+    assert alone.calibration.source == 'profiled only' and not alone.candidates
+
+
 def _config(k, m, recompute='always', schedule='fill_drain', step_time=1.0, fits=True):
     return planner.Config(k, [1] * k, m, recompute, schedule, step_time, 0.0, [0.0], fits)
 

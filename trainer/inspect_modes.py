@@ -1,17 +1,13 @@
-"""The trainer's inspection modes: inspect_model, inspect_pipeline and check_pipeline.
+"""The trainer's inspection modes inspect_model and check_pipeline, and the profile and
+memory prediction inspect_pipeline (trainer/plan_mode.py) prints too.
 
 They read the model's params and one batch of its input and never touch the
-training logdir's checkpoints: inspect_pipeline only adds its JSON report.
+training logdir.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
-import os
-import statistics
 import tempfile
-import time
 from typing import Optional
 
 import numpy as np
@@ -20,18 +16,14 @@ import tensorflow as tf
 from tfpipe.hyperparams import Params
 from tfpipe import memory_stats
 from tfpipe.tuning import memory_model, planner, profile, tensor_parallel_memory, working_memory
-from tfpipe.tuning.calibration import Calibration, MeasuredRun, calibrate
-from tfpipe.pipeline.cell import recompute_flags
 from tfpipe.pipeline.partition import cell_ranges
 
-PLAN_FILE = 'inspect_pipeline.json'
-PLAN_GIN_FILE = 'inspect_pipeline.gin'
 CHECK_TOLERANCE = 1e-5
 NOISE_FLOOR = 1e-3  # of the largest gradient: below it a gradient is rounding noise
 WEIGHT_FLOOR = 1e-2  # of the largest weight: the least scale a weight is compared at
 
 
-def _mib(num_bytes: float) -> str:
+def mib(num_bytes: float) -> str:
     return f'{num_bytes / 2**20:.4g} MiB'
 
 
@@ -71,14 +63,14 @@ def inspect_model(params: Params) -> None:
             layers = profiles[start:stop]
             activations = (batch / m) * sum(p.output_bytes_per_example for p in layers)
             slots = sum(p.slot_bytes for p in layers)
-            sharded = f' (1/{shards} of {_mib(slots)}: sharded)' if shards > 1 else ''
+            sharded = f' (1/{shards} of {mib(slots)}: sharded)' if shards > 1 else ''
             tied = ''.join(f', reads {"/".join(t.owner)} of cell {t.owner_cell} as '
                            f'{"/".join(t.user)}' for t in cell.ties)
             print(f'{replica}cell {cell.index} on {cell.device}: {cell.names} ({count} params'
                   f'{tied})\n'
-                  f'  parameters {_mib(sum(p.param_bytes for p in layers))}  optimizer slots '
-                  f'{_mib(slots / shards)}{sharded}  activations per micro-batch '
-                  f'{_mib(activations)} (profiled layer outputs at batch {batch}/{m})')
+                  f'  parameters {mib(sum(p.param_bytes for p in layers))}  optimizer slots '
+                  f'{mib(slots / shards)}{sharded}  activations per micro-batch '
+                  f'{mib(activations)} (profiled layer outputs at batch {batch}/{m})')
     print_memory_prediction(params, task, profiles, input_measurement)
     for path, var in task.VariablesByPath().items():
         print(f'{path} {var.shape.as_list()} {var.dtype.name} {var.device}')
@@ -153,7 +145,7 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
     for replica_devices in devices:
         for device in replica_devices:
             print(f'  {device.describe()}')
-    print(f'  all devices {_mib(sum(d.total for r in devices for d in r))}')
+    print(f'  all devices {mib(sum(d.total for r in devices for d in r))}')
     if input_measurement is None:
         input_measurement = host_input_measurement(params, task)
     if input_measurement is None:
@@ -175,249 +167,12 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
                                   input_measurement.peak)
     phase = 'the input filling its buffers' if host.filling > host.training else 'a step'
     print(f'  host allocator (every logical CPU, and the input pipeline\'s '
-          f'{_mib(input_measurement.resident)} of buffers, {_mib(input_measurement.peak)} '
+          f'{mib(input_measurement.resident)} of buffers, {mib(input_measurement.peak)} '
           f'while it fills them; {parallelism:g} backward tasks at once): peak '
-          f'{_mib(host.peak)} (at {phase}: model state {_mib(host.state)}, activations '
-          f'{_mib(host.activations)})')
+          f'{mib(host.peak)} (at {phase}: model state {mib(host.state)}, activations '
+          f'{mib(host.activations)})')
     print(f'  host allocator if the input refills its buffers while a step runs (its next '
-          f'epoch, a long document later in the stream): up to {_mib(host.refill_bound)}')
-
-
-CALIBRATION_STEPS = 5
-# Before recommending, inspect_pipeline measures this many of the best predicted
-# configurations for CANDIDATE_ROUNDS interleaved rounds of CANDIDATE_STEPS steps each.
-CANDIDATES = 4
-CANDIDATE_ROUNDS = 4
-CANDIDATE_STEPS = 3
-PICK_TOLERANCE = 0.05  # measured medians closer than this are a tie (planner.pick_measured)
-
-
-def timed_steps(trainer, batch, steps: int) -> tuple[list, list[float]]:
-    """Timelines of `steps` recorded training steps and wall seconds of as many unrecorded
-    ones, alternating, so both see the same load. `trainer` is warmed up already."""
-    from tfpipe.tuning import timeline
-
-    lines, walls = [], []
-    for _ in range(steps):
-        begin = time.perf_counter()
-        trainer._step(batch)[0].numpy()  # noqa: SLF001 - the trainer's real step
-        walls.append(time.perf_counter() - begin)
-        stamps = trainer._recorded_step(batch)[-1].numpy()  # noqa: SLF001
-        lines.append(timeline.Timeline.from_stamps(trainer._recorder, stamps))  # noqa: SLF001
-    return lines, walls
-
-
-def warm_up(trainer, batch) -> None:
-    """Traces and warms up both the plain and the recorded step."""
-    for _ in range(2):
-        trainer._step(batch)[0].numpy()  # noqa: SLF001
-        trainer._recorded_step(batch)[0].numpy()  # noqa: SLF001
-
-
-def measure_configuration(params: Params, steps: int = CALIBRATION_STEPS
-                          ) -> MeasuredRun:
-    """`timed_steps` of `params`'s training step (pipeline, loss, gradient norm, update) in
-    a throwaway train dir: the logdir is never touched."""
-    from trainer import train_job
-
-    with tempfile.TemporaryDirectory() as train_dir:
-        trainer = train_job.Trainer(params, train_dir, train_job.RuntimeOptions())
-        batch = next(trainer.iterator)
-        warm_up(trainer, batch)
-        lines, walls = timed_steps(trainer, batch, steps)
-        pipe = params.task.pipeline
-        return MeasuredRun(list(trainer.task.pipe.balance), pipe.num_micro_batches,
-                           lines, walls, pipe.schedule, pipe.recompute)
-
-
-def calibration_params(params: Params) -> list[Params]:
-    """The configurations whose measured steps calibrate the planner.
-
-    First the model's own pipeline as the planner can play it (one replica, one
-    virtual stage, and fill_drain unless the configured schedule is one the
-    planner searches); then the same with twice (at the limit half) the
-    micro-batches, which tells the per-call part of compute from the
-    per-example part; then the same on one device (two if it has one), which
-    tells how much logical CPUs really run at once, and that once more under the
-    other recompute policy ('never' if its cells recompute, else 'always'),
-    which tells what keeping activations costs.
-    """
-    p = params.Copy()
-    pipe = p.task.pipeline
-    pipe.Set(num_replicas=1, virtual_stages=1)
-    if pipe.schedule not in planner.SCHEDULES:
-        pipe.schedule = 'fill_drain'
-    runs = [p]
-    limit = min(max(planner.MICRO_BATCHES), p.input.train.batch_size)
-    m = pipe.num_micro_batches
-    other = 2 * m if 2 * m <= limit else m // 2
-    if 1 <= other != m:
-        q = p.Copy()
-        q.task.pipeline.num_micro_batches = other
-        runs.append(q)
-    cells = len(pipe.balance) if pipe.balance else pipe.num_cells
-    if cells > 1 or len(pipe.body) > 1:
-        q = p.Copy()
-        q.task.pipeline.Set(num_cells=1 if cells > 1 else 2, balance=None)
-        runs.append(q)
-        r = q.Copy()
-        flags = recompute_flags(pipe.recompute, r.task.pipeline.num_cells)
-        r.task.pipeline.recompute = 'never' if any(flags) else 'always'
-        runs.append(r)
-    return runs
-
-
-def fit_calibration(configured: Params, profiles: list[profile.LayerProfile],
-                    runs: list[MeasuredRun],
-                    parallelism: Optional[float]) -> Calibration:
-    """calibration.calibrate on measured runs of `calibration_params(params)`."""
-    shapes = ', '.join(f'K={len(run.balance)} M={run.num_micro_batches} {run.recompute}'
-                       for run in runs)
-    return calibrate(
-        profiles, runs, configured.input.train.batch_size, parallelism,
-        source=f'{len(runs[0].timelines)} steps each of {shapes} '
-        f'(schedule={configured.task.pipeline.schedule})')
-
-
-def calibrate_here(params: Params, profiles: list[profile.LayerProfile],
-                   parallelism: Optional[float]) -> Calibration:
-    """Fits the planner's costs to measured steps of the model's configured pipeline."""
-    measured = calibration_params(params)
-    runs = [measure_configuration(p) for p in measured]
-    return fit_calibration(measured[0], profiles, runs, parallelism)
-
-
-def with_config(params: Params, config: planner.Config) -> Params:
-    """`params` as the recommendation's --params_override flag would set them."""
-    return params.Copy().Set(**config.overrides())
-
-
-def interleaved_steps(runs: list, rounds: int, steps: int) -> list[list[float]]:
-    """Wall seconds of `rounds` x `steps` training steps of each (warmed-up trainer, batch).
-
-    The rounds are interleaved (each in another order) so that every run sees the same
-    load: on a shared machine load comes and goes in bursts longer than a step.
-    """
-    seconds: list[list[float]] = [[] for _ in runs]
-    for r in range(rounds):
-        for i in [(r + j) % len(runs) for j in range(len(runs))]:
-            trainer, batch = runs[i]
-            for _ in range(steps):
-                begin = time.perf_counter()
-                trainer._step(batch)[0].numpy()  # noqa: SLF001 - the trainer's real step
-                seconds[i].append(time.perf_counter() - begin)
-    return seconds
-
-
-def measure_candidates(params: Params, candidates: list[planner.Config],
-                       rounds: int = CANDIDATE_ROUNDS, steps: int = CANDIDATE_STEPS
-                       ) -> list[list[float]]:
-    """`interleaved_steps` of each candidate, traced and warmed up in throwaway train dirs."""
-    from trainer import train_job
-
-    with contextlib.ExitStack() as stack:
-        runs = []
-        for config in candidates:
-            train_dir = stack.enter_context(tempfile.TemporaryDirectory())
-            trainer = train_job.Trainer(with_config(params, config), train_dir,
-                                        train_job.RuntimeOptions())
-            batch = next(trainer.iterator)
-            for _ in range(2):  # trace, then one warm step
-                trainer._step(batch)[0].numpy()  # noqa: SLF001
-            runs.append((trainer, batch))
-        return interleaved_steps(runs, rounds, steps)
-
-
-def _measured_report(candidates: list[planner.Config], seconds: list[list[float]],
-                     pick: int, elapsed: float) -> str:
-    lines = [f'measured before recommending ({CANDIDATE_ROUNDS} interleaved rounds of '
-             f'{CANDIDATE_STEPS} steps each, {elapsed:.0f} s): the best predicted on one cell '
-             '(without recompute), of any kind, running cells at once, that on the fewest '
-             'cells, of other K']
-    for i, (c, s) in enumerate(zip(candidates, seconds)):
-        lines.append(f'  K={c.num_cells} M={c.num_micro_batches} recompute={c.recompute} '
-                     f'schedule={c.schedule}: predicted {1e3 * c.step_time:.2f} ms, measured '
-                     f'median {1e3 * statistics.median(s):.2f} ms (fastest '
-                     f'{1e3 * min(s):.2f})' + ('  <- picked' if i == pick else ''))
-    lines.append(f'picked: the fastest median; candidates within {PICK_TOLERANCE:.0%} of it '
-                 'are a tie, won by fewer cells, then fewer micro-batches')
-    return '\n'.join(lines)
-
-
-def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[float],
-                     device_profile: str, intra_op_threads: int,
-                     logdir: Optional[str]) -> None:
-    """Profiles the body, searches configurations, prints the best and writes JSON.
-
-    Planning for this machine's logical CPUs, the costs are first calibrated on
-    measured steps of the model's configured pipeline (`calibrate_here`), and then
-    CANDIDATES of the best predicted (`planner.measurement_candidates`) are measured and
-    the fastest measured recommended (`planner.pick_measured`): predictions of CPU steps
-    can put configurations within 1% that run 1.4x apart. For other devices
-    (`device_profile`) the profile is used as measured here. A budget
-    no configuration fits is a ValueError (exit 2) raised before the report is
-    written.
-    """
-    if device_profile:
-        device = planner.parse_device_profile(device_profile)
-    else:
-        device = planner.DeviceProfile(
-            planner.simulator.DeviceModel(parallelism=planner.local_parallelism(
-                intra_op_threads)))
-    if device_memory is not None:
-        device = dataclasses.replace(device, memory=device_memory)
-    task = params.task.Instantiate()
-    print_placement(task.pipe)
-    batch_size = params.input.train.batch_size
-    max_m = min(max(planner.MICRO_BATCHES), batch_size)
-    profiles = profile_model(params, task, max_m)
-    configs = planner.search(profiles, batch_size, num_devices, device)
-    best = planner.best_fitting(configs, device.memory)  # memory needs no calibration
-    calibration = Calibration()
-    measured, candidates, seconds, measuring = '', [], [], 0.0
-    if not device_profile:
-        calibration = calibrate_here(params, profiles, device.model.parallelism)
-        configs = planner.search(profiles, batch_size, num_devices, device,
-                                 calibration=calibration)
-        best = planner.best_fitting(configs, device.memory)
-        begin = time.perf_counter()
-        candidates = planner.measurement_candidates(configs, CANDIDATES)
-        seconds = measure_candidates(params, candidates)
-        pick = planner.pick_measured(candidates, seconds, PICK_TOLERANCE)
-        measuring = time.perf_counter() - begin
-        measured = _measured_report(candidates, seconds, pick, measuring)
-        best = candidates[pick]
-    print(f'{len(profiles)} layers profiled on {task.pipe.devices[0]}, batch {batch_size}; '
-          f'{len(configs)} configurations simulated for up to {num_devices} devices'
-          + (f', budget {_mib(device.memory)} per device' if device.memory else ''))
-    print(calibration.describe())
-    print(planner.format_table(configs))
-    if measured:
-        print(measured)
-    print(f'best: K={best.num_cells} M={best.num_micro_batches} recompute={best.recompute} '
-          f'schedule={best.schedule}: predicted {1e3 * best.step_time:.2f} ms/step, bubble '
-          f'{best.bubble:.2f}, peak {_mib(max(best.peak_bytes))}')
-    print(best.shell_flag())
-    print_memory_prediction(params, task, profiles)
-    if logdir:
-        os.makedirs(logdir, exist_ok=True)
-        gin_path = os.path.join(logdir, PLAN_GIN_FILE)
-        with open(gin_path, 'w') as f:
-            f.write(best.gin_text())
-        print(f'wrote {gin_path} (the same as --gin_file={gin_path})')
-        report = {'batch_size': batch_size, 'num_devices': num_devices,
-                  'device_memory': device.memory, 'device_model': dataclasses.asdict(device.model),
-                  'calibration': dataclasses.asdict(calibration),
-                  'layers': [p.to_json() for p in profiles],
-                  'best': best.to_json(), 'params_override': best.params_override(),
-                  'configs': [c.to_json() for c in configs],
-                  'measured': [{'config': c.to_json(), 'step_seconds': s}
-                               for c, s in zip(candidates, seconds)],
-                  'measuring_seconds': measuring}
-        path = os.path.join(logdir, PLAN_FILE)
-        with open(path, 'w') as f:
-            json.dump(report, f, indent=1)
-        print(f'wrote {path}')
+          f'epoch, a long document later in the stream): up to {mib(host.refill_bound)}')
 
 
 def _relative_difference(a: np.ndarray, b: np.ndarray, floor: float = 0.0) -> float:

@@ -162,10 +162,11 @@ def _set_data_dir(params) -> None:
 
 
 def _run_inspect_mode(params) -> int:
-    """inspect_model / inspect_pipeline / check_pipeline (trainer/inspect_modes.py)."""
+    """inspect_model / check_pipeline (trainer/inspect_modes.py) / inspect_pipeline
+    (trainer/plan_mode.py)."""
     import tensorflow as tf
     from tfpipe.tuning import planner
-    from trainer import inspect_modes
+    from trainer import inspect_modes, plan_mode
     if FLAGS.mode == 'inspect_model':
         inspect_modes.inspect_model(params)
         return 0
@@ -178,9 +179,9 @@ def _run_inspect_mode(params) -> int:
                                            or tf.config.list_logical_devices('CPU'))
     if num_devices < 1:
         raise UsageError(f'--num_devices={num_devices}: plan for at least one device')
-    inspect_modes.inspect_pipeline(params, num_devices, memory, FLAGS.device_profile,
-                                   tf.config.threading.get_intra_op_parallelism_threads(),
-                                   FLAGS.logdir)
+    plan_mode.inspect_pipeline(params, num_devices, memory, FLAGS.device_profile,
+                               tf.config.threading.get_intra_op_parallelism_threads(),
+                               FLAGS.logdir)
     return 0
 
 

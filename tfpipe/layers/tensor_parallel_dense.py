@@ -97,6 +97,12 @@ class _ParallelDense(BaseLayer):
         return [theta[shard_name(name, t, size)] for t in range(size)]
 
     @classmethod
+    def TensorParallelWidths(cls, p) -> list[int]:
+        """The width T must divide: w's split axis (tfpipe/tuning/tensor_split.py asks, to
+        plan which T the model allows)."""
+        return [p.output_dim if cls.AXIS == 1 else p.input_dim]
+
+    @classmethod
     def FPropMeta(cls, p, x_shape):
         x_shape = tf.TensorShape(x_shape)
         rows = math.prod(x_shape[:-1].as_list())
@@ -181,6 +187,11 @@ class ParallelMLP(BaseLayer):
         p.Define('activation', 'relu', f'Of the hidden layer: one of {activations.NAMES}.')
         p.Define('keep_prob', 1.0, 'Dropout keep probability on the hidden layer.')
         return p
+
+    @classmethod
+    def TensorParallelWidths(cls, p) -> list[int]:
+        """The width T must divide: the split hidden layer (tfpipe/tuning/tensor_split.py)."""
+        return [p.hidden_dim]
 
     def __init__(self, params, parent=None):
         super().__init__(params, parent)

@@ -108,24 +108,32 @@ class MeasuredRun:
 
 def cell_costs(profiles: Sequence[LayerProfile], balance: Sequence[int],
                num_micro_batches: int, batch_size: int, recompute: str,
-               calibration: Calibration = Calibration()) -> list[simulator.CellCosts]:
+               calibration: Calibration = Calibration(),
+               tensor_parallel: int = 1) -> list[simulator.CellCosts]:
     """Per-micro-batch costs of each cell of one configuration.
 
     Memory (bytes, an estimate from layer inputs and outputs): static = weights,
     optimizer slots and the gradient sums; stash = the cell input when
     recomputing, else every layer's input and output; working = the
     activations of one forward (recompute) plus one set of weight gradients.
+
+    With `tensor_parallel` T, the split share of each layer's per-example
+    compute, weights and slots is divided by T (`LayerProfile.per_device`: the
+    cell's home device, which also keeps every layer that is not split and the
+    activations between layers), and every forward and backward runs the split
+    units' all-reduces of their outputs among the T devices.
     """
     b = batch_size / num_micro_batches
+    t = tensor_parallel
     flags = recompute_flags(recompute, len(balance))
     cells = []
     for (start, stop), recomputes in zip(partition.cell_ranges(balance), flags):
         layers = profiles[start:stop]
-        forward = sum(p.forward.per_example * b for p in layers)
+        forward = sum(p.forward.per_example * b * p.per_device(t) for p in layers)
         forward_fixed = sum(p.forward.fixed for p in layers)
-        backward = sum(p.backward.per_example * b for p in layers)
+        backward = sum(p.backward.per_example * b * p.per_device(t) for p in layers)
         backward_fixed = sum(p.backward.fixed for p in layers)
-        params = sum(p.param_bytes for p in layers)
+        params = sum(p.param_bytes * p.per_device(t) for p in layers)
         activations = b * sum(p.input_bytes_per_example + p.output_bytes_per_example
                               for p in layers)
         cell_input = b * layers[0].input_bytes_per_example
@@ -136,18 +144,37 @@ def cell_costs(profiles: Sequence[LayerProfile], balance: Sequence[int],
         if recomputes:  # runs inside the backward task, calibrated with it
             time[schedule.RECOMPUTE] = calibration.backward_time(forward, forward_fixed)
         cells.append(simulator.CellCosts(
-            time=time, static_bytes=2 * params + sum(p.slot_bytes for p in layers),
+            time=time,
+            static_bytes=2 * params + sum(p.slot_bytes * p.per_device(t) for p in layers),
             stash_bytes=cell_input if recomputes else activations,
             working_bytes=(activations if recomputes else 0.0) + params,
-            output_bytes=b * layers[-1].output_bytes_per_example))
+            output_bytes=b * layers[-1].output_bytes_per_example, devices=t,
+            width=_width(layers, t),
+            collectives=sum(p.all_reduces for p in layers),
+            collective_bytes=b * sum(p.all_reduces * p.output_bytes_per_example
+                                     for p in layers)))
     return cells
 
 
+def _width(layers: Sequence[LayerProfile], tensor_parallel: int) -> float:
+    """The cores a cell of T devices keeps busy on average: its compute on all T devices
+    over its compute on the home device (T for split layers alone, 1 for none)."""
+    whole = sum(p.forward.per_example + p.backward.per_example for p in layers)
+    home = sum((p.forward.per_example + p.backward.per_example) * p.per_device(tensor_parallel)
+               for p in layers)
+    return whole / home if home > 0 else 1.0
+
+
 def balance_for(profiles: Sequence[LayerProfile], num_cells: int, micro: float,
-                calibration: Calibration = Calibration()) -> list[int]:
-    """The balance the planner uses: solve_balance on calibrated time at micro-batch `micro`."""
-    costs = [calibration.forward_time(p.forward.per_example * micro, p.forward.fixed)
-             + calibration.backward_time(p.backward.per_example * micro, p.backward.fixed)
+                calibration: Calibration = Calibration(), tensor_parallel: int = 1
+                ) -> list[int]:
+    """The balance the planner uses: solve_balance on calibrated time at micro-batch `micro`
+    (at T, split compute divided by T)."""
+    t = tensor_parallel
+    costs = [calibration.forward_time(p.forward.per_example * micro * p.per_device(t),
+                                      p.forward.fixed)
+             + calibration.backward_time(p.backward.per_example * micro * p.per_device(t),
+                                         p.backward.fixed)
              for p in profiles]
     return partition.solve_balance(costs, num_cells)
 
@@ -337,8 +364,10 @@ def calibrate(profiles: Sequence[LayerProfile], runs: Sequence[MeasuredRun], bat
 def simulate(profiles: Sequence[LayerProfile], balance: Sequence[int], num_micro_batches: int,
              batch_size: int, recompute: str, schedule_name: str,
              device: simulator.DeviceModel,
-             calibration: Calibration = Calibration()) -> simulator.Result:
+             calibration: Calibration = Calibration(),
+             tensor_parallel: int = 1) -> simulator.Result:
     """One configuration's pipeline played by the simulator (without the step overhead)."""
-    costs = cell_costs(profiles, balance, num_micro_batches, batch_size, recompute, calibration)
+    costs = cell_costs(profiles, balance, num_micro_batches, batch_size, recompute, calibration,
+                       tensor_parallel)
     return simulator.simulate(SCHEDULES[schedule_name](len(balance), num_micro_batches), costs,
                               calibration.device(device))

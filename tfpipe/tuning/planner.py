@@ -38,23 +38,42 @@ class DeviceProfile:
 
 @dataclasses.dataclass
 class Config:
-    """One candidate and its prediction."""
+    """One configuration and its prediction (step_time, bubble, peak_bytes, fits; left at
+    their defaults for a configuration that is only to be measured, such as the model's
+    own). A balance of None leaves the partition of num_cells to the model."""
 
     num_cells: int
     balance: list[int]
     num_micro_batches: int
     recompute: str
     schedule: str
-    step_time: float
-    bubble: float
-    peak_bytes: list[float]
+    step_time: float = 0.0
+    bubble: float = 0.0
+    peak_bytes: list[float] = dataclasses.field(default_factory=list)
     fits: bool = True
+    tensor_parallel: int = 1
 
     def overrides(self, prefix: str = 'task.pipeline') -> dict[str, Any]:
-        """The model params this configuration sets, by path."""
-        return {f'{prefix}.num_cells': self.num_cells, f'{prefix}.balance': list(self.balance),
-                f'{prefix}.num_micro_batches': self.num_micro_batches,
-                f'{prefix}.recompute': self.recompute, f'{prefix}.schedule': self.schedule}
+        """The model params this configuration sets, by path (T only when it splits
+        layers, so a plan without tensor parallelism applies to any model)."""
+        balance = None if self.balance is None else list(self.balance)
+        out = {f'{prefix}.num_cells': self.num_cells, f'{prefix}.balance': balance,
+               f'{prefix}.num_micro_batches': self.num_micro_batches,
+               f'{prefix}.recompute': self.recompute, f'{prefix}.schedule': self.schedule}
+        if self.tensor_parallel != 1:
+            out[f'{prefix}.tensor_parallel'] = self.tensor_parallel
+        return out
+
+    @property
+    def devices(self) -> int:
+        """Devices one replica of this configuration uses: K cells of T devices each."""
+        return self.num_cells * self.tensor_parallel
+
+    def describe(self) -> str:
+        """'K=2 M=4 recompute=always schedule=1f1b' (and T when it is not 1)."""
+        tensor = f' T={self.tensor_parallel}' if self.tensor_parallel != 1 else ''
+        return (f'K={self.num_cells}{tensor} M={self.num_micro_batches} '
+                f'recompute={self.recompute} schedule={self.schedule}')
 
     def params_override(self, prefix: str = 'task.pipeline') -> str:
         """The --params_override text that applies this configuration to a model: strings
@@ -114,30 +133,37 @@ def search(profiles: Sequence[LayerProfile], batch_size: int, num_devices: int,
            recompute: Sequence[str] = RECOMPUTE_POLICIES,
            schedules: Sequence[str] = tuple(SCHEDULES),
            calibration: Calibration = Calibration(),
-           cells: Optional[Sequence[int]] = None) -> list[Config]:
-    """Every configuration with K <= num_devices cells, sorted: fitting ones first, then by time.
+           cells: Optional[Sequence[int]] = None,
+           tensor_parallel: Sequence[int] = (1,)) -> list[Config]:
+    """Every configuration of K cells of T devices each with K*T <= num_devices, sorted:
+    fitting ones first, then by time.
 
     Balance comes from partition.solve_balance on the (calibrated) profiled
     time at the micro-batch size, so cells are balanced by what they will
     really cost. A step's time is the simulated pipeline plus the calibration's
-    step overhead.
+    step overhead. `tensor_parallel` are the T to try (`tensor_split.
+    tensor_parallel_degrees` says which the model allows); a cell of T devices
+    computes the split share of its layers at 1/T, holds 1/T of their weights and
+    slots on each device, and all-reduces activations among its T devices
+    (`calibration.cell_costs`).
     """
     results = []
-    ks = cells or range(1, min(num_devices, len(profiles)) + 1)
-    for k in ks:
-        for m in sorted({min(m, batch_size) for m in micro_batches}):
-            balance = balance_for(profiles, k, batch_size / m, calibration)
-            for policy in recompute:
-                for name in schedules:
-                    r = simulate(profiles, balance, m, batch_size, policy, name, device.model,
-                                 calibration)
-                    peak = [float(p) for p in r.peak_bytes]
-                    fits = device.memory is None or max(peak) <= device.memory
-                    results.append(Config(k, balance, m, policy, name,
-                                          float(r.step_time) + calibration.step_overhead,
-                                          float(r.bubble), peak, fits))
+    for t in tensor_parallel:
+        ks = cells or range(1, min(num_devices // t, len(profiles)) + 1)
+        for k in (k for k in ks if k * t <= num_devices):
+            for m in sorted({min(m, batch_size) for m in micro_batches}):
+                balance = balance_for(profiles, k, batch_size / m, calibration, t)
+                for policy in recompute:
+                    for name in schedules:
+                        r = simulate(profiles, balance, m, batch_size, policy, name,
+                                     device.model, calibration, t)
+                        peak = [float(p) for p in r.peak_bytes]
+                        fits = device.memory is None or max(peak) <= device.memory
+                        results.append(Config(k, balance, m, policy, name,
+                                              float(r.step_time) + calibration.step_overhead,
+                                              float(r.bubble), peak, fits, t))
     # Ties (equal to the microsecond) go to fewer devices, fewer micro-batches, less memory.
-    results.sort(key=lambda c: (not c.fits, round(c.step_time, 6), c.num_cells,
+    results.sort(key=lambda c: (not c.fits, round(c.step_time, 6), c.devices, c.num_cells,
                                 c.num_micro_batches, max(c.peak_bytes)))
     return results
 
@@ -160,25 +186,28 @@ def measurement_candidates(configs: Sequence[Config], count: int) -> list[Config
 
     In this order, each the best predicted fitting configuration of its kind: on one
     cell without recompute if that fits (no pipeline, no hand-over, no second forward:
-    the baseline a pipeline must beat); of any kind;
+    the baseline a pipeline must beat); of any kind; with cells of T > 1 devices (when
+    searched: logical CPUs sharing cores make tensor parallelism the hardest to predict);
     whose cells work at once (K > 1 and M > 1, the one way to more than one core's
     worth); the same on the fewest cells (the least hand-over and per-task cost); then
-    the best of each further K. Predictions of logical CPUs sharing cores go wrong most
-    between these kinds, while they order configurations of one kind well enough.
+    the best of each further (K, T). Predictions of logical CPUs sharing cores go wrong
+    most between these kinds, while they order configurations of one kind well enough.
     Configurations that run alike are measured once.
     """
     fitting = [c for c in configs if c.fits]
     overlapping = [c for c in fitting if c.num_cells > 1 and c.num_micro_batches > 1]
     fewest = min((c.num_cells for c in overlapping), default=None)
     one_cell = [c for c in fitting if c.num_cells == 1]
-    plain = [c for c in one_cell if c.recompute == 'never'] or one_cell
-    kinds = (plain[:1] + fitting[:1] + overlapping[:1]
+    plain = ([c for c in one_cell if c.recompute == 'never' and c.tensor_parallel == 1]
+             or [c for c in one_cell if c.recompute == 'never'] or one_cell)
+    split = [c for c in fitting if c.tensor_parallel > 1]
+    kinds = (plain[:1] + fitting[:1] + split[:1] + overlapping[:1]
              + [c for c in overlapping if c.num_cells == fewest][:1])
-    ks = {c.num_cells for c in kinds}
+    shapes = {(c.num_cells, c.tensor_parallel) for c in kinds}
     for config in fitting:
-        if config.num_cells not in ks:
+        if (config.num_cells, config.tensor_parallel) not in shapes:
             kinds.append(config)
-            ks.add(config.num_cells)
+            shapes.add((config.num_cells, config.tensor_parallel))
     picked: list[Config] = []
     for config in kinds:
         if _runs_as(config) not in map(_runs_as, picked):
@@ -191,7 +220,8 @@ def _runs_as(config: Config) -> tuple:
     one cell 'never' and 'except_last'; on one cell or one micro-batch every schedule)."""
     plays = config.schedule if config.num_cells > 1 and config.num_micro_batches > 1 else ''
     return (tuple(config.balance), config.num_micro_batches,
-            tuple(recompute_flags(config.recompute, config.num_cells)), plays)
+            tuple(recompute_flags(config.recompute, config.num_cells)), plays,
+            config.tensor_parallel)
 
 
 def pick_measured(candidates: Sequence[Config], step_seconds: Sequence[Sequence[float]],
@@ -201,23 +231,27 @@ def pick_measured(candidates: Sequence[Config], step_seconds: Sequence[Sequence[
     Each candidate's median step stands for it (load only adds time and comes in bursts
     that interleaving spreads over all of them). Candidates within `tolerance` of the
     fastest median are ties that noise could order either way, so among them the pick is
-    the one that needs least (fewest cells, then fewest micro-batches, then the better
-    prediction): the same pick on every run unless two candidates really differ.
+    the one that needs least (fewest devices, then fewest cells, then fewest
+    micro-batches, then the better prediction): the same pick on every run unless two
+    candidates really differ.
     """
     medians = [statistics.median(s) for s in step_seconds]
     fastest = min(medians)
     ties = [i for i, m in enumerate(medians) if m <= fastest * (1 + tolerance)]
-    return min(ties, key=lambda i: (candidates[i].num_cells, candidates[i].num_micro_batches,
-                                    i))
+    return min(ties, key=lambda i: (candidates[i].devices, candidates[i].num_cells,
+                                    candidates[i].num_micro_batches, i))
 
 
 def format_table(configs: Sequence[Config], limit: int = 8) -> str:
-    """The best few configurations as a text table (step time in ms, peak in MiB)."""
-    lines = [f'{"K":>2} {"M":>3} {"recompute":<11} {"schedule":<10} {"step ms":>8} '
-             f'{"bubble":>6} {"peak MiB/device":<24} fits  balance']
+    """The best few configurations as a text table (step time in ms, peak in MiB; a T
+    column when tensor parallelism was searched)."""
+    tensor = any(c.tensor_parallel != 1 for c in configs)
+    lines = [f'{"K":>2} {"T  " if tensor else ""}{"M":>3} {"recompute":<11} {"schedule":<10} '
+             f'{"step ms":>8} {"bubble":>6} {"peak MiB/device":<24} fits  balance']
     for c in configs[:limit]:
         peaks = '/'.join(f'{p / 2**20:.0f}' for p in c.peak_bytes)
-        lines.append(f'{c.num_cells:>2} {c.num_micro_batches:>3} {c.recompute:<11} '
+        t = f'{c.tensor_parallel:<2} ' if tensor else ''
+        lines.append(f'{c.num_cells:>2} {t}{c.num_micro_batches:>3} {c.recompute:<11} '
                      f'{c.schedule:<10} {1e3 * c.step_time:>8.2f} {c.bubble:>6.2f} '
                      f'{peaks:<24} {"yes" if c.fits else "NO":<5} {c.balance}')
     return '\n'.join(lines)

@@ -20,6 +20,7 @@ from tfpipe.base_layer import apply_layer
 from tfpipe.hyperparams import Params
 from tfpipe.pipeline import microbatch
 from tfpipe.pipeline.executor import float_leaves
+from tfpipe.tuning import tensor_split
 
 
 @dataclasses.dataclass
@@ -46,7 +47,12 @@ class Affine:
 
 @dataclasses.dataclass
 class LayerProfile:
-    """One layer's measured costs. Bytes per example scale with the micro-batch size."""
+    """One layer's measured costs. Bytes per example scale with the micro-batch size.
+
+    Under tensor parallelism (`tensor_split.layer_split`) `split_fraction` of its
+    weights, slots and compute is divided over a cell's T devices, and it runs
+    `all_reduces` all-reduces of its output per micro-batch forward (as many backward).
+    """
 
     name: str
     forward: Affine
@@ -55,6 +61,12 @@ class LayerProfile:
     slot_bytes: float
     input_bytes_per_example: float
     output_bytes_per_example: float
+    split_fraction: float = 0.0
+    all_reduces: int = 0
+
+    def per_device(self, tensor_parallel: int) -> float:
+        """The share of the layer's weights and compute on a cell's home device at T."""
+        return 1.0 - self.split_fraction + self.split_fraction / tensor_parallel
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -192,12 +204,14 @@ def profile_body(body: Sequence[Params], sample: Any, device: str,
     for layer, forward, backward, (in_bytes, out_bytes) in zip(seq.layers, forwards, backwards,
                                                                 shapes):
         variables = layer.trainable_variables
+        split_fraction, all_reduces = tensor_split.layer_split(layer)
         profiles.append(LayerProfile(
             name=layer.params.name, forward=Affine.fit(sizes, forward),
             backward=Affine.fit(sizes, backward),
             param_bytes=float(sum(v.shape.num_elements() * v.dtype.size for v in variables)),
             slot_bytes=slot_bytes_of(optimizer, variables),
-            input_bytes_per_example=in_bytes, output_bytes_per_example=out_bytes))
+            input_bytes_per_example=in_bytes, output_bytes_per_example=out_bytes,
+            split_fraction=split_fraction, all_reduces=all_reduces))
     return profiles
 
 

@@ -43,6 +43,13 @@ class CellCosts:
     `working_bytes` is held only while one of the cell's tasks runs.
     `output_bytes` is what goes to the next cell (activation forward, its
     gradient backward), for link time.
+
+    Tensor parallelism: the cell spans `devices` (T) devices, memory is that of
+    its home device (the fullest), and each forward and each backward task runs
+    `collectives` all-reduces of `collective_bytes` bytes in all among the T
+    (`collective_time`). Under shared cores a running task of the cell counts
+    as `width` tasks: the cores it keeps busy on average (T while it computes a
+    split layer, 1 while it computes one that is not split).
     """
 
     time: dict[str, Number]
@@ -50,6 +57,10 @@ class CellCosts:
     stash_bytes: float = 0.0
     working_bytes: float = 0.0
     output_bytes: float = 0.0
+    devices: int = 1
+    collectives: int = 0
+    collective_bytes: float = 0.0
+    width: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +101,29 @@ class Result:
         return 1 - sum(self.busy) / (len(self.busy) * self.step_time)
 
 
+def collective_time(cell: CellCosts, device: DeviceModel) -> float:
+    """Seconds of one task's all-reduces among the cell's T devices: each pays the hand-over
+    `latency`, and a ring all-reduce sends and receives 2 (T-1)/T of the bytes on every
+    device's link (`bandwidth`; None: free)."""
+    if cell.devices == 1 or not cell.collectives:
+        return 0.0
+    seconds = cell.collectives * device.latency
+    if device.bandwidth:
+        seconds += 2 * (cell.devices - 1) / cell.devices * cell.collective_bytes / device.bandwidth
+    return seconds
+
+
+def _collective_calls(task: Task, cell: CellCosts, phases: set[str]) -> int:
+    """How many times a task runs its cell's forward (or backward) all-reduces: a
+    recompute runs the forward's again, inside the backward unless it is its own task;
+    the weight half of a split backward runs none."""
+    if cell.devices == 1 or task.phase == BACKWARD_WEIGHT:
+        return 0
+    inside = (task.phase in (BACKWARD, BACKWARD_INPUT) and RECOMPUTE not in phases
+              and RECOMPUTE in cell.time)
+    return 2 if inside else 1
+
+
 def _task_time(task: Task, cells: list[CellCosts], phases: set[str]) -> Number:
     """A task's cost; a recompute the schedule does not run as its own task is charged
     to the backward that runs it, and a split backward without its own costs gets half
@@ -104,8 +138,9 @@ def _task_time(task: Task, cells: list[CellCosts], phases: set[str]) -> Number:
     return cost
 
 
-def _share(parallelism: Optional[Number], running: int) -> Number:
-    """The speed of each of `running` tasks under processor sharing (1: full speed)."""
+def _share(parallelism: Optional[Number], running: Number) -> Number:
+    """The speed of each of `running` tasks (counted by the cores each keeps busy) under
+    processor sharing (1: full speed)."""
     if parallelism is None or parallelism >= running:
         return 1
     if isinstance(parallelism, int):
@@ -131,8 +166,13 @@ def simulate(sched: Schedule, cells: list[CellCosts], device: DeviceModel = Devi
     phases = {task.phase for order in orders for task in order}
     last_backward = BACKWARD_WEIGHT if BACKWARD_WEIGHT in phases else BACKWARD
     speed = 1 if device.speed == 1 else device.speed  # keeps Fraction costs exact
-    work = {task: _task_time(task, cells, phases) / speed
-            for order in orders for task in order}
+    work = {}
+    for order in orders:
+        for task in order:
+            work[task] = _task_time(task, cells, phases) / speed
+            calls = _collective_calls(task, cells[task.cell], phases)
+            if calls:  # (only then: 0.0 would turn exact Fraction costs into floats)
+                work[task] += calls * collective_time(cells[task.cell], device)
     cursor = [0] * num_devices
     start: dict[Task, Number] = {}
     end: dict[Task, Number] = {}
@@ -180,7 +220,9 @@ def simulate(sched: Schedule, cells: list[CellCosts], device: DeviceModel = Devi
                                    'another device runs later; check it with schedule.validate')
             now = min(waiting)
             continue
-        rate = _share(device.parallelism, len(remaining))
+        running = sum(cells[t.cell].width for t in remaining)
+        # (a whole number as an int: keeps Fraction costs exact)
+        rate = _share(device.parallelism, int(running) if running == int(running) else running)
         step = min([min(remaining.values()) / rate] + [w - now for w in waiting])
         now = now + step
         for task in list(remaining):

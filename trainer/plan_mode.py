@@ -1,0 +1,195 @@
+"""The trainer's inspect_pipeline mode: the model's real training step as the planner's
+measuring function, and the plan that comes back printed and written to --logdir.
+
+The planning itself (search, calibration, candidates, pick) is tfpipe/tuning/planning.py;
+this module only knows how to run a configuration of this model (`StepMeasurer`) and how
+to report a `planning.Plan`.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import tempfile
+import time
+from typing import Optional
+
+from tfpipe.hyperparams import Params
+from tfpipe.tuning import planner, planning, tensor_split, timeline
+from tfpipe.tuning.calibration import MeasuredRun
+from trainer import inspect_modes
+
+PLAN_FILE = 'inspect_pipeline.json'
+PLAN_GIN_FILE = 'inspect_pipeline.gin'
+
+
+def configured_pipeline(task) -> planner.Config:
+    """The model's own pipeline (its balance as partitioned) as a configuration to measure."""
+    pipe = task.pipe
+    return planner.Config(len(pipe.balance), list(pipe.balance), pipe.params.num_micro_batches,
+                          pipe.params.recompute, pipe.params.schedule,
+                          tensor_parallel=(pipe.params.tensor_parallel or 1)
+                          if 'tensor_parallel' in pipe.params else 1)
+
+
+def warm_up(trainer, batch, record: bool) -> None:
+    """Traces and warms up the plain step, or the recorded one."""
+    step = trainer._recorded_step if record else trainer._step  # noqa: SLF001 - the real step
+    for _ in range(2):
+        step(batch)[0].numpy()
+
+
+def timed_steps(trainer, batch, steps: int, record: bool
+                ) -> tuple[list[timeline.Timeline], list[float]]:
+    """Wall seconds of `steps` training steps and, with `record`, timelines of as many
+    recorded ones alternating with them, so both see the same load."""
+    lines, walls = [], []
+    for _ in range(steps):
+        begin = time.perf_counter()
+        trainer._step(batch)[0].numpy()  # noqa: SLF001 - the trainer's real step
+        walls.append(time.perf_counter() - begin)
+        if record:
+            stamps = trainer._recorded_step(batch)[-1].numpy()  # noqa: SLF001
+            lines.append(timeline.Timeline.from_stamps(trainer._recorder,  # noqa: SLF001
+                                                       stamps))
+    return lines, walls
+
+
+@dataclasses.dataclass
+class _Run:
+    trainer: object
+    batch: object
+    train_dir: tempfile.TemporaryDirectory
+    recorded_warm: bool = False
+
+
+class StepMeasurer:
+    """`planning.Measure` for this model: `measure(config, steps, record)` runs the model's
+    training step (pipeline, loss, gradient norm, update) with `config`'s overrides, as
+    one replica on its share of the batch with one virtual stage (the pipeline the
+    planner plays), in a throwaway train dir: the logdir is never touched.
+
+    A configuration's trainer is built, traced and warmed up on its first call and kept
+    for the next (candidates are measured in interleaved rounds of a few steps), the
+    `capacity` most recently used of them (None: all); `close` frees them.
+    """
+
+    def __init__(self, params: Params, capacity: Optional[int] = None):
+        self.params = params
+        self.capacity = capacity
+        self._runs: collections.OrderedDict[str, _Run] = collections.OrderedDict()
+
+    def _run(self, config: planner.Config) -> _Run:
+        from trainer import train_job
+
+        key = config.params_override()
+        if key in self._runs:
+            self._runs.move_to_end(key)
+            return self._runs[key]
+        params = self.params.Copy().Set(**config.overrides())
+        params.input.train.batch_size //= params.task.pipeline.num_replicas
+        params.task.pipeline.Set(num_replicas=1, virtual_stages=1)
+        train_dir = tempfile.TemporaryDirectory()
+        trainer = train_job.Trainer(params, train_dir.name, train_job.RuntimeOptions())
+        run = _Run(trainer, next(trainer.iterator), train_dir)
+        warm_up(trainer, run.batch, record=False)
+        self._runs[key] = run
+        while self.capacity is not None and len(self._runs) > self.capacity:
+            self._runs.popitem(last=False)[1].train_dir.cleanup()
+        return run
+
+    def __call__(self, config: planner.Config, steps: int, record: bool) -> MeasuredRun:
+        run = self._run(config)
+        if record and not run.recorded_warm:
+            warm_up(run.trainer, run.batch, record=True)
+            run.recorded_warm = True
+        lines, walls = timed_steps(run.trainer, run.batch, steps, record)
+        pipe = run.trainer.task.pipe
+        return MeasuredRun(list(pipe.balance), pipe.params.num_micro_batches, lines, walls,
+                           pipe.params.schedule, pipe.params.recompute)
+
+    def close(self) -> None:
+        while self._runs:
+            self._runs.popitem()[1].train_dir.cleanup()
+
+    def __enter__(self) -> 'StepMeasurer':
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _device(num_devices: int, device_memory: Optional[float], device_profile: str,
+            intra_op_threads: int) -> planner.DeviceProfile:
+    if device_profile:
+        device = planner.parse_device_profile(device_profile)
+    else:
+        device = planner.DeviceProfile(planner.simulator.DeviceModel(
+            parallelism=planner.local_parallelism(intra_op_threads)))
+    if device_memory is not None:
+        device = dataclasses.replace(device, memory=device_memory)
+    return device
+
+
+def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[float],
+                     device_profile: str, intra_op_threads: int,
+                     logdir: Optional[str]) -> None:
+    """Profiles the body, hands `planning.plan` this model's measuring function (when
+    planning for this machine's logical CPUs; for other devices, `device_profile`, the
+    profile alone decides), prints the plan and writes it to `logdir`. A budget no
+    configuration fits is a ValueError (exit 2) raised before anything is measured or
+    written."""
+    device = _device(num_devices, device_memory, device_profile, intra_op_threads)
+    task = params.task.Instantiate()
+    inspect_modes.print_placement(task.pipe)
+    batch_size = params.input.train.batch_size
+    max_m = min(max(planner.MICRO_BATCHES), batch_size)
+    profiles = inspect_modes.profile_model(params, task, max_m)
+    replicas = params.task.pipeline.num_replicas
+    degrees = tensor_split.tensor_parallel_degrees(params.task.pipeline,
+                                                   num_devices // replicas)
+    with StepMeasurer(params, capacity=planning.CANDIDATES) as measure:
+        plan = planning.plan(profiles, batch_size, num_devices, device,
+                             configured_pipeline(task), None if device_profile else measure,
+                             replicas, tensor_parallel=degrees)
+    best = plan.best
+    print(f'{len(profiles)} layers profiled on {task.pipe.devices[0]}, batch {batch_size}; '
+          f'{len(plan.configs)} configurations simulated for up to {num_devices} devices'
+          + (f' ({replicas} replicas of K x T <= {num_devices // replicas})' if replicas > 1
+             else '')
+          + (f', T in {degrees}' if degrees != [1] else '')
+          + (f', budget {inspect_modes.mib(device.memory)} per device' if device.memory
+             else ''))
+    print(plan.calibration.describe())
+    print(planner.format_table(plan.configs))
+    if plan.candidates:
+        print(plan.describe_measured())
+    print(f'best: {best.describe()}: predicted {1e3 * best.step_time:.2f} ms/step, bubble '
+          f'{best.bubble:.2f}, peak {inspect_modes.mib(max(best.peak_bytes))}')
+    print(best.shell_flag())
+    inspect_modes.print_memory_prediction(params, task, profiles)
+    if logdir:
+        _write(logdir, params, num_devices, device, profiles, plan)
+
+
+def _write(logdir: str, params: Params, num_devices: int, device: planner.DeviceProfile,
+           profiles, plan: planning.Plan) -> None:
+    """inspect_pipeline.gin (the pick as --gin_file) and inspect_pipeline.json (everything)."""
+    os.makedirs(logdir, exist_ok=True)
+    gin_path = os.path.join(logdir, PLAN_GIN_FILE)
+    with open(gin_path, 'w') as f:
+        f.write(plan.best.gin_text())
+    print(f'wrote {gin_path} (the same as --gin_file={gin_path})')
+    report = {'batch_size': params.input.train.batch_size, 'num_devices': num_devices,
+              'device_memory': device.memory, 'device_model': dataclasses.asdict(device.model),
+              'calibration': dataclasses.asdict(plan.calibration),
+              'layers': [p.to_json() for p in profiles],
+              'best': plan.best.to_json(), 'params_override': plan.best.params_override(),
+              'configs': [c.to_json() for c in plan.configs],
+              'measured': plan.measured_json(),
+              'measuring_seconds': plan.measuring_seconds}
+    path = os.path.join(logdir, PLAN_FILE)
+    with open(path, 'w') as f:
+        json.dump(report, f, indent=1)
+    print(f'wrote {path}')
