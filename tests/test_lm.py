@@ -67,21 +67,38 @@ def reference_loss_and_grads(task, batch):
     return loss, tape.gradient(loss, task.theta)
 
 
+_reference = {}
+
+
+def reference_for(task, batch):
+    """reference_loss_and_grads at the (deterministic) initial weights, computed once per
+    module; the caller checks that its task starts from those weights."""
+    if not _reference:
+        ref_loss, ref_grads = reference_loss_and_grads(task, batch)
+        _reference.update(
+            initial=[v.numpy() for v in tf.nest.flatten(task.theta)], loss=ref_loss.numpy(),
+            grads=[tf.convert_to_tensor(g).numpy() for g in tf.nest.flatten(ref_grads)])
+    return _reference
+
+
 @pytest.mark.parametrize('num_cells', [1, 2, 4])
 @pytest.mark.parametrize('num_micro_batches', [1, 3])
 def test_pipelined_loss_and_gradients_equal_unpartitioned(num_cells, num_micro_batches):
     task = lm_task(num_cells, num_micro_batches)
     assert len({cell.device for cell in task.pipe.cells}) == num_cells
     batch = generated_batch()
+    ref = reference_for(task, batch)
+    initial = tf.nest.flatten(task.theta)
+    assert len(initial) == len(ref['initial'])
+    for v, r in zip(initial, ref['initial']):  # the reference's weights: it applies
+        np.testing.assert_array_equal(v.numpy(), r)
     with fprop_context.training(step=1):
         loss, grads = task.ForwardBackward(task.theta, batch)
-    ref_loss, ref_grads = reference_loss_and_grads(task, batch)
-    np.testing.assert_allclose(loss.numpy(), ref_loss.numpy(), rtol=1e-9)
-    flat, ref_flat = tf.nest.flatten(grads), tf.nest.flatten(ref_grads)
-    assert len(flat) == len(ref_flat)
-    for g, r in zip(flat, ref_flat):
-        np.testing.assert_allclose(tf.convert_to_tensor(g).numpy(),
-                                   tf.convert_to_tensor(r).numpy(), rtol=1e-7, atol=1e-12)
+    np.testing.assert_allclose(loss.numpy(), ref['loss'], rtol=1e-9)
+    flat = tf.nest.flatten(grads)
+    assert len(flat) == len(ref['grads'])
+    for g, r in zip(flat, ref['grads']):
+        np.testing.assert_allclose(tf.convert_to_tensor(g).numpy(), r, rtol=1e-7, atol=1e-12)
 
 
 def token_losses(task, batch):
