@@ -58,6 +58,47 @@ def trained_4_steps_two_replicas(tmp_path_factory, data_dir):
                          th.overrides(**{'task.pipeline.num_replicas': 2}))
 
 
+@pytest.fixture(scope='session')
+def lm_trained(tmp_path_factory):
+    """lm.pystdlib.TinyTransformerLM (K=2, M=2) trained its default 300 steps on the
+    standard library, with its evaler on dev and decoder on test in the same process.
+    tests/test_lm_trainer.py reads it; tests/test_export_lm.py exports a copy."""
+    from tests import trainer_helpers as th
+    logdir = str(tmp_path_factory.mktemp('lm') / 'run')
+    result = th.run('lm.pystdlib.TinyTransformerLM', logdir,
+                    str(tmp_path_factory.mktemp('unused_tfds')),
+                    '--job=trainer,evaler_dev,decoder_test',
+                    '--gin_bindings=trainer.eval_poll_max_seconds=1', timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return th.TrainedRun(logdir, result.stderr)
+
+
+@pytest.fixture(scope='module')
+def processes():
+    """Every process a module's tests start (trainer_helpers.Processes), stopped by PID."""
+    from tests import trainer_helpers as th
+    procs = th.Processes()
+    try:
+        yield procs
+    finally:
+        procs.stop_all()
+
+
+@pytest.fixture(scope='session')
+def clients_r2_exact(tmp_path_factory, data_dir):
+    """The one-process run that 2-client runs must equal: tests.clients_model.SmallConvBNPipe
+    with R=2 replicas (fill_drain, M=2 each) on 4 logical CPUs, 4 steps (checkpoints at 2 and
+    4, loss logged each step), oneDNN off (TF_ENABLE_ONEDNN_OPTS=0: docs/clients.md)."""
+    from tests import trainer_helpers as th
+    logdir = str(tmp_path_factory.mktemp('clients_r2_exact') / 'run')
+    result = th.run('tests.clients_model.SmallConvBNPipe', logdir, data_dir,
+                    *th.fast_flags(4, 2), th.overrides(**{'task.pipeline.num_replicas': 2,
+                                                          'task.pipeline.schedule': 'fill_drain'}),
+                    environ={'TF_ENABLE_ONEDNN_OPTS': '0'})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return th.TrainedRun(logdir, result.stderr)
+
+
 # -- Scheduling for `pytest -n 2` (pytest-xdist) ------------------------------------------
 #
 # xdist's default (`--dist load`) hands tests out one by one in file order. A module whose
@@ -79,8 +120,9 @@ MODULE_GROUPS = {
     'tests/test_clients_input.py': 'clients_exact',
     'tests/test_clients_sharded_optimizer.py': 'clients_sharded',
     'tests/test_cluster_trainer.py': 'cluster_trainer',
-    'tests/test_lm_trainer.py': 'lm_trainer',
-    'tests/test_export_lm.py': 'export_lm',
+    # Both use the LM's 300-step run (session fixture lm_trained).
+    'tests/test_lm_trainer.py': 'lm',
+    'tests/test_export_lm.py': 'lm',
     'tests/test_logdir_experiment.py': 'logdir_experiment',
     'tests/test_export.py': 'export',
     'tests/test_own_models.py': 'own_models',
@@ -96,7 +138,7 @@ MODULE_GROUPS = {
 # Work units (groups, or test ID prefixes of single long tests) to start first, longest
 # first; the rest follow in file order.
 LONGEST_FIRST = [
-    'clients', 'launcher', 'clients_exact', 'lm_trainer', 'clients_sharded', 'export_lm',
+    'clients', 'launcher', 'clients_exact', 'lm', 'clients_sharded',
     'cluster_trainer', 'export', 'logdir_experiment',
     'tests/test_check_pipeline.py::test_check_pipeline_passes_on_registered_models',
     'tests/test_trainer_replicas.py', 'tests/test_trainer.py::test_kill_9',
