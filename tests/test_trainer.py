@@ -131,11 +131,12 @@ def test_transformer_trains_and_decodes(tmp_path, data_dir):
     logdir = str(tmp_path / 'mt')
     model = 'mt.reverse.TransformerPipe'
     # Both jobs in one process (a Transformer's start-up costs seconds): the decoder
-    # decodes the checkpoint the trainer saves at step 2.
+    # decodes the checkpoint the trainer saves at step 2. The time limit is the two
+    # processes' (300 s each) that this one replaces.
     result = th.run(model, logdir, data_dir, '--job=trainer,decoder_test', '--max_steps=2',
                     '--gin_bindings=trainer.save_interval_steps=2',
                     '--gin_bindings=trainer.eval_poll_max_seconds=1',
-                    th.overrides(**{'task.eval.decoder_samples_per_summary': 32}))
+                    th.overrides(**{'task.eval.decoder_samples_per_summary': 32}), timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     with open(os.path.join(logdir, 'decoder_test', 'decoder_out-2.jsonl')) as f:
         records = [json.loads(line) for line in f]
@@ -189,8 +190,8 @@ def standalone_evaler(tmp_path_factory, data_dir, trained_2_steps):
     for suffix in ('.index', '.data-00000-of-00001'):
         with open(os.path.join(train_dir, f'ckpt-9{suffix}'), 'wb') as f:
             f.write(b'half written')
-    result = th.run(th.FAST, logdir, data_dir, '--job=evaler_dev', timeout=120,
-                    *[th.overrides(**{'task.eval.samples_per_summary': 32})])
+    result = th.run(th.FAST, logdir, data_dir, '--job=evaler_dev',
+                    th.overrides(**{'task.eval.samples_per_summary': 32}))
     return logdir, result
 
 
@@ -213,6 +214,6 @@ def test_a_checkpoint_moved_away_falls_back_to_the_previous_one(tmp_path, data_d
 
 
 def test_standalone_evaler_stops_at_the_trainers_last_step(standalone_evaler):
-    logdir, result = standalone_evaler  # it ended (within its timeout) by itself
+    logdir, result = standalone_evaler  # it ended by itself (within th.run's time limit)
     assert result.returncode == 0, result.stderr[-3000:]
     assert os.path.exists(os.path.join(logdir, 'eval_dev', 'score-2.txt'))
