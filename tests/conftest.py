@@ -56,3 +56,125 @@ def trained_4_steps_two_replicas(tmp_path_factory, data_dir):
     return th.train_once(tmp_path_factory.mktemp('trained_4_steps_r2'), data_dir,
                          *th.fast_flags(4, 2),
                          th.overrides(**{'task.pipeline.num_replicas': 2}))
+
+
+@pytest.fixture(scope='session')
+def lm_trained(tmp_path_factory):
+    """lm.pystdlib.TinyTransformerLM (K=2, M=2) trained its default 300 steps on the
+    standard library, with its evaler on dev and decoder on test in the same process.
+    tests/test_lm_trainer.py reads it; tests/test_export_lm.py exports a copy."""
+    from tests import trainer_helpers as th
+    logdir = str(tmp_path_factory.mktemp('lm') / 'run')
+    result = th.run('lm.pystdlib.TinyTransformerLM', logdir,
+                    str(tmp_path_factory.mktemp('unused_tfds')),
+                    '--job=trainer,evaler_dev,decoder_test',
+                    '--gin_bindings=trainer.eval_poll_max_seconds=1', timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return th.TrainedRun(logdir, result.stderr)
+
+
+@pytest.fixture(scope='module')
+def processes():
+    """Every process a module's tests start (trainer_helpers.Processes), stopped by PID."""
+    from tests import trainer_helpers as th
+    procs = th.Processes()
+    try:
+        yield procs
+    finally:
+        procs.stop_all()
+
+
+@pytest.fixture(scope='session')
+def clients_r2_exact(tmp_path_factory, data_dir):
+    """The one-process run that 2-client runs must equal: tests.clients_model.SmallConvBNPipe
+    with R=2 replicas (fill_drain, M=2 each) on 4 logical CPUs, 4 steps (checkpoints at 2 and
+    4, loss logged each step), oneDNN off (TF_ENABLE_ONEDNN_OPTS=0: docs/clients.md)."""
+    from tests import trainer_helpers as th
+    logdir = str(tmp_path_factory.mktemp('clients_r2_exact') / 'run')
+    result = th.run('tests.clients_model.SmallConvBNPipe', logdir, data_dir,
+                    *th.fast_flags(4, 2), th.overrides(**{'task.pipeline.num_replicas': 2,
+                                                          'task.pipeline.schedule': 'fill_drain'}),
+                    environ={'TF_ENABLE_ONEDNN_OPTS': '0'})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return th.TrainedRun(logdir, result.stderr)
+
+
+# -- Scheduling for `pytest -n 2` (pytest-xdist) ------------------------------------------
+#
+# xdist's default (`--dist load`) hands tests out one by one in file order. A module whose
+# tests share a module fixture that starts trainer processes then often has its tests on
+# both workers, and each worker runs the fixture (a minute of CPU for test_clients.py);
+# and a long module that comes last leaves the other worker idle at the end. With the
+# default distribution, this scheduler keeps the modules of MODULE_GROUPS together (one
+# work unit per group, on one worker) and hands out the longest units first, so that the
+# two workers finish together; every other test is its own unit, as with `--dist load`.
+# An explicit --dist other than load is left to xdist.
+
+# Modules whose tests share module fixtures, by group; the groups and LONGEST_FIRST
+# follow measured CPU seconds per test file (a trainer process costs ~8 s of CPU).
+MODULE_GROUPS = {
+    'tests/test_clients.py': 'clients',
+    'tests/test_launcher.py': 'launcher',
+    # Both use the one-process R=2 reference run (session fixture clients_r2_exact).
+    'tests/test_tf_config_clients.py': 'clients_exact',
+    'tests/test_clients_input.py': 'clients_exact',
+    'tests/test_clients_sharded_optimizer.py': 'clients_sharded',
+    'tests/test_cluster_trainer.py': 'cluster_trainer',
+    # Both use the LM's 300-step run (session fixture lm_trained).
+    'tests/test_lm_trainer.py': 'lm',
+    'tests/test_export_lm.py': 'lm',
+    'tests/test_logdir_experiment.py': 'logdir_experiment',
+    'tests/test_export.py': 'export',
+    'tests/test_own_models.py': 'own_models',
+    'tests/test_ray.py': 'ray',
+    'tests/test_slurm.py': 'slurm',
+    'tests/test_docs.py': 'docs',
+    'tests/test_trainer_bad_input.py': 'trainer_bad_input',
+    'tests/test_eval_every_example.py': 'eval_every_example',
+    'tests/test_keras_pipeline.py': 'keras_pipeline',
+    'tests/test_lm_generation.py': 'lm_generation',
+    'tests/test_pipeline_timeline.py': 'pipeline_timeline',
+}
+# Work units (groups, or test ID prefixes of single long tests) to start first, longest
+# first; the rest follow in file order.
+LONGEST_FIRST = [
+    'clients', 'launcher', 'clients_exact', 'lm', 'clients_sharded',
+    'cluster_trainer', 'export', 'logdir_experiment',
+    'tests/test_check_pipeline.py::test_check_pipeline_passes_on_registered_models',
+    'tests/test_trainer_replicas.py', 'tests/test_trainer.py::test_kill_9',
+    'tests/test_trainer.py::test_train_then_evaler', 'own_models', 'ray', 'docs',
+    'trainer_bad_input', 'slurm',
+]
+
+
+def _rank(unit: str) -> int:
+    """A group's place in LONGEST_FIRST, or a test's by its ID's prefix there."""
+    return next((i for i, first in enumerate(LONGEST_FIRST)
+                 if unit == first or first.startswith('tests/') and unit.startswith(first)),
+                len(LONGEST_FIRST))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue('dist') != 'load':
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupedLongestFirst(LoadScopeScheduling):
+        """xdist's scope scheduling with MODULE_GROUPS as the scopes (other tests: one
+        each), the units ordered by LONGEST_FIRST, then by file order."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return MODULE_GROUPS.get(nodeid.split('::', 1)[0], nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            if not getattr(self, '_ordered', False):  # the first call: the queue is complete
+                position = {nodeid: i for i, nodeid in enumerate(self.collection)}
+                units = sorted(self.workqueue.items(), key=lambda unit: (
+                    _rank(unit[0]), position[next(iter(unit[1]))]))
+                self.workqueue.clear()
+                self.workqueue.update(units)
+                self._ordered = True
+            super()._assign_work_unit(node)
+
+    return GroupedLongestFirst(config, log)

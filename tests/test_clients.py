@@ -31,34 +31,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Processes:
-    """Every process a test starts, stopped by its PID at the end."""
-
-    def __init__(self):
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, cmd: list[str], env: dict = None) -> subprocess.Popen:
-        proc = subprocess.Popen(cmd, env={**th.env(), **(env or {})}, cwd=th.REPO,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.procs.append(proc)
-        return proc
-
-    def stop_all(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-
-
-@pytest.fixture(scope='module')
-def processes():
-    procs = Processes()
-    try:
-        yield procs
-    finally:
-        procs.stop_all()
-
-
 def client_command(logdir: str, data_dir: str, spec: str, task: int, *flags: str) -> list[str]:
     cmd = th.command(MODEL, logdir, data_dir, *flags, f'--task={task}',
                      f'--cluster_spec={spec}')
@@ -70,7 +42,7 @@ def spec_of(count: int) -> str:
     return 'trainer=' + ','.join(f'127.0.0.1:{free_port()}' for _ in range(count))
 
 
-def start_clients(processes: Processes, logdirs, data_dir: str, *flags: str,
+def start_clients(processes: th.Processes, logdirs, data_dir: str, *flags: str,
                   spec: str = None) -> list[subprocess.Popen]:
     spec = spec or spec_of(len(logdirs))
     return [processes.start(client_command(logdir, data_dir, spec, task, *flags))

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tests import trainer_helpers as th
-from tests.test_clients import MODEL, Processes, client_command, finish, spec_of
+from tests.test_clients import MODEL, client_command, finish, spec_of
 from tfpipe import checkpoints
 
 STEPS = 4
@@ -30,34 +30,28 @@ def _flags(steps: int, **overrides) -> list[str]:
                                                       **overrides})]
 
 
-def _clients(processes: Processes, logdirs: list[str], data_dir: str, steps: int):
+def _clients(processes: th.Processes, logdirs: list[str], data_dir: str, steps: int):
     spec = spec_of(len(logdirs))
     return [processes.start(client_command(logdir, data_dir, spec, task, *_flags(steps)),
-                            env=EXACT)
+                            environ=EXACT)
             for task, logdir in enumerate(logdirs)]
 
 
 @pytest.fixture(scope='module')
-def runs(tmp_path_factory, data_dir):
+def runs(tmp_path_factory, data_dir, processes, clients_r2_exact):
     root = tmp_path_factory.mktemp('clients_input')
-    d = {name: str(root / name) for name in ('reference', 'r2', 'r1', 'r4')}
-    processes = Processes()
-    try:
-        reference = processes.start(th.command(MODEL, d['reference'], data_dir, *_flags(
-            STEPS, **{'task.pipeline.num_replicas': 2})), env=EXACT)
-        r2 = _clients(processes, [d['r2'], str(root / 'r2_other')], data_dir, STEPS // 2)
-        stderr = {'r2': finish(r2)}
-        for name in ('r1', 'r4'):
-            shutil.copytree(d['r2'], d[name])
-        r1 = processes.start(th.command(MODEL, d['r1'], data_dir, *_flags(STEPS)), env=EXACT)
-        r4 = _clients(processes, [d['r4']] + [str(root / f'r4_{t}') for t in (1, 2, 3)],
-                      data_dir, STEPS)
-        stderr['r4'] = finish(r4)
-        stderr['r1'] = finish([r1])
-        finish([reference])
-        yield d, stderr
-    finally:
-        processes.stop_all()
+    d = {name: str(root / name) for name in ('r2', 'r1', 'r4')}
+    d['reference'] = clients_r2_exact.logdir
+    r2 = _clients(processes, [d['r2'], str(root / 'r2_other')], data_dir, STEPS // 2)
+    stderr = {'r2': finish(r2)}
+    for name in ('r1', 'r4'):
+        shutil.copytree(d['r2'], d[name])
+    r1 = processes.start(th.command(MODEL, d['r1'], data_dir, *_flags(STEPS)), environ=EXACT)
+    r4 = _clients(processes, [d['r4']] + [str(root / f'r4_{t}') for t in (1, 2, 3)],
+                  data_dir, STEPS)
+    stderr['r4'] = finish(r4)
+    stderr['r1'] = finish([r1])
+    return d, stderr
 
 
 def _input_bytes(stderr: str) -> tuple[int, int, int]:
@@ -113,7 +107,7 @@ def test_the_2_clients_equal_the_one_process_r2_run(runs):
 
 
 def test_an_r_that_cannot_share_the_micro_batches_exits_2_in_every_client_before_writing(
-        runs, data_dir, tmp_path):
+        runs, data_dir, tmp_path, processes):
     """3 clients on the 2-client checkpoint (4 micro-batches per global batch): the chief
     refuses, and the others, told the checkpoint's split by the chief, refuse alike."""
     d, _ = runs
@@ -121,13 +115,9 @@ def test_an_r_that_cannot_share_the_micro_batches_exits_2_in_every_client_before
     shutil.copytree(d['r2'], chief)
     before = th.snapshot(chief)
     others = [str(tmp_path / f'r3_{t}') for t in (1, 2)]
-    processes = Processes()
-    try:
-        errs = [err for _, err in (proc.communicate(timeout=300) for proc in _clients(
-            processes, [chief] + others, data_dir, STEPS))]
-        codes = [proc.returncode for proc in processes.procs]
-    finally:
-        processes.stop_all()
+    procs = _clients(processes, [chief] + others, data_dir, STEPS)
+    errs = [err for _, err in (proc.communicate(timeout=300) for proc in procs)]
+    codes = [proc.returncode for proc in procs]
     assert codes == [2, 2, 2], [err[-2000:] for err in errs]
     for err, checkpoint in zip(errs, [f'the checkpoint in {chief}/train', "the chief's "
                                       'checkpoint', "the chief's checkpoint"]):

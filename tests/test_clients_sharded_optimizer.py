@@ -19,7 +19,7 @@ import pytest
 import tensorflow as tf
 
 from tests import trainer_helpers as th
-from tests.test_clients import Processes, free_port
+from tests.test_clients import free_port
 
 STEPS = 4
 EXACT = {'TF_ENABLE_ONEDNN_OPTS': '0'}
@@ -32,14 +32,14 @@ def _flags(steps: int, **overrides) -> list[str]:
     return [*th.fast_flags(steps, 2), *([th.overrides(**overrides)] if overrides else [])]
 
 
-def _start_clients(processes: Processes, logdirs, data_dir: str, *flags: str) -> list:
+def _start_clients(processes: th.Processes, logdirs, data_dir: str, *flags: str) -> list:
     spec = 'trainer=' + ','.join(f'127.0.0.1:{free_port()}' for _ in logdirs)
     procs = []
     for task, logdir in enumerate(logdirs):
         cmd = [f'--num_logical_cpus=2' if a.startswith('--num_logical_cpus=') else a
                for a in th.command(th.FAST, logdir, data_dir, *flags)]
         procs.append(processes.start([*cmd, f'--task={task}', f'--cluster_spec={spec}'],
-                                     env=EXACT))
+                                     environ=EXACT))
     return procs
 
 
@@ -53,27 +53,23 @@ def _finish(procs, timeout: float = 400) -> list[str]:
 
 
 @pytest.fixture(scope='module')
-def runs(tmp_path_factory, data_dir):
+def runs(tmp_path_factory, data_dir, processes):
     root = tmp_path_factory.mktemp('sharded_clients')
     d = {name: str(root / name) for name in ('chief', 'other', 'reference', 'unsharded')}
-    processes = Processes()
-    try:
-        first = _start_clients(processes, [d['chief'], d['other']], data_dir,
-                               *_flags(STEPS // 2, **SHARDED))
-        reference = processes.start(th.command(th.FAST, d['reference'], data_dir, *_flags(
-            STEPS, **{'task.pipeline.num_replicas': 2})), env=EXACT)
-        d['first_stderr'] = _finish(first)
-        assert not os.path.exists(d['other'])
-        shutil.copytree(d['chief'], d['unsharded'])
-        os.makedirs(d['other'])  # empty: the non-chief has no access to the chief's logdir
-        second = _start_clients(processes, [d['chief'], d['other']], data_dir,
-                                *_flags(STEPS, **SHARDED))
-        unsharded = processes.start(th.command(th.FAST, d['unsharded'], data_dir, *_flags(
-            STEPS, **{'task.pipeline.num_micro_batches': 4})), env=EXACT)
-        d['second_stderr'] = _finish([*second, unsharded, reference])
-        yield d
-    finally:
-        processes.stop_all()
+    first = _start_clients(processes, [d['chief'], d['other']], data_dir,
+                           *_flags(STEPS // 2, **SHARDED))
+    reference = processes.start(th.command(th.FAST, d['reference'], data_dir, *_flags(
+        STEPS, **{'task.pipeline.num_replicas': 2})), environ=EXACT)
+    d['first_stderr'] = _finish(first)
+    assert not os.path.exists(d['other'])
+    shutil.copytree(d['chief'], d['unsharded'])
+    os.makedirs(d['other'])  # empty: the non-chief has no access to the chief's logdir
+    second = _start_clients(processes, [d['chief'], d['other']], data_dir,
+                            *_flags(STEPS, **SHARDED))
+    unsharded = processes.start(th.command(th.FAST, d['unsharded'], data_dir, *_flags(
+        STEPS, **{'task.pipeline.num_micro_batches': 4})), environ=EXACT)
+    d['second_stderr'] = _finish([*second, unsharded, reference])
+    return d
 
 
 def _state(logdir: str, step: int) -> dict:

@@ -2,8 +2,9 @@
 continues prompts, both loaded without tfpipe and equal to the evaler's per-token
 log-probs and the decoder's greedy continuation (issue 19).
 
-One K=2, M=2 run of lm.pystdlib.TinyTransformerLM (4 steps) is exported once per
-placement and shared by every test here.
+The K=2, M=2 run of lm.pystdlib.TinyTransformerLM that tests/test_lm_trainer.py reads
+(its default 300 steps: the session fixture lm_trained) is exported once per placement
+and shared by every test here.
 """
 import os
 import subprocess
@@ -16,17 +17,16 @@ from tests import export_helpers, trainer_helpers as th
 from tfpipe import checkpoints, fprop_context, lm_inputs
 
 MODEL = 'lm.pystdlib.TinyTransformerLM'  # K=2 (balance [3, 4]), M=2
-STEPS = 4
+STEPS = 300  # the model's default max_steps, which lm_trained runs
 TOL = 1e-5
 
 
 @pytest.fixture(scope='module')
-def lm_run(tmp_path_factory, data_dir):
-    """(logdir, one-device SavedModel, pipelined SavedModel) of a short K=2, M=2 run."""
-    logdir = str(tmp_path_factory.mktemp('lm_export') / 'run')
-    for flags in (['--job=trainer', f'--max_steps={STEPS}'], ['--mode=export'],
-                  ['--mode=export', '--export_placement=pipelined',
-                   f'--export_dir={logdir}/pipelined']):
+def lm_run(tmp_path_factory, data_dir, lm_trained):
+    """(logdir, one-device SavedModel, pipelined SavedModel) of the K=2, M=2 run."""
+    logdir = lm_trained.copy_to(tmp_path_factory.mktemp('lm_export') / 'run')
+    for flags in (['--mode=export'], ['--mode=export', '--export_placement=pipelined',
+                                      f'--export_dir={logdir}/pipelined']):
         result = th.run(MODEL, logdir, data_dir, *flags)
         assert result.returncode == 0, result.stderr[-3000:]
     return logdir, os.path.join(logdir, 'export', str(STEPS)), os.path.join(logdir, 'pipelined')

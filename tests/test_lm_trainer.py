@@ -2,7 +2,8 @@
 
 One trainer run (lm.pystdlib.TinyTransformerLM, its default 300 steps on the
 standard library, with its evaler on dev and decoder on test in the same
-process) is shared by every test here.
+process: the session fixture lm_trained) is shared by every test here and by
+tests/test_export_lm.py.
 """
 import json
 import math
@@ -21,13 +22,9 @@ STEPS = 300
 
 
 @pytest.fixture(scope='module')
-def trained(tmp_path_factory):
-    logdir = str(tmp_path_factory.mktemp('lm') / 'run')
-    result = th.run(MODEL, logdir, str(tmp_path_factory.mktemp('unused_tfds')),
-                    '--job=trainer,evaler_dev,decoder_test',
-                    '--gin_bindings=trainer.eval_poll_max_seconds=1')
-    assert result.returncode == 0, result.stderr[-3000:]
-    return logdir
+def trained(lm_trained):
+    """The run (tests/conftest.py), not changed by these tests."""
+    return lm_trained.logdir
 
 
 def scores(path):

@@ -25,8 +25,7 @@ import time
 import pytest
 
 from tests import trainer_helpers as th
-from tests.test_clients import (CLIENT_CPUS, MODEL, STEPS, Processes, assert_same_run,
-                                finish, free_port)
+from tests.test_clients import CLIENT_CPUS, MODEL, STEPS, assert_same_run, finish, free_port
 from tfpipe import client_agreement, clients
 from tfpipe import cluster as cluster_lib
 
@@ -53,19 +52,11 @@ def train_flags(steps: int = STEPS) -> list[str]:
 
 
 @pytest.fixture(scope='module')
-def processes():
-    procs = Processes()
-    try:
-        yield procs
-    finally:
-        procs.stop_all()
-
-
-@pytest.fixture(scope='module')
-def runs(tmp_path_factory, data_dir, processes):
+def runs(tmp_path_factory, data_dir, processes, clients_r2_exact):
     """chief+worker (+ an evaluator), worker-only, and the one-process R=2 run."""
     root = tmp_path_factory.mktemp('tf_config')
-    d = {name: str(root / name) for name in ('chief', 'worker0', 'w0', 'w1', 'r2')}
+    d = {name: str(root / name) for name in ('chief', 'worker0', 'w0', 'w1')}
+    d['r2'] = clients_r2_exact.logdir
     with_chief = {'chief': addresses(1), 'worker': addresses(1), 'evaluator': addresses(1)}
     workers_only = {'worker': addresses(2)}
     started = [
@@ -77,9 +68,6 @@ def runs(tmp_path_factory, data_dir, processes):
                         {**EXACT, **tf_config(workers_only, 'worker', 0)}),
         processes.start(command(d['w1'], data_dir, *train_flags()),
                         {**EXACT, **tf_config(workers_only, 'worker', 1)}),
-        processes.start(th.command(MODEL, d['r2'], data_dir, *train_flags(), th.overrides(
-            **{'task.pipeline.num_replicas': 2, 'task.pipeline.schedule': 'fill_drain'})),
-            EXACT),
         # The evaluator reads the chief's logdir while it trains (a shared file system in a
         # real cluster) and stops after the last step's checkpoint.
         processes.start(command(d['chief'], data_dir, f'--max_steps={STEPS}', th.overrides(

@@ -130,10 +130,13 @@ def test_non_finite_training_stops_and_keeps_the_last_good_checkpoint(tmp_path, 
 def test_transformer_trains_and_decodes(tmp_path, data_dir):
     logdir = str(tmp_path / 'mt')
     model = 'mt.reverse.TransformerPipe'
-    result = th.run(model, logdir, data_dir, *th.fast_flags(2, 2))
-    assert result.returncode == 0, result.stderr[-3000:]
-    result = th.run(model, logdir, data_dir, '--job=decoder_test', '--max_steps=2',
-                    th.overrides(**{'task.eval.decoder_samples_per_summary': 32}))
+    # Both jobs in one process (a Transformer's start-up costs seconds): the decoder
+    # decodes the checkpoint the trainer saves at step 2. The time limit is the two
+    # processes' (300 s each) that this one replaces.
+    result = th.run(model, logdir, data_dir, '--job=trainer,decoder_test', '--max_steps=2',
+                    '--gin_bindings=trainer.save_interval_steps=2',
+                    '--gin_bindings=trainer.eval_poll_max_seconds=1',
+                    th.overrides(**{'task.eval.decoder_samples_per_summary': 32}), timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     with open(os.path.join(logdir, 'decoder_test', 'decoder_out-2.jsonl')) as f:
         records = [json.loads(line) for line in f]
@@ -178,15 +181,22 @@ def test_default_jobs_run_trainer_evaler_and_decoder_in_one_process(tmp_path, da
     assert {'loss', 'learning_rate', 'grad_norm', 'examples_per_sec', 'steps_per_sec'} <= tags
 
 
-def test_evaler_reads_only_checkpoints_listed_as_complete(tmp_path, data_dir, trained_2_steps):
-    logdir = trained_2_steps.copy_to(tmp_path / 'run')
+@pytest.fixture(scope='module')
+def standalone_evaler(tmp_path_factory, data_dir, trained_2_steps):
+    """An evaler alone (no --max_steps) on a copy of the 2-step run, beside a checkpoint
+    being written: data files exist, the state file does not list it yet."""
+    logdir = trained_2_steps.copy_to(tmp_path_factory.mktemp('standalone_evaler') / 'run')
     train_dir = os.path.join(logdir, 'train')
-    # A checkpoint being written: data files exist, the state file does not list it yet.
     for suffix in ('.index', '.data-00000-of-00001'):
         with open(os.path.join(train_dir, f'ckpt-9{suffix}'), 'wb') as f:
             f.write(b'half written')
-    result = th.run(th.FAST, logdir, data_dir, '--job=evaler_dev', '--max_steps=2',
+    result = th.run(th.FAST, logdir, data_dir, '--job=evaler_dev',
                     th.overrides(**{'task.eval.samples_per_summary': 32}))
+    return logdir, result
+
+
+def test_evaler_reads_only_checkpoints_listed_as_complete(standalone_evaler):
+    logdir, result = standalone_evaler
     assert result.returncode == 0, result.stderr[-3000:]
     assert os.listdir(os.path.join(logdir, 'eval_dev')).count('score-2.txt') == 1
     assert not os.path.exists(os.path.join(logdir, 'eval_dev', 'score-9.txt'))
@@ -203,9 +213,7 @@ def test_a_checkpoint_moved_away_falls_back_to_the_previous_one(tmp_path, data_d
     assert 'ckpt-2 at step 2' in result.stderr and 'trained steps 2..6' in result.stderr
 
 
-def test_standalone_evaler_stops_at_the_trainers_last_step(tmp_path, data_dir, trained_2_steps):
-    logdir = trained_2_steps.copy_to(tmp_path / 'run')
-    result = th.run(th.FAST, logdir, data_dir, '--job=evaler_dev', timeout=120,
-                    *[th.overrides(**{'task.eval.samples_per_summary': 32})])
+def test_standalone_evaler_stops_at_the_trainers_last_step(standalone_evaler):
+    logdir, result = standalone_evaler  # it ended by itself (within th.run's time limit)
     assert result.returncode == 0, result.stderr[-3000:]
     assert os.path.exists(os.path.join(logdir, 'eval_dev', 'score-2.txt'))

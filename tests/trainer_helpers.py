@@ -28,15 +28,36 @@ def command(model: str, logdir: str, data_dir: str, *flags: str) -> list[str]:
             f'--tfds_data_dir={data_dir}', '--num_logical_cpus=4', *flags]
 
 
-def run(model: str, logdir: str, data_dir: str, *flags: str,
-        timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(command(model, logdir, data_dir, *flags), env=env(), cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+def run(model: str, logdir: str, data_dir: str, *flags: str, timeout: int = 300,
+        environ: dict = None) -> subprocess.CompletedProcess:
+    return subprocess.run(command(model, logdir, data_dir, *flags),
+                          env={**env(), **(environ or {})},
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
 def start(model: str, logdir: str, data_dir: str, *flags: str) -> subprocess.Popen:
     return subprocess.Popen(command(model, logdir, data_dir, *flags), env=env(), cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+class Processes:
+    """Every process a test starts, stopped by its PID at the end (the `processes`
+    fixture, tests/conftest.py)."""
+
+    def __init__(self):
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, cmd: list[str], environ: dict = None) -> subprocess.Popen:
+        proc = subprocess.Popen(cmd, env={**env(), **(environ or {})}, cwd=REPO,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.procs.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -202,7 +202,7 @@ def _one_step(params: Params, batch) -> tuple[tuple[float, dict, dict], list[int
         trainer = train_job.Trainer(params, train_dir, train_job.RuntimeOptions())
         task, step = trainer.task, trainer.global_step
 
-        @tf.function
+        @tf.function(autograph=False)  # as the trainer's step (train_job.Trainer._step)
         def train_step(batch):
             with fprop_context.training(step=step):
                 loss, grads = task.ForwardBackward(task.theta, batch)

@@ -334,12 +334,15 @@ class Trainer:
         own = tf.constant(0.0 if self._stop_signal is None else 1.0)
         self._peer_stopping = bool(self._any_client_says(own))
 
-    @tf.function
+    # autograph=False: the step's Python is static (its control flow on tensors is tf.cond
+    # and tf.where, the cells' functions are traced without AutoGraph already), and
+    # converting it costs ~1.5 s of CPU at every trainer start, ~15% of a short run's.
+    @tf.function(autograph=False)
     def _step(self, batch):
         """One synchronous step; the update is skipped when loss or gradients are not finite."""
         return self._build_step(batch, record=False)
 
-    @tf.function
+    @tf.function(autograph=False)
     def _recorded_step(self, batch):
         """The same step with every pipeline task time-stamped (--pipeline_trace_step)."""
         return self._build_step(batch, record=True)
