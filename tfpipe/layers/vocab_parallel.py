@@ -19,9 +19,15 @@ an add_n.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional, Sequence
 
 import tensorflow as tf
+
+from tfpipe.base_layer import BaseLayer, LayerMeta
+from tfpipe.layers.dense import check_last_dim
+from tfpipe.pipeline import tensor_parallel
+from tfpipe.variable_shards import shard_name
 
 AllReduce = Callable[[Sequence[tf.Tensor], str], list]
 
@@ -48,16 +54,18 @@ def _local_ids(ids: tf.Tensor, start: int, stop: int) -> tuple[tf.Tensor, tf.Ten
     return tf.clip_by_value(ids - start, 0, stop - start - 1), inside
 
 
-def lookup(tables: Sequence[tf.Tensor], ids: tf.Tensor, ranges: Sequence[tuple[int, int]],
-           all_reduce: AllReduce, devices: Optional[Sequence[str]] = None) -> list:
-    """Rows `ids` of the table whose row shards are `tables`: one result per device."""
+def lookup_parts(tables: Sequence[tf.Tensor], ids: tf.Tensor,
+                 ranges: Sequence[tuple[int, int]],
+                 devices: Optional[Sequence[str]] = None) -> list:
+    """Each device's part of the rows `ids` of a table whose row shards are `tables`: its
+    own rows, zeros for ids another device holds; their sum is the lookup."""
     parts = []
     for t, (table, (start, stop)) in enumerate(zip(tables, ranges)):
         with _on(devices, t):
-            local, inside = _local_ids(ids, start, stop)
+            local, inside = _local_ids(tf.identity(ids), start, stop)
             rows = tf.gather(table, local)
             parts.append(rows * tf.cast(inside, rows.dtype)[..., None])
-    return all_reduce(parts, 'sum')
+    return parts
 
 
 def cross_entropy(logits: Sequence[tf.Tensor], labels: tf.Tensor,
@@ -118,3 +126,119 @@ def gather(logits: Sequence[tf.Tensor], device: Optional[str] = None) -> tf.Tens
     argmax, top-k or log-probs of every id are needed)."""
     with tf.device(device):
         return tf.concat(list(logits), -1)
+
+
+def whole(logits) -> tf.Tensor:
+    """Logits as one tensor [.., V]: `logits` itself, or a list of vocabulary shards
+    (a tensor-parallel `VocabLogits`' output) concatenated where the caller's device
+    scope puts it."""
+    if isinstance(logits, (list, tuple)):
+        return gather(logits)
+    return logits
+
+
+def is_split(logits) -> bool:
+    """Is `logits` a list of vocabulary shards (T > 1) rather than one tensor?"""
+    return isinstance(logits, (list, tuple))
+
+
+class VocabLogits(BaseLayer):
+    """Logits over a vocabulary, x @ w + b, whose output can be the softmax of a tied
+    embedding: Dense's variables (same names, shapes, initial values), so T=1 is Dense.
+
+    Built in a tensor-parallel cell (tensor_parallel=T > 1) it splits the vocabulary
+    over the cell's T devices as `Embedding` does (`vocab_ranges`: the same rows, so a
+    tie to the embedding ties shard to shard) and returns the T logits shards, each on
+    its device, never gathered in training: `CrossEntropy` takes them as they are.
+    Evaluation, generation and serving take `whole(logits)`.
+    """
+
+    @classmethod
+    def Params(cls):
+        p = super().Params()
+        p.Define('input_dim', 0, 'Width of the input (last dimension).')
+        p.Define('vocab_size', 0, 'Number of logits (the vocabulary).')
+        p.Define('use_bias', True, 'Add a bias.')
+        p.Define('weight_init', 'glorot_uniform', 'Initialiser name for w.')
+        p.Define('weight_layout', 'oi', "'oi': w is [vocab_size, input_dim], an Embedding "
+                 "table's layout (tie it with {'logits/w': 'embedding/emb'}); 'io': "
+                 '[input_dim, vocab_size].')
+        return p
+
+    def __init__(self, params, parent=None):
+        super().__init__(params, parent)
+        p = self.params
+        if p.input_dim < 1 or p.vocab_size < 1:
+            raise ValueError(f'{self.path}: input_dim={p.input_dim} and vocab_size='
+                             f'{p.vocab_size} must both be >= 1')
+        if p.weight_layout not in ('io', 'oi'):
+            raise ValueError(f"{self.path}: weight_layout={p.weight_layout!r}: use 'oi' "
+                             "([vocab_size, input_dim]) or 'io' ([input_dim, vocab_size])")
+        self.group = tensor_parallel.current_group()
+        self.ranges = split_vocabulary(self, p.vocab_size, self.group.size)
+        sizes = [stop - start for start, stop in self.ranges]
+        oi = p.weight_layout == 'oi'
+        shape = [p.vocab_size, p.input_dim] if oi else [p.input_dim, p.vocab_size]
+        self.CreateVariableShards('w', shape, 0 if oi else 1, self.group.devices,
+                                  p.weight_init, sizes=sizes)
+        if p.use_bias:
+            self.CreateVariableShards('b', [p.vocab_size], 0, self.group.devices, 'zeros',
+                                      sizes=sizes)
+
+    def _Shards(self, theta: dict, name: str) -> list:
+        size = self.group.size
+        return [theta[shard_name(name, t, size)] for t in range(size)]
+
+    def FProp(self, theta, x):
+        """Logits [.., V], or with T > 1 the list of T shards [.., stop_t - start_t]."""
+        p = self.params
+        check_last_dim(self, x, p.input_dim, 'input_dim')
+        biases = self._Shards(theta, 'b') if p.use_bias else [None] * self.group.size
+        out = []
+        for t, (copy, w, b) in enumerate(zip(self.group.scatter(x), self._Shards(theta, 'w'),
+                                             biases)):
+            with self.group.device(t):
+                rows = tf.reshape(copy, [-1, p.input_dim]) if copy.shape.rank != 2 else copy
+                y = tf.matmul(rows, w, transpose_b=p.weight_layout == 'oi')
+                if copy.shape.rank != 2:
+                    y = tf.reshape(y, tf.concat([tf.shape(copy)[:-1], [tf.shape(y)[-1]]], 0))
+                out.append(y + b if b is not None else y)
+        return out if self.group.size > 1 else out[0]
+
+    def CrossEntropy(self, logits, labels: tf.Tensor) -> tf.Tensor:
+        """Softmax cross-entropy [..] of this layer's output against int `labels` [..]:
+        with T > 1 over the vocabulary shards where they are (`cross_entropy`)."""
+        if not is_split(logits):
+            return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+        return cross_entropy(logits, labels, self.ranges, self._AllReduce, self.group.devices)
+
+    def _AllReduce(self, parts: Sequence[tf.Tensor], op: str) -> list:
+        """The group's all-reduce; 'max' as an all-gather of the parts' maxima (the
+        group's collectives sum), so every device gets the largest."""
+        if op == 'sum':
+            return self.group.all_reduce(parts)
+        gathered = self.group.all_gather([p[..., None] for p in parts], -1)
+        out = []
+        for t, g in enumerate(gathered):
+            with self.group.device(t):
+                out.append(tf.reduce_max(g, -1))
+        return out
+
+    @classmethod
+    def FPropMeta(cls, p, x_shape):
+        x_shape = tf.TensorShape(x_shape)
+        rows = math.prod(x_shape[:-1].as_list())
+        return LayerMeta(2 * rows * p.input_dim * p.vocab_size,
+                         x_shape[:-1].concatenate([p.vocab_size]))
+
+    @classmethod
+    def NumParams(cls, p):
+        return p.input_dim * p.vocab_size + (p.vocab_size if p.use_bias else 0)
+
+
+def split_vocabulary(layer: BaseLayer, vocab_size: int, size: int) -> list[tuple[int, int]]:
+    """`vocab_ranges` for a layer of a tensor-parallel cell, with its path in the error."""
+    try:
+        return vocab_ranges(vocab_size, size)
+    except ValueError as e:
+        raise ValueError(f'{layer.path}: {e}: lower task.pipeline.tensor_parallel') from None
