@@ -18,13 +18,14 @@ Methods are CamelCase on purpose: params and children are snake_case attributes
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from typing import Any, Optional, Sequence
 
 import tensorflow as tf
 
-from tfpipe import initializers
+from tfpipe import initializers, variable_shards
 from tfpipe.hyperparams import InstantiableParams, Params
 
 _NAME_RE = re.compile(r'^[a-z_][a-z0-9_]*$')
@@ -88,6 +89,7 @@ class BaseLayer(tf.Module):
             self._seed = parent._seed if parent is not None else 0
         self._vars: dict[str, tf.Variable] = {}
         self._tied: dict[str, tf.Variable] = {}  # name -> another layer's variable
+        self._sharded: dict[str, variable_shards.ShardedWeight] = {}  # split weights by name
         self._children: dict[str, BaseLayer] = {}
 
     # -- Structure -------------------------------------------------------------------
@@ -162,6 +164,38 @@ class BaseLayer(tf.Module):
         self._vars[name] = var
         return var
 
+    def CreateVariableShards(self, name: str, shape: Sequence[int], axis: int,
+                             devices: Sequence[Optional[str]], init: str = 'glorot_uniform'
+                             ) -> list[tf.Variable]:
+        """Weight `name` of the whole `shape` split along `axis` into len(devices) equal
+        shards, shard t a variable on devices[t] (tensor parallelism).
+
+        The whole initial value is drawn once, seeded by the whole weight's path, and
+        cut: every T starts from the weights of T=1. One device gives one variable
+        named `name`; more give `name`_shard0, ... (`variable_shards`), which
+        checkpoints save as the whole weight under `name`.
+        """
+        size = len(devices)
+        if shape[axis] % size:
+            raise ValueError(f'{self.path}: {name} has {shape[axis]} rows/columns on axis '
+                             f'{axis}, not divisible by tensor_parallel={size}')
+        dtype = self.params.dtype
+        with tf.device(devices[0]):
+            whole = initializers.get(init)(list(shape), dtype,
+                                           initializers.seed_for(self._seed, f'{self.path}/{name}'))
+            pieces = tf.split(whole, size, axis) if size > 1 else [whole]
+        shards = []
+        for t, (device, piece) in enumerate(zip(devices, pieces)):
+            shard = variable_shards.shard_name(name, t, size)
+            self._CheckNewName(shard)
+            with tf.device(device):
+                shards.append(tf.Variable(piece, name=shard))
+            self._vars[shard] = shards[-1]
+        if size > 1:
+            self._sharded[name] = variable_shards.ShardedWeight(f'{self.path}/{name}', shards,
+                                                                axis)
+        return shards
+
     def TieVariable(self, name: str, owner: tf.Variable) -> None:
         """Uses `owner`, another layer's variable, in place of this layer's variable `name`.
 
@@ -233,8 +267,14 @@ class BaseLayer(tf.Module):
 
 def cast_floats(struct: Any, dtype: tf.DType) -> Any:
     """Float leaves of a nested structure cast to `dtype`; ints ride along."""
-    return tf.nest.map_structure(
-        lambda t: tf.cast(t, dtype) if t.dtype.is_floating and t.dtype != dtype else t, struct)
+    def cast(t):
+        if not t.dtype.is_floating or t.dtype == dtype:
+            return t
+        # Where the tensor is: a weight shard (tensor parallelism) is cast on its device.
+        here = not tf.executing_eagerly() and getattr(t, 'device', '')
+        with tf.device(t.device) if here else contextlib.nullcontext():
+            return tf.cast(t, dtype)
+    return tf.nest.map_structure(cast, struct)
 
 
 def apply_layer(layer: BaseLayer, theta: dict, activation: Any,

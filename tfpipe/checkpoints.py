@@ -14,7 +14,7 @@ from typing import Optional
 
 import tensorflow as tf
 
-from tfpipe import devices
+from tfpipe import devices, variable_shards
 
 STATE_FILE = 'checkpoint'  # written by tf.train.CheckpointManager after the data files
 
@@ -24,8 +24,12 @@ class CheckpointError(RuntimeError):
 
 
 def make(variables: dict[str, tf.Variable], **extras: Optional[tf.Module]) -> tf.train.Checkpoint:
-    """A checkpoint of the model's variables by path plus extras (step, optimizer, iterator)."""
-    return tf.train.Checkpoint(model=dict(variables),
+    """A checkpoint of the model's variables by path plus extras (step, optimizer, iterator).
+
+    A weight split over devices (tensor parallelism) is saved whole under its own path,
+    so the checkpoint restores into any tensor_parallel (`variable_shards.whole_view`).
+    """
+    return tf.train.Checkpoint(model=variable_shards.whole_view(variables),
                                **{k: v for k, v in extras.items() if v is not None})
 
 

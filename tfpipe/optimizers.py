@@ -15,6 +15,7 @@ from typing import Optional
 
 import tensorflow as tf
 
+from tfpipe import variable_shards
 from tfpipe.hyperparams import InstantiableParams, Params
 
 __all__ = ['BaseOptimizer', 'SGD', 'Adam', 'RMSProp', 'Adafactor', 'Whole',
@@ -36,6 +37,38 @@ def slot_key(path: str) -> str:
         raise ValueError(f'variable path {path!r} is not slash-separated identifiers; use '
                          "paths like 'pipe/fc3/w' (they name the slots in checkpoints)")
     return path.replace('/', '-')
+
+
+def _whole_slots(variables: Variables, slots: dict) -> Optional[tf.Module]:
+    """The slots as checkpointed: each split weight's same-shaped slots joined into one
+    `variable_shards.ShardedWeight` under the whole weight's slot key; None when no
+    weight is split. A slot of another shape (Adafactor's factored moments) stays per
+    shard: it is not a part of a whole."""
+    key_of = {id(var): slot_key(path) for path, var in variables.items()}
+    out: dict = {}
+    for path, var in variables.items():
+        sharded = variable_shards.of(var)
+        if sharded is None:
+            out[slot_key(path)] = slots[slot_key(path)]
+            continue
+        whole = slot_key(path.rsplit('/', 1)[0] + '/' + sharded.path.rsplit('/', 1)[1])
+        keys = [key_of.get(id(s)) for s in sharded.shards]
+        if None in keys:  # not every shard is optimized here
+            out[slot_key(path)] = slots[slot_key(path)]
+            continue
+        for name, slot in slots[slot_key(path)].items():
+            if tuple(slot.shape) == tuple(var.shape):
+                if name not in out.setdefault(whole, {}):
+                    out[whole][name] = variable_shards.ShardedWeight(
+                        f'{whole}/{name}', [slots[k][name] for k in keys], sharded.axis)
+            else:
+                out.setdefault(slot_key(path), {})[name] = slot
+    if out.keys() == slots.keys():
+        return None
+    tree = tf.Module()
+    for key, value in out.items():
+        setattr(tree, key, value)
+    return tree
 
 
 def _ema(slot: tf.Variable, decay: float | _T, x: _T) -> _T:
@@ -147,6 +180,16 @@ class BaseOptimizer(tf.Module):
                                   for name, shape in self._slot_shapes(shapes[path]).items()}
         self._slots.update(slots)  # in place: a restore() made before binds on insertion
         self._shapes = shapes
+        self._whole_slots = _whole_slots(variables, self._slots)
+
+    def _trackable_children(self, save_type='checkpoint', **kwargs):
+        """Checkpoints hold the slots of a weight split over devices (tensor parallelism)
+        whole under the whole weight's key, as the weight itself (variable_shards)."""
+        children = super()._trackable_children(save_type, **kwargs)
+        whole = children.pop('_whole_slots', None)  # only ever in place of _slots
+        if save_type == 'checkpoint' and whole is not None:
+            children['_slots'] = whole
+        return children
 
     def GetSlot(self, path: str, name: str) -> tf.Variable:
         """The slot `name` (e.g. 'm') of the variable at `path`."""

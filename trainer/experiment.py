@@ -35,7 +35,7 @@ ATTEMPT_PARAMS_FILE = 'params-attempt.txt'
 _JOB_KEYS = re.compile(r'(input|task\.train|task\.eval|task\.decoder)([.\[]|$)'
                        r'|task\.pipeline\.(balance|num_cells|virtual_stages|partition_by|'
                        r'devices|num_replicas|num_micro_batches|recompute|schedule|'
-                       r'cell_functions|jit_compile)$|(.*\.)?fprop_dtype$')
+                       r'cell_functions|jit_compile|tensor_parallel)$|(.*\.)?fprop_dtype$')
 # Of the training keys, the optimizer's class decides what the checkpointed slots mean.
 _OPTIMIZER_CLASS = 'task.train.optimizer.cls'
 

@@ -4,6 +4,8 @@ from tfpipe.bodies import amoebanet_body
 from tfpipe import inputs, layers, lr_schedules, optimizers
 from tfpipe.base_model_params import TfdsModelParams
 from tfpipe.datasets import shapes
+from tfpipe.layers.tensor_parallel_dense import (ColumnParallelDense, ParallelMLP,
+                                                 RowParallelDense)
 from tfpipe.pipeline.pipelining_layer import PipeliningLayer
 from tfpipe.tasks.classifier import ImageClassifier
 
@@ -58,4 +60,36 @@ class SmallConvPipe(AmoebaNetPipe):
                                                   num_micro_batches=2, recompute='always')
         p.train.Set(max_steps=200, learning_rate=0.01, save_interval_steps=50)
         p.eval.Set(samples_per_summary=256, decoder_samples_per_summary=64)
+        return p
+
+
+@RegisterSingleTaskModel
+class TensorParallelMLP(SmallConvPipe):
+    """An MLP of Megatron's tensor-parallel layers on tfpipe_shapes, K=2, M=2.
+
+    T=1 by default (2 devices); `--params_override=task.pipeline.tensor_parallel=2` splits
+    each cell over 2 devices (4 in all), the same model and checkpoints (docs/tensor_parallel.md).
+    """
+
+    HIDDEN = 256
+
+    def Task(self):
+        p = super().Task()
+        pixels = shapes.IMAGE_SIZE * shapes.IMAGE_SIZE * shapes.NUM_CHANNELS
+        width = 64
+        body = [
+            layers.Flatten.Params().Set(name='flatten'),
+            ColumnParallelDense.Params().Set(name='embed', input_dim=pixels, output_dim=width,
+                                             activation='relu'),
+            ParallelMLP.Params().Set(name='mlp0', input_dim=width, hidden_dim=self.HIDDEN,
+                                     keep_prob=0.9),
+            layers.LayerNorm.Params().Set(name='norm', dim=width),
+            ParallelMLP.Params().Set(name='mlp1', input_dim=width, hidden_dim=self.HIDDEN,
+                                     keep_prob=0.9),
+            RowParallelDense.Params().Set(name='logits', input_dim=width,
+                                          output_dim=len(shapes.CLASS_NAMES)),
+        ]
+        p.pipeline = PipeliningLayer.Params().Set(name='pipe', body=body, balance=[3, 3],
+                                                  num_micro_batches=2, recompute='always')
+        p.train.Set(learning_rate=0.003)
         return p

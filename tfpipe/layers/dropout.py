@@ -66,24 +66,34 @@ class Dropout(BaseLayer):
         self._key = zlib.crc32(f'{self._seed}/{self.path}'.encode())
 
     def FProp(self, theta, x):
+        keep = self.params.keep_prob
+        mask = self.Mask(x.shape)
+        if mask is None:
+            return x
+        return tf.where(mask, x / keep, tf.zeros_like(x))
+
+    def Mask(self, shape: tf.TensorShape) -> tf.Tensor | None:
+        """The keep mask of an activation of `shape` in the current context (None: keep
+        everything, in eval or with keep_prob=1). A tensor-parallel layer cuts its part
+        from the whole activation's mask, so each element keeps its mask whatever T is."""
         ctx = fprop_context.current()
         keep = self.params.keep_prob
         if not ctx.training or keep == 1.0:
-            return x
+            return None
         if ctx.step is None:
             raise ValueError(
                 f'{self.path}: dropout in training mode needs the global step to draw a '
                 'fresh mask each step: wrap the call in `with '
                 'tfpipe.fprop_context.training(step=global_step):` (or use '
                 'tfpipe.fprop_context.evaluation())')
-        if not x.shape[1:].is_fully_defined() or x.shape[0] is None:
+        shape = tf.TensorShape(shape)
+        if not shape[1:].is_fully_defined() or shape[0] is None:
             raise ValueError(f'{self.path}: dropout needs a static input shape, got '
-                             f'{x.shape}; give the input a fixed batch and feature size')
-        per_example = math.prod(x.shape[1:].as_list())
+                             f'{shape}; give the input a fixed batch and feature size')
+        per_example = math.prod(shape[1:].as_list())
         uniform = stateless_uniform_slice(self._key, ctx.step, ctx.example_offset * per_example,
-                                          x.shape[0] * per_example)
-        mask = tf.reshape(uniform, x.shape) < keep
-        return tf.where(mask, x / keep, tf.zeros_like(x))
+                                          shape[0] * per_example)
+        return tf.reshape(uniform, shape) < keep
 
     @classmethod
     def FPropMeta(cls, p, x_shape):

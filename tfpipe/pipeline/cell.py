@@ -10,6 +10,7 @@ from typing import Any, Optional, Sequence
 
 import tensorflow as tf
 
+from tfpipe import variable_shards
 from tfpipe.base_layer import BaseLayer, apply_layer, cast_floats
 from tfpipe.pipeline import ties as ties_lib
 
@@ -51,11 +52,14 @@ class Cell:
 
     def __init__(self, index: int, device: str, layers: Sequence[BaseLayer], recompute: bool,
                  fprop_dtype: Optional[tf.DType] = None, output_dtype: Optional[tf.DType] = None,
-                 ties: Sequence[ties_lib.Tie] = ()):
+                 ties: Sequence[ties_lib.Tie] = (),
+                 shard_devices: Optional[Sequence[str]] = None):
         """fprop_dtype: compute dtype (e.g. bfloat16), None: the variables' dtype;
         output_dtype: what the cell's float outputs are cast to (the last cell's go
         back to float32 for the loss), None: left in fprop_dtype;
-        ties: the pipeline's ties whose user layer is in this cell."""
+        ties: the pipeline's ties whose user layer is in this cell;
+        shard_devices: with tensor parallelism, the cell's T devices (`device` first):
+        shard t of a split weight is read on the t-th."""
         self.index = index
         self.device = device
         self.layers = list(layers)
@@ -63,6 +67,7 @@ class Cell:
         self.fprop_dtype = fprop_dtype
         self.output_dtype = output_dtype
         self.ties = [t for t in ties if t.user_cell == index]
+        self.shard_devices = tuple(shard_devices or (device,))
 
     @property
     def names(self) -> list[str]:
@@ -77,9 +82,19 @@ class Cell:
         one copy onto this device per step.
         """
         with tf.device(self.device), tf.name_scope(f'cell_{self.index}/theta'):
-            out = {n: tf.nest.map_structure(_read, theta[n]) for n in self.names}
+            out = {n: tf.nest.map_structure(self._read_shard, theta[n]) for n in self.names}
             ties_lib.read_into(out, theta, self.ties, _read)
             return out
+
+    def _read_shard(self, value: Any) -> tf.Tensor:
+        """A weight read on this cell's device, or for shard t of a split weight on the
+        cell's t-th device (where that shard's compute and gradient sum are)."""
+        sharded = variable_shards.of(value) if isinstance(value, tf.Variable) else None
+        if sharded is None:
+            return _read(value)
+        index = next(t for t, s in enumerate(sharded.shards) if s is value)
+        with tf.device(self.shard_devices[index]):
+            return _read(value)
 
     def forward(self, theta: dict, x: Any) -> Any:
         """Applies the cell's layers in order (device and context set by the caller)."""

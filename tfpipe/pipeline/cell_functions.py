@@ -61,7 +61,7 @@ import tensorflow as tf
 from tfpipe import fprop_context
 from tfpipe.pipeline import accumulate
 from tfpipe.pipeline.cell import Cell
-from tfpipe.pipeline.executor import PipelineRun, float_leaves
+from tfpipe.pipeline.executor import PipelineRun, float_leaves, on_device_of
 from tfpipe.pipeline.schedule import BACKWARD
 
 
@@ -70,10 +70,13 @@ class CellFunctions:
 
     def __init__(self, cell: Cell, training: bool, boundary: Callable[[Any, Any], tuple],
                  no_inline: bool = True, jit_compile: bool = False,
-                 stamp_recompute: bool = False):
+                 stamp_recompute: bool = False, weight_devices: Sequence[str] = ()):
         """boundary(x, y): the leaves to differentiate (PipelineRun._boundary of the cell).
-        stamp_recompute: the backward also returns when its recompute ended (timeline)."""
+        stamp_recompute: the backward also returns when its recompute ended (timeline).
+        weight_devices: per flat weight, the device its gradient sum lives on when that
+        is not the cell's (a weight shard under tensor parallelism), else ''."""
         self.cell = cell
+        self.weight_devices = tuple(weight_devices)
         self.training = training
         self.boundary = boundary
         self.stamp_recompute = stamp_recompute
@@ -127,8 +130,12 @@ class CellFunctions:
                                       output_gradients=dy,
                                       unconnected_gradients=tf.UnconnectedGradients.ZERO)
             dx, dtheta = grads[:len(x_leaves)], grads[len(x_leaves):]
-            acc = [g if a is None else _add_into(a, tf.convert_to_tensor(g))
-                   for a, g in zip(acc, dtheta)]
+            sums = []
+            for i, (a, g) in enumerate(zip(acc, dtheta)):
+                device = self.weight_devices[i] if i < len(self.weight_devices) else ''
+                with tf.device(device) if device else contextlib.nullcontext():
+                    sums.append(g if a is None else _add_into(a, tf.convert_to_tensor(g)))
+            acc = sums
             return (dx, acc, stamp) if self.stamp_recompute else (dx, acc)
 
     def record(self, stats: dict, sink: fprop_context.BatchStatsSink) -> None:
@@ -151,7 +158,9 @@ class FunctionalPipelineRun(PipelineRun):
         self.functions = [CellFunctions(cell, context.training,
                                         functools.partial(self._boundary, k),
                                         jit_compile=jit_compile,
-                                        stamp_recompute=self.recorder is not None)
+                                        stamp_recompute=self.recorder is not None,
+                                        weight_devices=[_device_of(t) for t in
+                                                        tf.nest.flatten(self.thetas[k])])
                           for k, cell in enumerate(self.cells)]
         self.jit_compile = jit_compile
         self._offset_tensors: dict[tuple[str, int], tf.Tensor] = {}
@@ -219,6 +228,10 @@ class FunctionalPipelineRun(PipelineRun):
         """The running sum of cell k's flat weight i before its first micro-batch: zeros
         pushed on a stack of their own (see `_add_into`), or with XLA, which compiles
         no stack, zeros passed in. Returns what stands for the sum until it is popped."""
+        with on_device_of(weight):  # a weight shard's sum lies on the shard's device
+            return self._new_sum(k, i, weight)
+
+    def _new_sum(self, k: int, i: int, weight: tf.Tensor) -> tf.Tensor:
         if self.jit_compile:
             return tf.zeros_like(weight)
         stack = tf.raw_ops.StackV2(max_size=-1, elem_type=weight.dtype,
@@ -246,11 +259,12 @@ class FunctionalPipelineRun(PipelineRun):
         stack = self._stacks.pop((k, i), None)
         if stack is None:
             return token
-        with tf.control_dependencies([token]):
+        weight = tf.nest.flatten(self.thetas[k])[i]
+        with on_device_of(weight), tf.control_dependencies([token]):
             total = tf.raw_ops.StackPopV2(handle=stack, elem_type=token.dtype)
-        total.set_shape(tf.nest.flatten(self.thetas[k])[i].shape)  # a stack keeps none
-        with tf.control_dependencies([total]):
-            tf.raw_ops.StackCloseV2(handle=stack)
+            total.set_shape(weight.shape)  # a stack keeps none
+            with tf.control_dependencies([total]):
+                tf.raw_ops.StackCloseV2(handle=stack)
         return total
 
 
@@ -280,6 +294,11 @@ def _static_shape(g: Any, weight: tf.Tensor) -> Any:
         return g
     return tf.IndexedSlices(g.values, g.indices,
                             tf.constant(weight.shape.as_list(), g.dense_shape.dtype))
+
+
+def _device_of(t: tf.Tensor) -> str:
+    """A graph tensor's device ('' eagerly: the cell's device scope applies)."""
+    return '' if tf.executing_eagerly() else t.device
 
 
 def _opaque(value: tf.Tensor) -> tf.Tensor:

@@ -55,6 +55,13 @@ def is_differentiable(t: tf.Tensor) -> bool:
     return t.dtype.is_floating or t.dtype.is_complex
 
 
+def on_device_of(t: Any):
+    """A device scope on `t`'s device where a graph tensor has one set (a weight shard
+    read on its own device under tensor parallelism), else no change."""
+    device = '' if tf.executing_eagerly() else getattr(t, 'device', '')
+    return tf.device(device) if device else contextlib.nullcontext()
+
+
 def float_leaves(struct: Any) -> list[tf.Tensor]:
     """The differentiable leaves of a nested activation, in tf.nest order."""
     return [t for t in tf.nest.flatten(struct) if is_differentiable(t)]
@@ -305,7 +312,11 @@ class PipelineRun:
     def _accumulate(self, k: int, dtheta: list) -> None:
         """Adds one micro-batch's weight gradients into cell k's sums (dense at the end)."""
         acc = self.theta_grads[k] or [None] * len(dtheta)
-        self._store_sum(k, [accumulate.add(a, g) for a, g in zip(acc, dtheta)])
+        sums = []
+        for a, g, weight in zip(acc, dtheta, tf.nest.flatten(self.thetas[k])):
+            with on_device_of(weight):  # a weight shard's sum stays on the shard's device
+                sums.append(accumulate.add(a, g))
+        self._store_sum(k, sums)
 
     def _store_sum(self, k: int, acc: list) -> None:
         """Cell k's running sum after one more micro-batch (made dense after its last)."""

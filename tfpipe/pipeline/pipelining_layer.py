@@ -42,7 +42,7 @@ from tfpipe import devices as devices_lib
 from tfpipe import fprop_context
 from tfpipe.base_layer import BaseLayer, body_meta
 from tfpipe.pipeline import (across_clients, costs, microbatch, partition, recorder, replicas,
-                             schedule, ties)
+                             schedule, tensor_parallel, ties)
 from tfpipe.pipeline.cell import RECOMPUTE_POLICIES, Cell, cell_dtypes, recompute_flags
 from tfpipe.pipeline.cell_functions import FunctionalPipelineRun
 from tfpipe.pipeline.executor import PipelineRun, float_leaves, is_differentiable
@@ -100,6 +100,10 @@ class PipeliningLayer(BaseLayer):
                  'r*K+k); None: GPUs if there are enough, else logical CPUs.')
         p.Define('num_replicas', 1, 'R: data-parallel copies of the K cells on R*K devices; '
                  'each cell\'s gradients are all-reduced over its R copies.')
+        p.Define('tensor_parallel', 1, 'T: devices per cell (Megatron-style tensor '
+                 'parallelism): the body\'s tensor-parallel layers split their weights over '
+                 'them, other layers run on the first; R*K*T devices, replica r, cell k, shard '
+                 't on slot (r*K+k)*T+t. See tensor_parallel.py.')
         p.Define('num_micro_batches', 1, 'M: micro-batches per mini-batch (uneven sizes are '
                  'allowed; a batch smaller than M gives one example per micro-batch).')
         p.Define('recompute', 'always', 'Re-materialisation: ' + ' | '.join(RECOMPUTE_POLICIES))
@@ -165,15 +169,18 @@ class PipeliningLayer(BaseLayer):
                                  f'not a multiple of virtual_stages={v}: give K*{v} entries')
             num_devices = len(self.balance) // v
             flags = recompute_flags(p.recompute, len(self.balance))
-            slots = devices_lib.resolve(p.devices, p.num_replicas * num_devices)
+            groups = tensor_parallel.resolve_layout(p.devices, p.num_replicas, num_devices,
+                                                    p.tensor_parallel)
         except ValueError as e:
             raise ValueError(f'{self.path}: {e}') from None
-        self.replica_devices = [tuple(slots[r * num_devices:(r + 1) * num_devices])
-                                for r in range(p.num_replicas)]
+        # [replica][device slot] -> the slot's T devices, home device first.
+        self.replica_groups = groups
+        self.replica_devices = [tuple(g[0] for g in replica) for replica in groups]
         self.devices = self.replica_devices[0]
         layers = []
         for k, (start, stop) in enumerate(partition.cell_ranges(self.balance)):
-            with tf.device(self.devices[k % num_devices]):
+            with tf.device(self.devices[k % num_devices]), \
+                    tensor_parallel.building_on(groups[0][k % num_devices]):
                 layers.append(self.CreateChildren(p.body[start:stop]))
         try:
             self.ties = ties.resolve(p.tied_weights, layers)
@@ -181,11 +188,13 @@ class PipeliningLayer(BaseLayer):
             raise ValueError(f'{self.path}: {e}') from None
         ties.tie(self.ties, layers)
         self.cells = [Cell(k, self.devices[k % num_devices], layers[k], flags[k],
-                           *cell_dtypes(k, len(self.balance), p), ties=self.ties)
+                           *cell_dtypes(k, len(self.balance), p), ties=self.ties,
+                           shard_devices=groups[0][k % num_devices])
                       for k in range(len(self.balance))]
         self.replica_cells = [self.cells] + [
-            replicas.mirror_cells(self, p, self.balance, devices, flags, self.ties)
-            for devices in self.replica_devices[1:]]
+            replicas.mirror_cells(self, p, self.balance, slots, flags, self.ties,
+                                  tensor_parallel.building_on)
+            for slots in groups[1:]]
         self._recorder: recorder.Recorder | None = None
         self._peers: across_clients.Peers | None = None
         self._global_batch: int | None = None  # a client fed only its share (JoinClients)
@@ -419,10 +428,11 @@ class PipeliningLayer(BaseLayer):
             local_thetas = []  # per replica, per cell: the weights read on that cell's device
             for cells in self.replica_cells:
                 local = []
-                for cell, th, leaves in zip(cells, thetas, cell_args):
+                for cell, own, th, leaves in zip(cells, self.cells, thetas, cell_args):
                     with tf.device(cell.device), tf.name_scope(f'cell_{cell.index}/theta'):
-                        local.append(tf.nest.pack_sequence_as(
-                            th, [tf.stop_gradient(a) for a in leaves]))
+                        local.append(tf.nest.pack_sequence_as(th, [
+                            tensor_parallel.local_copy(a, own.shard_devices, cell.shard_devices)
+                            for a in leaves]))
                 local_thetas.append(local)
             micro, offsets, groups = self._Split(x, self.devices[0])
             runs = self._Runs(local_thetas, micro, offsets, groups, ctx, need_input_grads=True)

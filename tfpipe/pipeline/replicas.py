@@ -24,9 +24,10 @@ launches one collective per (cell, dtype) rather than one per variable.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops  # the public tf.distribute wraps these
@@ -43,20 +44,28 @@ _instance_keys = itertools.count(1)
 
 
 def mirror_cells(pipe: BaseLayer, pipeline_params: Any, balance: Sequence[int],
-                 devices: Sequence[str], recompute: Sequence[bool],
-                 ties: Sequence[ties_lib.Tie] = ()) -> list[Cell]:
-    """One replica's cells: the body's layers built again on `devices`, not adopted
-    (cell k on device k mod K, as the pipeline's own cells), tied among themselves
-    as the pipeline's own layers are."""
+                 devices: Sequence[Sequence[str]], recompute: Sequence[bool],
+                 ties: Sequence[ties_lib.Tie] = (),
+                 building: Callable[[Sequence[str]], ContextManager] = None) -> list[Cell]:
+    """One replica's cells: the body's layers built again on `devices` (per device
+    slot, its tensor-parallel devices, home first), not adopted (cell k on slot k
+    mod K, as the pipeline's own cells), tied among themselves as the pipeline's own
+    layers are. `building(devices)`: the scope a slot's layers are built in."""
     cell_layers = []
     for k, (start, stop) in enumerate(partition.cell_ranges(balance)):
-        with tf.device(devices[k % len(devices)]):
+        slot = devices[k % len(devices)]
+        with tf.device(slot[0]), (building or _no_scope)(slot):
             cell_layers.append([pipe.BuildDetachedChild(p.name, p)
                                 for p in pipeline_params.body[start:stop]])
     ties_lib.tie(ties, cell_layers)
-    return [Cell(k, devices[k % len(devices)], layers, recompute[k],
-                 *cell_dtypes(k, len(balance), pipeline_params), ties=ties)
+    return [Cell(k, devices[k % len(devices)][0], layers, recompute[k],
+                 *cell_dtypes(k, len(balance), pipeline_params), ties=ties,
+                 shard_devices=devices[k % len(devices)])
             for k, layers in enumerate(cell_layers)]
+
+
+def _no_scope(devices: Sequence[str]) -> ContextManager:
+    return contextlib.nullcontext()
 
 
 def theta_of(cells: Sequence[Cell]) -> dict:
@@ -132,17 +141,20 @@ def all_reduce_sum(per_replica: Sequence[Sequence[tf.Tensor]],
     num = len(per_replica)
     if num == 1:
         return [list(per_replica[0])]
-    group = group_key(devices)
     out: list[list] = [[None] * len(per_replica[0]) for _ in range(num)]
-    by_dtype: dict[tf.DType, list[int]] = {}
+    # Per dtype and per the devices the tensors lie on: a weight shard's gradients
+    # (tensor parallelism) are reduced on the shard's devices, never the cell's.
+    by_dtype: dict[tuple, list[int]] = {}
     for i, t in enumerate(per_replica[0]):
-        by_dtype.setdefault(t.dtype, []).append(i)
-    for indices in by_dtype.values():
+        where = tuple(_device(per_replica[r][i]) or devices[r] for r in range(num))
+        by_dtype.setdefault((t.dtype, where), []).append(i)
+    for (_, where), indices in by_dtype.items():
+        group = group_key(where)
         shapes = [per_replica[0][i].shape for i in indices]
         sizes = [s.num_elements() for s in shapes]
         instance = new_instance_key()
         for r in range(num):
-            with tf.device(devices[r]), tf.name_scope(f'all_reduce_{r}'):
+            with tf.device(where[r]), tf.name_scope(f'all_reduce_{r}'):
                 packed = tf.concat([tf.reshape(per_replica[r][i], [-1]) for i in indices], 0)
                 summed = collective_ops.all_reduce(packed, num, group, instance, 'Add', 'Id',
                                                    communication_hint='auto')
@@ -155,8 +167,16 @@ def sum_to(per_replica: Sequence[Sequence[tf.Tensor]], device: str) -> list[tf.T
     """Sums tensor i over replicas on one device (the broadcast-theta form's gradient)."""
     if len(per_replica) == 1:
         return list(per_replica[0])
-    with tf.device(device), tf.name_scope('replica_sum'):
-        return [tf.add_n(list(parts)) for parts in zip(*per_replica)]
+    out = []
+    for parts in zip(*per_replica):  # a weight shard's sum on replica 0's shard device
+        with tf.device(_device(parts[0]) or device), tf.name_scope('replica_sum'):
+            out.append(tf.add_n(list(parts)))
+    return out
+
+
+def _device(t: tf.Tensor) -> str:
+    """A graph tensor's device as set when built ('' eagerly, or when unset)."""
+    return '' if tf.executing_eagerly() else getattr(t, 'device', '')
 
 
 def apply_batch_stats(replica_cells: Sequence[Sequence[Cell]],

@@ -1,0 +1,234 @@
+"""Tensor parallelism: a step with T devices per cell is the T=1 step.
+
+An MLP of Megatron's layers (a column-parallel Dense, dropout on the home
+device, a ParallelMLP pair with dropout on its split hidden layer, a plain
+Dense, a row-parallel Dense) in float64, so that 1e-5 relative tests the
+mathematics. Loss, gradients and weights after an SGD step are compared as
+whole weights (shards concatenated) with the same pipeline at T=1, on the
+8 logical CPUs of conftest.py: every (T, K, R) with T in {1, 2, 4}, K in
+{1, 2}, R in {1, 2} and R*K*T <= 8 (all but T=4, K=2, R=2), and every
+recompute policy x schedule x executor at T=2, K=2 and T=4, K=1.
+"""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpipe
+from tests import model_zoo as mz
+from tfpipe import checkpoints, fprop_context, layers, variable_shards
+from tfpipe.base_layer import flatten_by_path
+from tfpipe.layers.tensor_parallel_dense import (ColumnParallelDense, ParallelMLP,
+                                                 RowParallelDense)
+from tfpipe.pipeline import partition, tensor_parallel
+
+STEP = 7
+
+
+def tp_body(dtype=tf.float64):
+    body = [
+        ColumnParallelDense.Params().Set(name='fc0', input_dim=12, output_dim=16,
+                                         activation='relu'),
+        layers.Dropout.Params().Set(name='drop0', keep_prob=0.7),
+        ParallelMLP.Params().Set(name='mlp', input_dim=16, hidden_dim=32, keep_prob=0.8),
+        layers.Dense.Params().Set(name='fc2', input_dim=16, output_dim=16, activation='tanh'),
+        RowParallelDense.Params().Set(name='fc3', input_dim=16, output_dim=5),
+    ]
+    for p in body:
+        p.dtype = dtype
+    return body
+
+
+def tp_pipeline(t, k, r=1, m=3, **kw):
+    body = tp_body()
+    return tfpipe.PipeliningLayer.Params().Set(
+        name='pipe', body=body, balance=partition.even_balance(len(body), k),
+        num_micro_batches=m, num_replicas=r, tensor_parallel=t, **kw).Instantiate()
+
+
+def inputs(batch=10):
+    rng = np.random.default_rng(0)
+    return (tf.constant(rng.normal(size=[batch, 12]), tf.float64),
+            tf.constant(rng.integers(0, 5, size=[batch]), tf.int32))
+
+
+def whole(pipe, values_by_path):
+    """{whole weight path: value} from per-variable values (shards concatenated)."""
+    out, seen = {}, set()
+    for path, var in pipe.VariablesByPath().items():
+        sharded = variable_shards.of(var)
+        if sharded is None:
+            out[path] = np.asarray(values_by_path[path])
+        elif sharded.path not in seen:
+            seen.add(sharded.path)
+            paths = {id(v): p for p, v in pipe.VariablesByPath().items()}
+            out[sharded.path] = np.concatenate(
+                [np.asarray(values_by_path[paths[id(s)]]) for s in sharded.shards],
+                sharded.axis)
+    return out
+
+
+def step(pipe, replica_thetas=False):
+    """One SGD step through ForwardBackward (the trainer's form with replica_thetas)."""
+    x, y = inputs()
+
+    @tf.function
+    def run():
+        with fprop_context.training(step=STEP):
+            if replica_thetas:
+                loss, grads = pipe.ForwardBackward(pipe.ReplicaThetas(), x, mz.loss_fn, y)
+                for theta, g in zip(pipe.ReplicaThetas(), grads):
+                    for v, d in zip(tf.nest.flatten(theta), tf.nest.flatten(g)):
+                        v.assign_sub(0.1 * d)
+                grads = grads[0]
+            else:
+                loss, grads = pipe.ForwardBackward(pipe.theta, x, mz.loss_fn, y)
+                for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads)):
+                    v.assign_sub(0.1 * g)
+        return loss, grads
+    loss, grads = run()
+    grads = {p: g.numpy() for p, g in flatten_by_path(grads, 'pipe').items()}
+    weights = {p: v.numpy() for p, v in pipe.VariablesByPath().items()}
+    return loss.numpy(), whole(pipe, grads), whole(pipe, weights)
+
+
+_reference = {}
+
+
+def reference():
+    if not _reference:
+        pipe = tp_pipeline(1, 1, m=3)
+        _reference['initial'] = whole(pipe, {p: v.numpy()
+                                             for p, v in pipe.VariablesByPath().items()})
+        _reference['loss'], _reference['grads'], _reference['weights'] = step(pipe)
+    return _reference
+
+
+def assert_same(actual, expected, what):
+    assert sorted(actual) == sorted(expected), what
+    for path in expected:
+        np.testing.assert_allclose(actual[path], expected[path], rtol=1e-5, atol=1e-12,
+                                   err_msg=f'{what} {path}')
+
+
+def check(pipe, replica_thetas=False):
+    ref = reference()
+    initial = whole(pipe, {p: v.numpy() for p, v in pipe.VariablesByPath().items()})
+    assert_same(initial, ref['initial'], 'initial weights')
+    loss, grads, weights = step(pipe, replica_thetas)
+    np.testing.assert_allclose(loss, ref['loss'], rtol=1e-5)
+    assert_same(grads, ref['grads'], 'grads')
+    assert_same(weights, ref['weights'], 'updated weights')
+
+
+CORNERS = [(t, k, r) for t in (1, 2, 4) for k in (1, 2) for r in (1, 2) if t * k * r <= 8]
+
+
+@pytest.mark.parametrize('t,k,r', CORNERS)
+def test_step_equals_t1(t, k, r):
+    pipe = tp_pipeline(t, k, r)
+    check(pipe, replica_thetas=r > 1)
+
+
+@pytest.mark.parametrize('cell_functions', [True, False], ids=['functions', 'unrolled'])
+@pytest.mark.parametrize('schedule', ['fill_drain', '1f1b'])
+@pytest.mark.parametrize('recompute', ['always', 'except_last', 'never'])
+@pytest.mark.parametrize('t,k', [(2, 2), (4, 1)])
+def test_every_policy_schedule_and_executor(t, k, recompute, schedule, cell_functions):
+    check(tp_pipeline(t, k, recompute=recompute, schedule=schedule,
+                      cell_functions=cell_functions))
+
+
+def train_and_save(pipe, directory):
+    """One Adam step, then a checkpoint of the weights and the optimizer's slots."""
+    optimizer = tfpipe.optimizers.Adam.Params().Set(name='adam').Instantiate()
+    variables = {p: v for p, v in pipe.VariablesByPath().items() if v.trainable}
+    optimizer.CreateSlots(variables)
+    x, y = inputs()
+
+    @tf.function
+    def run():
+        with fprop_context.training(step=STEP):
+            _, grads = pipe.ForwardBackward(pipe.theta, x, mz.loss_fn, y)
+        optimizer.Apply(tf.constant(0.01, tf.float64), flatten_by_path(grads, 'pipe'),
+                        variables)
+    run()
+    path = checkpoints.make(pipe.VariablesByPath(), optimizer=optimizer).save(
+        str(directory / 'ckpt'), options=checkpoints.io_options())
+    return path, optimizer, variables
+
+
+def restored(pipe, path):
+    optimizer = tfpipe.optimizers.Adam.Params().Set(name='adam').Instantiate()
+    variables = {p: v for p, v in pipe.VariablesByPath().items() if v.trainable}
+    optimizer.CreateSlots(variables)
+    checkpoints.restore(checkpoints.make(pipe.VariablesByPath(), optimizer=optimizer),
+                        path)
+    pipe.SyncReplicas()
+    return optimizer, variables
+
+
+def whole_state(pipe, optimizer, variables):
+    """Weights and Adam's m, v as whole values by path."""
+    state = {f'{p}': v.numpy() for p, v in pipe.VariablesByPath().items()}
+    out = {f'w:{k}': v for k, v in whole(pipe, state).items()}
+    for name in ('m', 'v'):
+        slots = {p: optimizer.GetSlot(p, name).numpy() for p in variables}
+        out.update({f'{name}:{k}': v for k, v in whole(pipe, slots).items()})
+    return out
+
+
+@pytest.mark.parametrize('saved,loaded', [((2, 2, 1), (1, 1, 1)), ((2, 2, 1), (4, 1, 2)),
+                                          ((1, 2, 2), (2, 2, 1)), ((4, 1, 1), (2, 2, 2))])
+def test_checkpoint_restores_into_any_t_k_r(saved, loaded, tmp_path):
+    source = tp_pipeline(*saved)
+    path, *saved_state = train_and_save(source, tmp_path)
+    state = whole_state(source, *saved_state)
+    target = tp_pipeline(*loaded)
+    got = whole_state(target, *restored(target, path))
+    assert sorted(got) == sorted(state)
+    for key in state:
+        np.testing.assert_array_equal(got[key], state[key], err_msg=key)
+    names = {n for n, _ in tf.train.list_variables(path)}
+    assert 'model/pipe.Smlp.Sfc1.Sw/.ATTRIBUTES/VARIABLE_VALUE' in names
+    assert 'optimizer/_slots/pipe-mlp-fc1-w/m/.ATTRIBUTES/VARIABLE_VALUE' in names
+    assert not any('shard' in n for n in names), names
+    if loaded[2] > 1:  # the mirrors got replica 0's restored weights
+        for path, var in target.ReplicaVariablesByPath()[1].items():
+            np.testing.assert_array_equal(var.numpy(),
+                                          target.VariablesByPath()[path].numpy())
+
+
+@pytest.mark.parametrize('cell_functions', [True, False], ids=['functions', 'unrolled'])
+@pytest.mark.parametrize('recompute', ['always', 'never'])
+def test_each_shard_computes_and_sums_on_its_device(recompute, cell_functions):
+    """Read from the traced graph (functions included): every device of every cell runs
+    forward and gradient matmuls and collectives, nothing the pipeline built is
+    unplaced, and each shard's weight gradient sum comes out on the shard's device."""
+    from tests.test_pipeline_placement import derived_gradient, phase_of, pipeline_nodes
+    from tfpipe.tuning import trace
+    pipe = tp_pipeline(2, 2, recompute=recompute, cell_functions=cell_functions)
+    x, y = inputs()
+    placed = []
+
+    @tf.function
+    def run():
+        with fprop_context.training(step=STEP):
+            loss, grads = pipe.ForwardBackward(pipe.theta, x, mz.loss_fn, y)
+        for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads)):
+            placed.append((v.device, g.device))
+        return loss
+    nodes = pipeline_nodes(run.get_concrete_function())
+    unplaced = [n.name for n in nodes if not n.device and not derived_gradient(n)]
+    assert not unplaced, unplaced[:10]
+    seen = {(trace.device_index(n.device), phase_of(n.name), n.op) for n in nodes if n.device}
+    for device in ('CPU:0', 'CPU:1', 'CPU:2', 'CPU:3'):
+        assert (device, 'forward', 'MatMul') in seen, device
+        assert (device, 'backward', 'MatMul') in seen, device
+        assert any(d == device and op == 'CollectiveReduce' for d, _, op in seen), device
+    shards = [(v, g) for v, g in placed if trace.device_index(v) in ('CPU:1', 'CPU:3')]
+    assert len(shards) == 6  # fc0 w, b; mlp fc1 w, b; mlp fc2 w; fc3 w: one shard each
+    for v, g in placed:
+        assert trace.device_index(g) == trace.device_index(v), (v, g)
+    assert [cell.shard_devices for cell in pipe.cells] == [
+        tuple(f'/job:localhost/replica:0/task:0/device:CPU:{i}' for i in pair)
+        for pair in ((0, 1), (2, 3))]

@@ -1,0 +1,93 @@
+"""A weight split over devices, checkpointed as one whole value under its layer path.
+
+A tensor-parallel layer holds weight `w` as T variables `w_shard0` ..
+`w_shard{T-1}`, one per device, each 1/T of the whole along one axis (see
+`BaseLayer.CreateVariableShards`). Everything that works per variable (theta,
+gradients, optimizer slots, replicas, the trainer's update) sees the shards as
+ordinary variables on their devices. Checkpoints must not: they keep one whole
+copy per layer path, so that a run saved with T=2 resumes with T=1 or T=4 and
+the other way round. `whole_view` swaps the shards of a variables-by-path dict
+for one `ShardedWeight` under the whole path, which saves the concatenation
+under the key a single variable `w` would have and splits on restore.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Sequence
+
+import tensorflow as tf
+
+_SUFFIX = '_shard'
+# id(shard variable) -> its ShardedWeight; the layer keeps the ShardedWeight alive.
+_registry: 'weakref.WeakValueDictionary[int, ShardedWeight]' = weakref.WeakValueDictionary()
+
+
+def shard_name(name: str, t: int, size: int) -> str:
+    """The variable name of shard t of weight `name`: 'w' itself when there is one shard
+    (a T=1 layer has the plain layer's variables), else 'w_shard0', 'w_shard1', ..."""
+    return name if size == 1 else f'{name}{_SUFFIX}{t}'
+
+
+class ShardedWeight(tf.Module):
+    """The shards of one weight, saved and restored as the whole value."""
+
+    def __init__(self, path: str, shards: Sequence[tf.Variable], axis: int):
+        super().__init__(name=None)
+        self.path = path  # the whole weight's path, e.g. 'pipe/mlp/w1'
+        self._shards = list(shards)
+        self.axis = axis
+        whole = list(shards[0].shape)
+        whole[axis] = sum(int(s.shape[axis]) for s in shards)
+        self.shape = tf.TensorShape(whole)
+        self.dtype = shards[0].dtype
+        for s in self._shards:
+            _registry[id(s)] = self
+
+    @property
+    def shards(self) -> list[tf.Variable]:
+        return list(self._shards)
+
+    def _trackable_children(self, save_type='checkpoint', **kwargs):  # saved by value only
+        return {}
+
+    def value(self) -> tf.Tensor:
+        """The whole weight, concatenated on the first shard's device."""
+        with tf.device(self._shards[0].device):
+            return tf.concat([s.read_value() for s in self._shards], self.axis)
+
+    def assign(self, whole: Any) -> None:
+        """Splits `whole` and assigns each piece to its shard on its device."""
+        pieces = tf.split(tf.convert_to_tensor(whole, self.dtype), len(self._shards), self.axis)
+        for shard, piece in zip(self._shards, pieces):
+            with tf.device(shard.device):
+                shard.assign(piece)
+
+    def _serialize_to_tensors(self):
+        return {'VARIABLE_VALUE': self.value()}
+
+    def _restore_from_tensors(self, restored_tensors):
+        whole = restored_tensors['VARIABLE_VALUE']
+        pieces = tf.split(whole, len(self._shards), self.axis)
+        ops = []
+        for shard, piece in zip(self._shards, pieces):
+            with tf.device(shard.device):
+                ops.append(shard.assign(piece))
+        return tf.group(ops)
+
+
+def of(variable: Any) -> 'ShardedWeight | None':
+    """The ShardedWeight a shard variable belongs to, None for a whole variable."""
+    return _registry.get(id(variable))
+
+
+def whole_view(variables: dict[str, Any]) -> dict[str, Any]:
+    """`variables` by path with each split weight's shards replaced by one ShardedWeight
+    under the whole weight's path (what checkpoints save)."""
+    out: dict[str, Any] = {}
+    for path, var in variables.items():
+        sharded = of(var)
+        if sharded is None or len(sharded.shards) == 1:
+            out[path] = var
+        else:
+            out[sharded.path] = sharded
+    return out
