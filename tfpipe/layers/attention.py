@@ -7,6 +7,7 @@ tokens cost n layer calls instead of n full forwards.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import tensorflow as tf
@@ -74,6 +75,9 @@ def cached_positions(cache: dict, positions: tf.Tensor) -> tf.Tensor:
     return tf.range(length)[None, None, None, :] <= positions[:, None, :, None]
 
 
+_PROJECTIONS = ('query', 'key', 'value')
+
+
 class MultiHeadAttention(BaseLayer):
     """Self-attention over [batch, time, model_dim], optionally causal.
 
@@ -111,7 +115,7 @@ class MultiHeadAttention(BaseLayer):
                              f'task.pipeline.tensor_parallel to a divisor of {p.num_heads}')
         # Children are built from fresh params: pass p.dtype on, or a float64 layer
         # would get float32 weights.
-        for name in ('query', 'key', 'value'):
+        for name in _PROJECTIONS:
             self.CreateChild(name, ColumnParallelDense.Params().Set(
                 input_dim=p.model_dim, output_dim=p.model_dim, dtype=p.dtype))
         self.CreateChild('post', RowParallelDense.Params().Set(
@@ -123,26 +127,26 @@ class MultiHeadAttention(BaseLayer):
     def _local_heads(self) -> int:
         return self.params.num_heads // self.group.size
 
-    def _Heads(self, theta, copies, name):
-        """Projection `name` of the input copies [b, t, model_dim] (one per device) as each
-        device's heads [b, heads / T, t, head_dim]."""
-        p = self.params
-        parts = self.children[name].ForwardShards(theta[name], copies)
+    def _ShardWeights(self, theta, t) -> list:
+        """Device t's weights, flat: query w, b, key w, b, value w, b, then post w."""
         out = []
-        for t, y in enumerate(parts):
-            with self.group.device(t):
-                out.append(split_heads(y, self._local_heads, p.model_dim // p.num_heads))
-        return out
+        for name in _PROJECTIONS:
+            layer = self.children[name]
+            out += [layer.Shards(theta[name], 'w')[t], layer.Shards(theta[name], 'b')[t]]
+        return out + [self.post.Shards(theta['post'], 'w')[t]]
 
-    def _Attend(self, theta, q, k, v, allowed):
-        """Softmax(q k^T / sqrt(d)) v of each device's heads where `allowed` (bool,
-        broadcast to [b, h, tq, tk]), then the output projection's all-reduce."""
-        ctx = []
-        for t in range(self.group.size):
-            with self.group.device(t):
-                ctx.append(attend(q[t], k[t], v[t], allowed,
-                                  lambda probs, t=t: self._DropoutHeads(probs, t)))
-        return self.post.Finish(theta['post'], self.post.PartialShards(theta['post'], ctx))
+    def _ShardHeads(self, x, weights) -> dict:
+        """Device t's query, key and value heads [b, heads / T, t, head_dim] of x."""
+        p = self.params
+        return {name: split_heads(self.children[name].ShardOutput(x, w, b), self._local_heads,
+                                  p.model_dim // p.num_heads)
+                for name, w, b in zip(_PROJECTIONS, weights[0:6:2], weights[1:6:2])}
+
+    def _ShardContext(self, t, heads, key, value, allowed, post_w):
+        """Device t's partial sum of the output projection: its heads' attention."""
+        ctx = attend(heads['query'], key, value, allowed,
+                     lambda probs: self._DropoutHeads(probs, t))
+        return self.post.ShardPartial(ctx, post_w)
 
     def _DropoutHeads(self, probs, t):
         """Dropout on device t's heads [b, h / T, tq, tk] of the attention weights: its heads'
@@ -160,9 +164,17 @@ class MultiHeadAttention(BaseLayer):
         p = self.params
         check_last_dim(self, x, p.model_dim, 'model_dim')
         allowed = allowed_positions(_size(x, 1), p.causal, segment_ids)
-        copies = self.group.scatter(x)
-        q, k, v = (self._Heads(theta, copies, name) for name in ('query', 'key', 'value'))
-        return self._Attend(theta, q, k, v, allowed)
+
+        def shard(t, x, *weights):
+            heads = self._ShardHeads(x, weights)
+            return self._ShardContext(t, heads, heads['key'], heads['value'], allowed,
+                                      weights[-1])
+        # Each device's whole share (projections, attention, its partial sum) is one
+        # `local` call, so its backward runs on that device too.
+        partials = [self.group.local(t, functools.partial(shard, t), x_t,
+                                     *self._ShardWeights(theta, t))
+                    for t, x_t in enumerate(self.group.scatter(x))]
+        return self.post.Finish(theta['post'], partials)
 
     def InitCache(self, batch: int, length: int, dtype: tf.DType) -> dict | list[dict]:
         """An empty key/value cache for `length` positions: on the layer's device (create
@@ -189,15 +201,16 @@ class MultiHeadAttention(BaseLayer):
                              'see the future)')
         check_last_dim(self, x, p.model_dim, 'model_dim')
         caches = cache if isinstance(cache, (list, tuple)) else [cache]
-        copies = self.group.scatter(x)
-        heads = {name: self._Heads(theta, copies, name) for name in ('key', 'value')}
-        new = []
-        for t, part in enumerate(caches):
-            with self.group.device(t):
-                new.append(write_cache(part, {n: heads[n][t] for n in heads}, positions))
-        out = self._Attend(theta, self._Heads(theta, copies, 'query'),
-                           [c['key'] for c in new], [c['value'] for c in new],
-                           cached_positions(new[0], positions))
+        partials, new = [], []
+        for t, (x_t, part) in enumerate(zip(self.group.scatter(x), caches)):
+            with self.group.device(t):  # no gradient here: device scopes suffice
+                weights = self._ShardWeights(theta, t)
+                heads = self._ShardHeads(x_t, weights)
+                new.append(write_cache(part, heads, positions))
+                partials.append(self._ShardContext(
+                    t, heads, new[-1]['key'], new[-1]['value'],
+                    cached_positions(new[-1], positions), weights[-1]))
+        out = self.post.Finish(theta['post'], partials)
         return out, (new if self.group.size > 1 else new[0])
 
     @classmethod
@@ -258,11 +271,20 @@ class TransformerBlock(BaseLayer):
             return self.children[name].FProp(theta[name], value)
 
         x = x + run('atten_dropout', attend(run('atten_ln', x)))
-        hidden = self.ffn_in.ForwardShards(theta['ffn_in'],
-                                           self.ffn_in.group.scatter(run('ffn_ln', x)))
-        h = self.ffn_out.Finish(theta['ffn_out'],
-                                self.ffn_out.PartialShards(theta['ffn_out'], hidden))
-        return x + run('ffn_dropout', h)
+        return x + run('ffn_dropout', self._FeedForward(theta, run('ffn_ln', x)))
+
+    def _FeedForward(self, theta, x):
+        """ffn_out(ffn_in(x)): with T > 1 each device computes its hidden columns and their
+        partial sum in one `local` call (backward there too), then one all-reduce home."""
+        ffn_in, ffn_out = self.ffn_in, self.ffn_out
+        weights = zip(ffn_in.Shards(theta['ffn_in'], 'w'), ffn_in.Shards(theta['ffn_in'], 'b'),
+                      ffn_out.Shards(theta['ffn_out'], 'w'))
+
+        def shard(x, w_in, b_in, w_out):
+            return ffn_out.ShardPartial(ffn_in.ShardOutput(x, w_in, b_in), w_out)
+        partials = [ffn_in.group.local(t, shard, x_t, *w)
+                    for t, (x_t, w) in enumerate(zip(ffn_in.group.scatter(x), weights))]
+        return ffn_out.Finish(theta['ffn_out'], partials)
 
     def FProp(self, theta, x, segment_ids=None):
         return self._Residuals(

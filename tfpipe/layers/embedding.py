@@ -47,9 +47,11 @@ class Embedding(BaseLayer):
         if size == 1:
             out = tf.gather(theta['emb'], ids)
         else:
-            tables = [theta[shard_name('emb', t, size)] for t in range(size)]
-            out = self.group.reduce_to_home(vocab_parallel.lookup_parts(
-                tables, ids, self.ranges, self.group.devices))
+            # Each device's part in one `local` call: its gradient is computed there too.
+            out = self.group.reduce_to_home([
+                self.group.local(t, lambda table, t=t: vocab_parallel.lookup_parts(
+                    [table], ids, self.ranges[t:t + 1])[0], theta[shard_name('emb', t, size)])
+                for t in range(size)])
         if self.params.scale_sqrt_depth:
             out *= math.sqrt(self.params.embedding_dim)
         return out

@@ -193,17 +193,22 @@ class VocabLogits(BaseLayer):
         """Logits [.., V], or with T > 1 the list of T shards [.., stop_t - start_t]."""
         p = self.params
         check_last_dim(self, x, p.input_dim, 'input_dim')
-        biases = self._Shards(theta, 'b') if p.use_bias else [None] * self.group.size
-        out = []
-        for t, (copy, w, b) in enumerate(zip(self.group.scatter(x), self._Shards(theta, 'w'),
-                                             biases)):
-            with self.group.device(t):
-                rows = tf.reshape(copy, [-1, p.input_dim]) if copy.shape.rank != 2 else copy
-                y = tf.matmul(rows, w, transpose_b=p.weight_layout == 'oi')
-                if copy.shape.rank != 2:
-                    y = tf.reshape(y, tf.concat([tf.shape(copy)[:-1], [tf.shape(y)[-1]]], 0))
-                out.append(y + b if b is not None else y)
+        weights = [self._Shards(theta, 'w')]
+        if p.use_bias:
+            weights.append(self._Shards(theta, 'b'))
+        # Each device's logits in one `local` call: their gradient is computed there too.
+        out = [self.group.local(t, self._ShardLogits, copy, *w)
+               for t, (copy, *w) in enumerate(zip(self.group.scatter(x), *weights))]
         return out if self.group.size > 1 else out[0]
+
+    def _ShardLogits(self, x, w, b=None):
+        """One device's logits x @ w_t (+ b_t), over its ids."""
+        p = self.params
+        rows = tf.reshape(x, [-1, p.input_dim]) if x.shape.rank != 2 else x
+        y = tf.matmul(rows, w, transpose_b=p.weight_layout == 'oi')
+        if x.shape.rank != 2:
+            y = tf.reshape(y, tf.concat([tf.shape(x)[:-1], [tf.shape(y)[-1]]], 0))
+        return y + b if b is not None else y
 
     def CrossEntropy(self, logits, labels: tf.Tensor) -> tf.Tensor:
         """Softmax cross-entropy [..] of this layer's output against int `labels` [..]:
