@@ -9,11 +9,14 @@ splits unevenly over T=4 (65, 65, 64, 64): no padding, so nothing to mask and
 a checkpoint holds the 258 rows. Generation (cache split by heads) gives the
 T=1 tokens; evaluation the T=1 metrics; a checkpoint moves between any T.
 """
+import os
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from tests import test_lm as lm
+from tests import trainer_helpers as th
 from tfpipe import bodies, checkpoints, fprop_context, generation, variable_shards
 from tfpipe.base_layer import flatten_by_path
 from tfpipe.pipeline import partition
@@ -110,19 +113,22 @@ def test_recompute_policies_and_schedules_equal_the_t1_step(t, k, recompute, sch
 
 def test_layers_are_split_over_the_cells_devices():
     task = lm_task(4)
-    cell = task.pipe.cells[0]
-    assert len(set(cell.shard_devices)) == 4
-    emb = variable_shards.of(task.pipe.embedding.VariablesByPath()['pipe/embedding/emb_shard0'])
-    assert [s.shape[0] for s in emb.shards] == [65, 65, 64, 64]  # 258 rows, no padding
-    assert [s.device for s in emb.shards] == [
-        tf.DeviceSpec.from_string(d).to_string() for d in cell.shard_devices] or \
-        len({s.device for s in emb.shards}) == 4
-    query = task.pipe.block0.atten.query.VariablesByPath()
-    assert [v.shape.as_list() for v in query.values()] == [[16, 4]] * 4 + [[4]] * 4
-    assert len({v.device for v in query.values()}) == 4
-    # LayerNorm and the output bias stay whole, on the home device.
-    assert set(task.pipe.block0.atten_ln.VariablesByPath()) == {
-        'pipe/block0/atten_ln/scale', 'pipe/block0/atten_ln/bias'} or True
+    devices = [tf.DeviceSpec.from_string(d) for d in task.pipe.cells[0].shard_devices]
+    assert len(set(devices)) == 4
+
+    def placed(layer):
+        return [(v.shape.as_list(), tf.DeviceSpec.from_string(v.device))
+                for v in layer.VariablesByPath().values()]
+    # The 258 ids over 4 devices: 65, 65, 64, 64 rows, no padding row.
+    assert placed(task.pipe.embedding) == [([n, 16], d) for n, d in zip([65, 65, 64, 64],
+                                                                         devices)]
+    # Heads [4t, 4t + 4) of query on device t: w[:, 4] and b[4] each.
+    assert placed(task.pipe.block0.atten.query) == (
+        [([16, 4], d) for d in devices] + [([4], d) for d in devices])
+    # Row-parallel post: w[4, :] per device, its bias whole on the home device; LayerNorm too.
+    assert placed(task.pipe.block0.atten.post) == (
+        [([4, 16], d) for d in devices] + [([16], devices[0])])
+    assert {d for _, d in placed(task.pipe.block0.atten_ln)} == {devices[0]}
     with fprop_context.evaluation():
         logits = task.ComputePredictions(task.theta, lm.generated_batch())
     assert [s.shape[-1] for s in logits] == [65, 65, 64, 64]
@@ -166,9 +172,12 @@ def test_checkpoint_moves_between_t4_t1_and_t2(tmp_path):
     trained = lm_task(4)
     sgd_step(trained, batch)
     path = checkpoints.make(trained.VariablesByPath()).write(str(tmp_path / 'ckpt'))
-    saved = dict(tf.train.list_variables(path))
-    emb_key = next(k for k in saved if 'pipe/embedding/emb' in k and 'OPTIMIZER' not in k)
-    assert saved[emb_key] == [lm.VOCAB, 16]  # whole, and no padding row
+    saved = tf.train.list_variables(path)
+    assert not [key for key, _ in saved if 'shard' in key]  # whole weights only
+    # The tied table (the only [V, 16] weight): its 258 rows, no padding row.
+    assert [key for key, shape in saved if shape == [lm.VOCAB, 16]] == [
+        key for key, _ in saved if 'embedding' in key]
+    assert [shape for _, shape in saved if shape and shape[0] in (65, 64, 260)] == []
     expected = whole(trained, trained.VariablesByPath())
     for t in (1, 2):
         task = lm_task(t)
@@ -184,3 +193,29 @@ def test_heads_not_divisible_by_t_name_the_layer_and_the_fix():
                                          r'tensor_parallel=4: use a multiple of 4 heads, or '
                                          r'set task.pipeline.tensor_parallel to a divisor of 2'):
         lm_task(4, heads=2)
+
+
+LM_MODEL = 'lm.pystdlib.TinyTransformerLM'  # 2 heads, K=2
+
+
+def test_trainer_trains_and_exports_the_registered_lm_at_t2(tmp_path):
+    logdir = str(tmp_path / 'run')
+    result = th.run(LM_MODEL, logdir, 'unused', *th.fast_flags(2, 2),
+                    th.overrides(**{'task.pipeline.tensor_parallel': 2}))
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = th.losses_by_step(os.path.join(logdir, 'train'))
+    assert sorted(losses) == [1, 2] and all(np.isfinite(list(losses.values())))
+    exported = th.run(LM_MODEL, logdir, 'unused', '--mode=export')
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert os.path.exists(os.path.join(logdir, 'export', '2', 'saved_model.pb'))
+
+
+def test_trainer_refuses_heads_not_divisible_by_t_before_the_logdir(tmp_path):
+    logdir = str(tmp_path / 'fresh')
+    result = th.run(LM_MODEL, logdir, 'unused', '--max_steps=2', '--num_logical_cpus=8',
+                    th.overrides(**{'task.pipeline.tensor_parallel': 4}))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert th.error_line(result) == (
+        'error: task/pipe/block0/atten: num_heads=2 is not divisible by tensor_parallel=4: '
+        'use a multiple of 4 heads, or set task.pipeline.tensor_parallel to a divisor of 2')
+    assert not os.path.exists(logdir)
