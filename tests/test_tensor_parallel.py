@@ -19,7 +19,7 @@ from tfpipe import checkpoints, fprop_context, layers, variable_shards
 from tfpipe.base_layer import flatten_by_path
 from tfpipe.layers.tensor_parallel_dense import (ColumnParallelDense, ParallelMLP,
                                                  RowParallelDense)
-from tfpipe.pipeline import partition, tensor_parallel
+from tfpipe.pipeline import partition
 
 STEP = 7
 
@@ -232,3 +232,124 @@ def test_each_shard_computes_and_sums_on_its_device(recompute, cell_functions):
     assert [cell.shard_devices for cell in pipe.cells] == [
         tuple(f'/job:localhost/replica:0/task:0/device:CPU:{i}' for i in pair)
         for pair in ((0, 1), (2, 3))]
+
+
+def state_bytes_by_device(pipe):
+    """Measured: the bytes of the weights, Adam's slots and the gradient sums that the
+    traced step leaves on each device (a gradient's device read from the graph)."""
+    optimizer = tfpipe.optimizers.Adam.Params().Set(name='adam').Instantiate()
+    variables = {p: v for p, v in pipe.VariablesByPath().items() if v.trainable}
+    optimizer.CreateSlots(variables)
+    out = {}
+    for var in list(variables.values()) + optimizer.slot_variables:
+        out[var.device] = out.get(var.device, 0) + var.shape.num_elements() * var.dtype.size
+    x, y = inputs()
+    sums = []
+
+    @tf.function
+    def run():
+        with fprop_context.training(step=STEP):
+            _, grads = pipe.ForwardBackward(pipe.theta, x, mz.loss_fn, y)
+        sums.extend((g.device, g.shape.num_elements() * g.dtype.size)
+                    for g in tf.nest.flatten(grads))
+    run.get_concrete_function()
+    for device, size in sums:
+        out[device] += size
+    return out
+
+
+def predicted_state_by_device(pipe):
+    """What inspect_model predicts (weights + gradient sums + slots) from T=1 profiles."""
+    from tfpipe.tuning import memory_model, tensor_parallel_memory
+    from tfpipe.tuning.profile import Affine, LayerProfile
+    zero = Affine(0.0, 0.0)
+    profiles = [LayerProfile(p.name, zero, zero, 8 * p.cls.NumParams(p), 16 * p.cls.NumParams(p),
+                             0.0, 0.0) for p in pipe.params.body]  # float64, Adam: m and v
+    layouts = [memory_model.CellLayout(cell.device, start, stop, cell.recompute)
+               for cell, (start, stop) in zip(pipe.cells, partition.cell_ranges(pipe.balance))]
+    shares = tensor_parallel_memory.shares(pipe)
+    devices = memory_model.predict(tensor_parallel_memory.home_profiles(profiles, shares),
+                                   layouts, 1.0, 1, 'fill_drain')
+    devices += tensor_parallel_memory.shard_memory(
+        profiles, shares, layouts, [cell.shard_devices for cell in pipe.cells], 1.0, 1,
+        'fill_drain')
+    return {d.device: d.weights + d.gradient_sums + d.slots for d in devices}
+
+
+def test_split_state_falls_to_one_over_t_as_predicted():
+    whole = tp_pipeline(1, 2)
+    t1 = state_bytes_by_device(whole)
+    assert predicted_state_by_device(whole) == pytest.approx(t1, rel=0.15)
+    for t in (2, 4):
+        pipe = tp_pipeline(t, 2)
+        measured = state_bytes_by_device(pipe)
+        assert predicted_state_by_device(pipe) == pytest.approx(measured, rel=0.15)
+        assert sorted(measured) == sorted(d for cell in pipe.cells for d in cell.shard_devices)
+        for cell, home in zip(pipe.cells, whole.cells):
+            # The split layers' state (weights, sums, m, v: 4 x 8 bytes per float64) is
+            # whole on the T=1 device and 1/T of it on each of the T devices; the
+            # row-parallel biases and the plain Dense stay whole on the home device.
+            split = sum(32 * v.shape.num_elements() for layer in home.layers
+                        for path, v in layer.VariablesByPath().items()
+                        if path.split('/')[1] in ('fc0', 'mlp', 'fc3')
+                        and not path.endswith(('fc2/b', 'fc3/b')))
+            assert measured[cell.shard_devices[-1]] == split // t, (cell.index, t)
+            assert t1[home.device] - measured[cell.device] == split - split // t
+
+
+def tape_step(pipe):
+    """FProp under an outer tape: outputs, loss and gradients as whole weights."""
+    x, y = inputs()
+
+    @tf.function
+    def run():
+        with fprop_context.training(step=STEP):
+            with tf.GradientTape() as tape:
+                out = pipe.FProp(pipe.theta, x)
+                loss = tf.reduce_sum(mz.loss_fn(out, y)) / 10
+        return out, loss, tape.gradient(loss, pipe.theta)
+    out, loss, grads = run()
+    grads = {p: g.numpy() for p, g in flatten_by_path(grads, 'pipe').items()}
+    return out.numpy(), loss.numpy(), whole(pipe, grads)
+
+
+@pytest.mark.parametrize('cell_functions', [True, False], ids=['functions', 'unrolled'])
+@pytest.mark.parametrize('t,k,r', [(2, 2, 1), (2, 1, 2), (4, 1, 1)])
+def test_fprop_under_tape_and_eval_equal_t1(t, k, r, cell_functions):
+    ref_pipe = tp_pipeline(1, 1)
+    ref_out, ref_loss, ref_grads = tape_step(ref_pipe)
+    pipe = tp_pipeline(t, k, r, cell_functions=cell_functions)
+    out, loss, grads = tape_step(pipe)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-12)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_same(grads, ref_grads, 'grads')
+    x, _ = inputs()
+    with fprop_context.evaluation():
+        np.testing.assert_allclose(tf.function(pipe.FProp)(pipe.theta, x).numpy(),
+                                   tf.function(ref_pipe.FProp)(ref_pipe.theta, x).numpy(),
+                                   rtol=1e-5, atol=1e-12)
+
+
+@pytest.mark.parametrize('schedule', ['zb_h1', 'zb_h2', 'interleaved_1f1b'])
+def test_split_backward_and_interleaved_schedules(schedule):
+    """The other schedules: a split backward asks each shard for its input and its weight
+    gradients in two tasks; interleaved puts two cells on each device slot's group."""
+    if schedule == 'interleaved_1f1b':
+        pipe = tfpipe.PipeliningLayer.Params().Set(
+            name='pipe', body=tp_body(), balance=[1, 1, 1, 2], virtual_stages=2,
+            num_micro_batches=4, tensor_parallel=2, schedule=schedule).Instantiate()
+    else:
+        pipe = tp_pipeline(2, 2, schedule=schedule)
+    check(pipe)
+
+
+def test_eager_forward_backward_equals_t1():
+    """Outside tf.function each collective runs as a traced call of all its members."""
+    ref = reference()
+    pipe = tp_pipeline(2, 2)
+    x, y = inputs()
+    with fprop_context.training(step=STEP):
+        loss, grads = pipe.ForwardBackward(pipe.theta, x, mz.loss_fn, y)
+    np.testing.assert_allclose(loss.numpy(), ref['loss'], rtol=1e-5)
+    assert_same(whole(pipe, {p: g.numpy() for p, g in flatten_by_path(grads, 'pipe').items()}),
+                ref['grads'], 'grads')

@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from tfpipe.hyperparams import Params
 from tfpipe import memory_stats
-from tfpipe.tuning import memory_model, planner, profile, working_memory
+from tfpipe.tuning import memory_model, planner, profile, tensor_parallel_memory, working_memory
 from tfpipe.tuning.calibration import Calibration, MeasuredRun, calibrate
 from tfpipe.pipeline.cell import recompute_flags
 from tfpipe.pipeline.partition import cell_ranges
@@ -58,7 +58,8 @@ def inspect_model(params: Params) -> None:
     input_measurement = host_input_measurement(params, task)
     m = pipe.params.num_micro_batches
     print(f'balance {list(pipe.balance)}  micro-batches {m}  recompute {pipe.params.recompute}'
-          f'  replicas {pipe.num_replicas}')
+          f'  replicas {pipe.num_replicas}  tensor_parallel {pipe.params.tensor_parallel}')
+    print_placement(pipe)
     profiles = profile_model(params, task, m)
     batch = params.input.train.batch_size // pipe.num_replicas  # each replica's share
     shards = slot_shards(params)
@@ -123,8 +124,21 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
                for cell, (start, stop) in zip(pipe.replica_cells[0], cell_ranges(pipe.balance))]
     replicas = [[dataclasses.replace(c, device=cell.device) for c, cell in zip(layouts, cells)]
                 for cells in pipe.replica_cells]
+    if pipe.params.tensor_parallel > 1:  # each shard device holds its part of the state
+        layer_shares = tensor_parallel_memory.shares(pipe)
+        whole_profiles, profiles = profiles, tensor_parallel_memory.home_profiles(
+            profiles, layer_shares)
     devices = [memory_model.predict(profiles, cells, batch / m, m, pipe.params.schedule, shards,
                                     working, inputs) for cells in replicas]
+    shard_devices: list[memory_model.DeviceMemory] = []
+    if pipe.params.tensor_parallel > 1:
+        for r, cells in enumerate(replicas):
+            shard_devices += tensor_parallel_memory.shard_memory(
+                whole_profiles, layer_shares, cells,
+                [cell.shard_devices for cell in pipe.replica_cells[r]], batch / m, m,
+                pipe.params.schedule, shards)
+            devices[r] += shard_devices[len(shard_devices) - len(cells) * (
+                pipe.params.tensor_parallel - 1):]
     if working is not None:
         measured = 'backward working sets measured'
     elif not memory_stats.allocator_devices([pipe.replica_cells[0][0].device]):
@@ -149,6 +163,10 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
                                                  inputs)]
     held = [memory_model.in_flight(pipe.params.schedule, len(layouts), k % len(layouts), m)
             * mem.stash for k, mem in enumerate(cells)]
+    if shard_devices:  # the shard devices' state shares the allocator
+        cells += [memory_model.CellMemory(d.device, d.weights + d.gradient_sums + d.slots, 0.0,
+                                          d.working) for d in shard_devices]
+        held += [d.held for d in shard_devices]
     # Backwards at once: no more than the cores run, nor than micro-batches (cell k's
     # backward on a micro-batch waits for cell k+1's on the same one).
     parallelism = min(m, planner.local_parallelism(
@@ -349,6 +367,7 @@ def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[f
     if device_memory is not None:
         device = dataclasses.replace(device, memory=device_memory)
     task = params.task.Instantiate()
+    print_placement(task.pipe)
     batch_size = params.input.train.batch_size
     max_m = min(max(planner.MICRO_BATCHES), batch_size)
     profiles = profile_model(params, task, max_m)
@@ -501,3 +520,14 @@ def compare_steps(step: tuple[float, dict, dict], reference: tuple[float, dict, 
                  if noise else '')
               + f'\n{"PASS" if ok else "FAIL"}: worst {kind} {worst} ({value:.3g})')
     return (0 if ok else 1), report
+
+
+def print_placement(pipe) -> None:
+    """Each replica's cells and their devices: the home device first, then with
+    tensor_parallel=T > 1 the other T-1 that the cell's split layers use."""
+    for r, cells in enumerate(pipe.replica_cells):
+        for cell in cells:
+            shards = (f' + tensor-parallel shards on {", ".join(cell.shard_devices[1:])}'
+                      if len(cell.shard_devices) > 1 else '')
+            print(f'placement: replica {r} cell {cell.index} {cell.names} on '
+                  f'{cell.device}{shards}')

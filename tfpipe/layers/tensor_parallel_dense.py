@@ -196,7 +196,7 @@ class ParallelMLP(BaseLayer):
 
     def FProp(self, theta: dict, x: Any) -> tf.Tensor:
         check_last_dim(self, x, self.params.input_dim, 'input_dim')
-        size, fc1, fc2 = self.group.size, self.fc1, self.fc2
+        fc1, fc2 = self.fc1, self.fc2
         whole = x.shape[:-1].concatenate([self.params.hidden_dim])
         args = [fc1.Shards(theta['fc1'], 'w'), fc2.Shards(theta['fc2'], 'w')]
         if fc1.params.use_bias:

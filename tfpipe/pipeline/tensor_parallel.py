@@ -171,7 +171,9 @@ class TensorParallelGroup:
         @tf.custom_gradient
         def local(*args):
             with self.device(t):
-                with tf.GradientTape(watch_accessed_variables=False) as tape:
+                # Persistent: a split backward (zb_*) asks for the input and the weight
+                # gradients in two tasks.
+                with tf.GradientTape(watch_accessed_variables=False, persistent=True) as tape:
                     tape.watch(args)
                     y = fn(*args)
 
@@ -259,9 +261,9 @@ class TensorParallelGroup:
 
     def _all_reduce(self, parts: list[tf.Tensor], name: str) -> list[tf.Tensor]:
         group, instance = replicas.group_key(self.devices), replicas.new_instance_key()
-        return self._run(lambda: self._launch(
-            lambda t: collective_ops.all_reduce(parts[t], self.size, group, instance, 'Add',
-                                                'Id', communication_hint='auto'), name))
+        return self._run(lambda ps: self._launch(
+            lambda t: collective_ops.all_reduce(ps[t], self.size, group, instance, 'Add', 'Id',
+                                                communication_hint='auto'), name), parts)
 
     def _all_gather(self, parts: list[tf.Tensor], axis: int) -> list[tf.Tensor]:
         """all_gather (v1) concatenates along axis 0: gather the parts moved to the
@@ -271,20 +273,26 @@ class TensorParallelGroup:
         perm = [axis] + [i for i in range(rank) if i != axis]
         inverse = [perm.index(i) for i in range(rank)]
 
-        def build(t):
-            front = tf.transpose(parts[t], perm) if axis else parts[t]
-            out = collective_ops.all_gather(front, self.size, group, instance,
-                                            communication_hint='auto')
-            return tf.transpose(out, inverse) if axis else out
-        return self._run(lambda: self._launch(build, 'all_gather'))
+        def build(ps):
+            def member(t):
+                front = tf.transpose(ps[t], perm) if axis else ps[t]
+                out = collective_ops.all_gather(front, self.size, group, instance,
+                                                communication_hint='auto')
+                return tf.transpose(out, inverse) if axis else out
+            return self._launch(member, 'all_gather')
+        return self._run(build, parts)
 
     @staticmethod
-    def _run(build: Callable[[], list[tf.Tensor]]) -> list[tf.Tensor]:
-        """Builds the collectives; eagerly, as one function call, because an eager op
-        would wait for members that the single Python thread has not issued yet."""
+    def _run(build: Callable[[list[tf.Tensor]], list[tf.Tensor]],
+             parts: list[tf.Tensor]) -> list[tf.Tensor]:
+        """build(parts): the collectives, whose gradients the callers define. The raw ops
+        have none, so no tape may see them: their inputs are gradient-stopped. Eagerly
+        they run as one function call, because an eager op would wait for members that
+        the single Python thread has not issued yet."""
+        parts = [tf.stop_gradient(p) for p in parts]
         if tf.executing_eagerly():
-            return tf.function(build, autograph=False)()
-        return build()
+            return tf.function(lambda *ps: build(list(ps)), autograph=False)(*parts)
+        return build(parts)
 
 
 SINGLE = TensorParallelGroup((None,))
