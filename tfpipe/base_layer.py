@@ -184,7 +184,8 @@ class BaseLayer(tf.Module):
             raise ValueError(f'{self.path}: {name} has {shape[axis]} rows/columns on axis '
                              f'{axis}, not divisible by tensor_parallel={size}')
         dtype = self.params.dtype
-        with tf.device(devices[0]):
+        # No device (T=1 outside a pipeline): the caller's scope, which tf.device(None) clears.
+        with _scope(devices[0]):
             whole = initializers.get(init)(list(shape), dtype,
                                            initializers.seed_for(self._seed, f'{self.path}/{name}'))
             pieces = tf.split(whole, list(sizes or [shape[axis] // size] * size), axis) \
@@ -193,7 +194,7 @@ class BaseLayer(tf.Module):
         for t, (device, piece) in enumerate(zip(devices, pieces)):
             shard = variable_shards.shard_name(name, t, size)
             self._CheckNewName(shard)
-            with tf.device(device):
+            with _scope(device):
                 shards.append(tf.Variable(piece, name=shard))
             self._vars[shard] = shards[-1]
         if size > 1:
@@ -268,6 +269,11 @@ class BaseLayer(tf.Module):
         raise NotImplementedError(
             f'{cls.__name__} does not implement NumParams: give the pipeline an explicit '
             "balance or partition it by 'flops' or 'time'")
+
+
+def _scope(device: Optional[str]):
+    """tf.device(device), or the caller's device scope for None."""
+    return tf.device(device) if device is not None else contextlib.nullcontext()
 
 
 def cast_floats(struct: Any, dtype: tf.DType) -> Any:
