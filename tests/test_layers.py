@@ -126,6 +126,8 @@ CASES = {
     'Embedding': (lambda: layers.Embedding.Params().Set(name='emb', vocab_size=10,
                                                         embedding_dim=4), [3, 5], True),
     'LayerNorm': (lambda: layers.LayerNorm.Params().Set(name='ln', dim=6), [2, 3, 6], True),
+    'VocabLogits': (lambda: layers.VocabLogits.Params().Set(name='logits', input_dim=6,
+                                                            vocab_size=9), [2, 3, 6], True),
     'MultiHeadAttention': (lambda: layers.MultiHeadAttention.Params().Set(
         name='mha', model_dim=8, num_heads=2, causal=True, atten_dropout_keep_prob=0.9),
         [2, 5, 8], True),

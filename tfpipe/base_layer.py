@@ -165,10 +165,11 @@ class BaseLayer(tf.Module):
         return var
 
     def CreateVariableShards(self, name: str, shape: Sequence[int], axis: int,
-                             devices: Sequence[Optional[str]], init: str = 'glorot_uniform'
-                             ) -> list[tf.Variable]:
+                             devices: Sequence[Optional[str]], init: str = 'glorot_uniform',
+                             sizes: Optional[Sequence[int]] = None) -> list[tf.Variable]:
         """Weight `name` of the whole `shape` split along `axis` into len(devices) equal
-        shards, shard t a variable on devices[t] (tensor parallelism).
+        shards (or of `sizes`: a vocabulary T does not divide), shard t a variable on
+        devices[t] (tensor parallelism).
 
         The whole initial value is drawn once, seeded by the whole weight's path, and
         cut: every T starts from the weights of T=1. One device gives one variable
@@ -176,19 +177,24 @@ class BaseLayer(tf.Module):
         checkpoints save as the whole weight under `name`.
         """
         size = len(devices)
-        if shape[axis] % size:
+        if sizes is not None and (len(sizes) != size or sum(sizes) != shape[axis]):
+            raise ValueError(f'{self.path}: {name} shard sizes {list(sizes)} do not split its '
+                             f'{shape[axis]} rows/columns on axis {axis} over {size} devices')
+        if sizes is None and shape[axis] % size:
             raise ValueError(f'{self.path}: {name} has {shape[axis]} rows/columns on axis '
                              f'{axis}, not divisible by tensor_parallel={size}')
         dtype = self.params.dtype
-        with tf.device(devices[0]):
+        # No device (T=1 outside a pipeline): the caller's scope, which tf.device(None) clears.
+        with _scope(devices[0]):
             whole = initializers.get(init)(list(shape), dtype,
                                            initializers.seed_for(self._seed, f'{self.path}/{name}'))
-            pieces = tf.split(whole, size, axis) if size > 1 else [whole]
+            pieces = tf.split(whole, list(sizes or [shape[axis] // size] * size), axis) \
+                if size > 1 else [whole]
         shards = []
         for t, (device, piece) in enumerate(zip(devices, pieces)):
             shard = variable_shards.shard_name(name, t, size)
             self._CheckNewName(shard)
-            with tf.device(device):
+            with _scope(device):
                 shards.append(tf.Variable(piece, name=shard))
             self._vars[shard] = shards[-1]
         if size > 1:
@@ -263,6 +269,11 @@ class BaseLayer(tf.Module):
         raise NotImplementedError(
             f'{cls.__name__} does not implement NumParams: give the pipeline an explicit '
             "balance or partition it by 'flops' or 'time'")
+
+
+def _scope(device: Optional[str]):
+    """tf.device(device), or the caller's device scope for None."""
+    return tf.device(device) if device is not None else contextlib.nullcontext()
 
 
 def cast_floats(struct: Any, dtype: tf.DType) -> Any:

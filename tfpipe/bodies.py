@@ -44,6 +44,11 @@ def transformer_body(vocab_size: int, max_length: int, model_dim: int, hidden_di
                      tied_softmax: bool = False) -> list[Params]:
     """Embedding + positions, `num_blocks` causal blocks, final LayerNorm, logits.
 
+    Under a pipeline with tensor_parallel=T > 1 the same params build Megatron's
+    forms: the embedding and the logits split the vocabulary, each block its heads
+    and feed-forward hidden layer (docs/tensor_parallel.md); the logits then come
+    out as T vocabulary shards (layers.VocabLogits).
+
     tied_softmax: lay the logits' weight out like the embedding table
     ([vocab, model_dim]) so the pipeline can tie them with TRANSFORMER_TIES.
     """
@@ -55,8 +60,9 @@ def transformer_body(vocab_size: int, max_length: int, model_dim: int, hidden_di
         name=f'block{i}', model_dim=model_dim, hidden_dim=hidden_dim, num_heads=num_heads,
         causal=True, residual_dropout_keep_prob=dropout_keep_prob) for i in range(num_blocks)]
     body += [layers.LayerNorm.Params().Set(name='final_ln', dim=model_dim),
-             layers.Dense.Params().Set(name='logits', input_dim=model_dim, output_dim=vocab_size,
-                                       weight_layout='oi' if tied_softmax else 'io')]
+             layers.VocabLogits.Params().Set(name='logits', input_dim=model_dim,
+                                             vocab_size=vocab_size,
+                                             weight_layout='oi' if tied_softmax else 'io')]
     return body
 
 

@@ -12,8 +12,8 @@ Placement:
 - `ONE_DEVICE` (default): the body is one cell run in sequence, and the device
   annotations are removed from the saved graphs, so the loading runtime places
   the ops on its own devices (a GPU if it has one).
-- `PIPELINED`: the trained cells keep their devices (one replica's); a request
-  runs through them in order. The device names are those of the exporting
+- `PIPELINED`: the trained cells keep their devices (one replica's; a
+  tensor-parallel cell its home device); a request runs through them in order. The device names are those of the exporting
   process ('/job:localhost/replica:0/task:0/device:CPU:1'); a runtime without
   such a device places those ops elsewhere (TensorFlow's soft placement).
 
@@ -53,18 +53,21 @@ class CheckpointGoneError(ValueError):
 
 
 def inference_task_params(task_params: Params, placement: str = ONE_DEVICE) -> Params:
-    """The task's params for serving: one replica, and for ONE_DEVICE one cell."""
+    """The task's params for serving: one replica, no tensor parallelism (the checkpoint
+    holds whole weights, and a SavedModel then holds no collectives), and for ONE_DEVICE
+    one cell."""
     if placement not in PLACEMENTS:
         raise ValueError(f'unknown export placement {placement!r}: use one of {list(PLACEMENTS)}')
     p = task_params.Copy()
     pipe = p.pipeline
+    split = pipe.tensor_parallel
     if placement == ONE_DEVICE:
         pipe.Set(balance=[len(pipe.body)], num_cells=None, virtual_stages=1, devices=None,
                  schedule='fill_drain', num_micro_batches=1)
     elif pipe.devices is not None:
-        num_devices = len(pipe.devices) // pipe.num_replicas
-        pipe.devices = list(pipe.devices)[:num_devices]  # replica 0's
-    pipe.num_replicas = 1
+        num_devices = len(pipe.devices) // (pipe.num_replicas * split)
+        pipe.devices = list(pipe.devices)[:num_devices * split:split]  # replica 0's cells' homes
+    pipe.Set(num_replicas=1, tensor_parallel=1)
     return p
 
 

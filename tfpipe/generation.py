@@ -1,7 +1,8 @@
 """Continuing prompts with a pipelined language model, greedy or sampled.
 
 Cached (the default): each `PackedTransformerBlock` keeps the keys and values of
-every position it has seen in a cache created on its cell's device, and each
+every position it has seen in a cache created on its cell's device (in a
+tensor-parallel cell, one cache per device, of that device's heads), and each
 step runs the cells in order on the new token only (`ExtendStep`), so n new
 tokens cost n calls of each layer. Uncached (for checking and benchmarks): each
 step runs the pipeline's forward over the whole context again. Both pick
@@ -23,6 +24,7 @@ import tensorflow as tf
 from tfpipe import fprop_context
 from tfpipe.base_layer import apply_layer, cast_floats
 from tfpipe.layers.attention import PackedTransformerBlock
+from tfpipe.layers import vocab_parallel
 from tfpipe.layers.embedding import PackedPositionEmbedding
 from tfpipe.pipeline.pipelining_layer import PipeliningLayer
 
@@ -177,7 +179,7 @@ class Generator:
                         else:
                             act = apply_layer(layer, cell_theta[name], act, cell.fprop_dtype)
                 new_caches.append(new_cache)
-        return (*_choose(act[:, -1, :], sampling, index), new_caches)
+        return (*_choose(_last_position(act), sampling, index), new_caches)
 
     def _run_uncached(self, theta, prompt, num_new, sampling):
         b, length = prompt.shape
@@ -199,9 +201,18 @@ class Generator:
             logits = self.pipe.FProp(theta, {'x': ids, 'segment_ids': tf.ones_like(ids),
                                              'positions': tf.tile(tf.range(t)[None, :], [b, 1])})
         # Causal: the zeros after the last real position do not change its logits.
-        token, log_prob = _choose(tf.gather(logits, last, axis=1), sampling, index)
+        token, log_prob = _choose(tf.gather(vocab_parallel.whole(logits), last, axis=1),
+                                  sampling, index)
         slot = tf.one_hot(last + 1, t, dtype=tf.int32)[None, :]
         return token, log_prob, ids * (1 - slot) + token[:, None] * slot
+
+
+def _last_position(logits) -> tf.Tensor:
+    """The logits [b, V] of the last position: of each vocabulary shard first (a
+    tensor-parallel softmax, T > 1), then concatenated, so only [b, V] travels."""
+    if vocab_parallel.is_split(logits):
+        return vocab_parallel.gather([s[:, -1, :] for s in logits])
+    return logits[:, -1, :]
 
 
 def _extend(layer: PackedTransformerBlock, theta: dict, act: dict, cache: dict,

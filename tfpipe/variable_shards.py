@@ -44,6 +44,11 @@ class ShardedWeight(tf.Module):
             _registry[id(s)] = self
 
     @property
+    def sizes(self) -> list[int]:
+        """Each shard's rows/columns along `axis` (equal, or uneven: a vocabulary)."""
+        return [int(s.shape[self.axis]) for s in self._shards]
+
+    @property
     def shards(self) -> list[tf.Variable]:
         return list(self._shards)
 
@@ -57,7 +62,7 @@ class ShardedWeight(tf.Module):
 
     def assign(self, whole: Any) -> None:
         """Splits `whole` and assigns each piece to its shard on its device."""
-        pieces = tf.split(tf.convert_to_tensor(whole, self.dtype), len(self._shards), self.axis)
+        pieces = tf.split(tf.convert_to_tensor(whole, self.dtype), self.sizes, self.axis)
         for shard, piece in zip(self._shards, pieces):
             with tf.device(shard.device):
                 shard.assign(piece)
@@ -67,7 +72,7 @@ class ShardedWeight(tf.Module):
 
     def _restore_from_tensors(self, restored_tensors):
         whole = restored_tensors['VARIABLE_VALUE']
-        pieces = tf.split(whole, len(self._shards), self.axis)
+        pieces = tf.split(whole, self.sizes, self.axis)
         ops = []
         for shard, piece in zip(self._shards, pieces):
             with tf.device(shard.device):

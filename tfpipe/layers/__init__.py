@@ -7,9 +7,10 @@ from tfpipe.layers.dense import Dense, Projection
 from tfpipe.layers.dropout import Dropout
 from tfpipe.layers.embedding import Embedding, PackedPositionEmbedding, PositionEmbedding
 from tfpipe.layers.normalization import BatchNorm, LayerNorm
+from tfpipe.layers.vocab_parallel import VocabLogits
 
 __all__ = ['AmoebaCell', 'BatchNorm', 'Conv2D', 'Dense', 'DropSkips', 'Dropout', 'Embedding',
            'Flatten', 'GlobalAvgPool', 'LayerNorm', 'MultiHeadAttention',
            'PackedPositionEmbedding', 'PackedTransformerBlock', 'Pooling2D', 'Pop',
            'PositionEmbedding', 'Projection', 'Residual', 'Sequential', 'Stash',
-           'TransformerBlock']
+           'TransformerBlock', 'VocabLogits']

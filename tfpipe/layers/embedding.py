@@ -1,4 +1,4 @@
-"""Token embedding lookup."""
+"""Token and position embeddings."""
 from __future__ import annotations
 
 import math
@@ -6,10 +6,19 @@ import math
 import tensorflow as tf
 
 from tfpipe.base_layer import BaseLayer, LayerMeta
+from tfpipe.layers import vocab_parallel
+from tfpipe.pipeline import tensor_parallel
+from tfpipe.variable_shards import shard_name
 
 
 class Embedding(BaseLayer):
-    """int ids [..] -> vectors [.., embedding_dim], optionally scaled by sqrt(dim)."""
+    """int ids [..] -> vectors [.., embedding_dim], optionally scaled by sqrt(dim).
+
+    Built in a tensor-parallel cell (tensor_parallel=T > 1) the table is split by
+    rows over the cell's T devices (`vocab_parallel`: uneven when T does not divide
+    the vocabulary, no padding): each device looks up the ids it holds and one
+    all-reduce onto the home device sums the parts. Checkpoints hold the whole table.
+    """
 
     @classmethod
     def Params(cls):
@@ -26,12 +35,23 @@ class Embedding(BaseLayer):
         if p.vocab_size < 1 or p.embedding_dim < 1:
             raise ValueError(f'{self.path}: vocab_size={p.vocab_size} and embedding_dim='
                              f'{p.embedding_dim} must both be >= 1')
-        self.CreateVariable('emb', [p.vocab_size, p.embedding_dim], p.weight_init)
+        self.group = tensor_parallel.current_group()
+        self.ranges = vocab_parallel.split_vocabulary(self, p.vocab_size, self.group.size)
+        self.CreateVariableShards('emb', [p.vocab_size, p.embedding_dim], 0, self.group.devices,
+                                  p.weight_init, sizes=[b - a for a, b in self.ranges])
 
     def FProp(self, theta, ids):
         if ids.dtype.is_floating:
             raise ValueError(f'{self.path}: Embedding takes integer ids, got {ids.dtype}')
-        out = tf.gather(theta['emb'], ids)
+        size = self.group.size
+        if size == 1:
+            out = tf.gather(theta['emb'], ids)
+        else:
+            # Each device's part in one `local` call: its gradient is computed there too.
+            out = self.group.reduce_to_home([
+                self.group.local(t, lambda table, t=t: vocab_parallel.lookup_parts(
+                    [table], ids, self.ranges[t:t + 1])[0], theta[shard_name('emb', t, size)])
+                for t in range(size)])
         if self.params.scale_sqrt_depth:
             out *= math.sqrt(self.params.embedding_dim)
         return out

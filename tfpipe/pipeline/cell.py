@@ -79,11 +79,12 @@ class Cell:
         Reading the variables here (rather than inside every micro-batch) gives
         each micro-batch the same tensors, and puts the reads on the device that
         owns the variables. Tied weights owned by another cell are read here too:
-        one copy onto this device per step.
+        one copy onto this device per step (a tied shard onto the device of the same shard
+        here: a vocabulary-parallel softmax reads its embedding shard by shard).
         """
         with tf.device(self.device), tf.name_scope(f'cell_{self.index}/theta'):
             out = {n: tf.nest.map_structure(self._read_shard, theta[n]) for n in self.names}
-            ties_lib.read_into(out, theta, self.ties, _read)
+            ties_lib.read_into(out, theta, self.ties, self._read_shard)
             return out
 
     def _read_shard(self, value: Any) -> tf.Tensor:

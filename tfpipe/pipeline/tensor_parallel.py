@@ -108,8 +108,10 @@ class TensorParallelGroup:
         return self.devices[0]
 
     def device(self, t: int):
-        """A device scope for shard t (nothing to set for the single-device group)."""
-        return tf.device(self.devices[t])
+        """A device scope for shard t (nothing to set for the single-device group: the
+        caller's scope holds, which tf.device(None) would clear)."""
+        device = self.devices[t]
+        return tf.device(device) if device is not None else contextlib.nullcontext()
 
     # -- Entering and leaving the split region -------------------------------------------
 

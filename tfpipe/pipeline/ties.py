@@ -22,6 +22,7 @@ from typing import Any, Mapping, Sequence
 import tensorflow as tf
 
 from tfpipe.base_layer import BaseLayer
+from tfpipe.variable_shards import shard_name
 
 Path = tuple[str, ...]
 
@@ -49,7 +50,7 @@ def resolve(tied_weights: Mapping[str, str] | None,
                          "owner variable path}}, e.g. {'logits/w': 'embedding/emb'}")
     variables, cell_of = _variables_by_path(cell_layers)
     ties = []
-    for user, owner in tied_weights.items():
+    for user, owner in _shard_by_shard(tied_weights, variables).items():
         for path in (user, owner):
             if path not in variables:
                 close = difflib.get_close_matches(str(path), variables, n=1)
@@ -68,6 +69,23 @@ def resolve(tied_weights: Mapping[str, str] | None,
         ties.append(Tie(tuple(user.split('/')), tuple(owner.split('/')), cell_of[user],
                         cell_of[owner]))
     return ties
+
+
+def _shard_by_shard(tied_weights: Mapping[str, str], variables: Mapping[str, Any]
+                    ) -> dict[str, str]:
+    """The declared ties, a split weight's (tensor parallelism: 'w_shard0', ...) tied
+    shard to shard: a vocabulary-parallel softmax reads its embedding's shards."""
+    out = {}
+    for user, owner in tied_weights.items():
+        size = 0
+        # shard_name(.., size=2): the name shard `size` has in any split (T > 1).
+        while user not in variables and shard_name(user, size, 2) in variables:
+            size += 1
+        if size == 0:
+            out[user] = owner
+        for t in range(size):
+            out[shard_name(user, t, size)] = shard_name(owner, t, size)
+    return out
 
 
 def tie(ties: Sequence[Tie], cell_layers: Sequence[Sequence[BaseLayer]]) -> None:

@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from tfpipe import generation, inputs
 from tfpipe.hyperparams import Params
+from tfpipe.layers import vocab_parallel
 from tfpipe.lm_inputs import EOD_ID
 from tfpipe.tasks.base_task import BaseTask, ServingSignature
 
@@ -39,6 +40,25 @@ def continuation(ids, log_probs) -> dict:
     end = ids.index(EOD_ID) + 1 if EOD_ID in ids else len(ids)
     return {'continuation': inputs.byte_detokenize(ids[:end]), 'ids': ids[:end],
             'log_probs': [round(float(v), 5) for v in log_probs[:end]]}
+
+
+def _scope_device() -> str:
+    """The device the enclosing `tf.device` scope names (an op's requested device)."""
+    with tf.name_scope('where'):
+        return tf.zeros([]).device
+
+
+def _same_device(a: str | None, b: str | None) -> bool:
+    """Do two device names name one device (type and index; job and task where both say)?"""
+    if not a or not b:
+        return False
+    a, b = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
+    same = (a.device_type or '').upper() == (b.device_type or '').upper() and \
+        (a.device_index or 0) == (b.device_index or 0)
+    for field in ('job', 'replica', 'task'):
+        x, y = getattr(a, field), getattr(b, field)
+        same = same and (x is None or y is None or x == y)
+    return same
 
 
 class LanguageModel(BaseTask):
@@ -77,11 +97,29 @@ class LanguageModel(BaseTask):
         return {'targets': batch['targets'], 'segment_ids': batch['segment_ids']}
 
     def TokenLosses(self, logits, targets) -> tuple[tf.Tensor, tf.Tensor]:
-        """(cross-entropy [B, T], weights [B, T]): weight 1 on real tokens, 0 on padding."""
-        weights = tf.cast(targets['segment_ids'] > 0, logits.dtype)
-        xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=targets['targets'],
-                                                              logits=logits)
+        """(cross-entropy [B, T], weights [B, T]): weight 1 on real tokens, 0 on padding.
+
+        `logits` may be the vocabulary shards of a tensor-parallel softmax (T > 1):
+        then the cross-entropy is computed where they are, never gathered
+        (layers.VocabLogits.CrossEntropy)."""
+        if vocab_parallel.is_split(logits):
+            xent = self._Softmax().CrossEntropy(logits, targets['targets'])
+        else:
+            xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=targets['targets'],
+                                                                  logits=logits)
+        weights = tf.cast(targets['segment_ids'] > 0, xent.dtype)
         return xent * weights, weights
+
+    def _Softmax(self) -> vocab_parallel.VocabLogits:
+        """The body's last layer in the replica whose micro-batch is being scored: the
+        pipeline calls the loss under the device of that replica's last cell."""
+        layers = [cells[-1].layers[-1] for cells in self.pipe.replica_cells]
+        if len(layers) > 1:
+            here = _scope_device()
+            for layer in layers:
+                if _same_device(layer.group.home, here):
+                    return layer
+        return layers[0]
 
     def PerExampleLoss(self, logits, targets):
         """Mean cross-entropy over each row's real tokens."""
@@ -89,6 +127,7 @@ class LanguageModel(BaseTask):
         return tf.reduce_sum(xent, 1) / tf.maximum(tf.reduce_sum(weights, 1), 1.0)
 
     def ComputeLoss(self, theta, logits, batch):
+        logits = vocab_parallel.whole(logits)  # the argmax reads every id
         xent, weights = self.TokenLosses(logits, self.PipelineTargets(batch))
         weights *= tf.cast(self.ExampleWeights(batch), weights.dtype)[:, None]
         tokens = tf.reduce_sum(weights)
@@ -141,9 +180,9 @@ class LanguageModel(BaseTask):
                 message=f'ids longer than the context of {context} tokens: score at '
                         f'most {context} tokens per row')
             inputs = with_start(ids)[:, :-1]
-            logits = self.ServingPredictions({
+            logits = vocab_parallel.whole(self.ServingPredictions({
                 'inputs': inputs, 'segment_ids': tf.ones_like(inputs),
-                'positions': tf.broadcast_to(tf.range(tf.shape(inputs)[1]), tf.shape(inputs))})
+                'positions': tf.broadcast_to(tf.range(tf.shape(inputs)[1]), tf.shape(inputs))}))
             scores = tf.nn.log_softmax(tf.cast(logits, tf.float32))
             return {'log_probs': tf.gather(scores, ids, batch_dims=2)}
 

@@ -48,6 +48,8 @@ class Seq2SeqTask(BaseTask):
         return logits[:, -tgt.shape[1]:, :]
 
     def _TokenLoss(self, logits, tgt):
+        # A tensor-parallel softmax's vocabulary shards (tensor_parallel > 1), gathered.
+        logits = vocab_parallel.whole(logits)
         mask = tf.cast(tf.not_equal(tgt, self.params.pad_id), logits.dtype)
         xent = tf.nn.sparse_softmax_cross_entropy_with_logits(
             labels=tgt, logits=self._TargetLogits(logits, tgt))
@@ -63,7 +65,8 @@ class Seq2SeqTask(BaseTask):
         weights = tf.cast(self.ExampleWeights(batch), mask.dtype)[:, None]
         xent, mask = xent * weights, mask * weights  # padding examples count no tokens
         tokens = tf.reduce_sum(mask)
-        hyp = tf.argmax(self._TargetLogits(logits, tgt), -1, output_type=tgt.dtype)
+        hyp = tf.argmax(self._TargetLogits(vocab_parallel.whole(logits), tgt), -1,
+                        output_type=tgt.dtype)
         correct = tf.cast(tf.equal(hyp, tgt), mask.dtype) * mask
         return {'loss': (tf.reduce_sum(xent) / tf.maximum(tokens, 1.0), tokens),
                 'token_accuracy': (tf.reduce_sum(correct) / tf.maximum(tokens, 1.0), tokens)}
@@ -79,7 +82,7 @@ class Seq2SeqTask(BaseTask):
     def _DecodeStep(self, predict, src, hyp, i):
         """`hyp` with position i set to the argmax of `predict` (batch -> logits) given the
         positions before it; i may be a tensor (a while loop's counter)."""
-        logits = predict({'src': src, 'tgt': hyp})
+        logits = vocab_parallel.whole(predict({'src': src, 'tgt': hyp}))
         step_ids = tf.argmax(logits[:, src.shape[1] + i, :], -1, output_type=hyp.dtype)
         return tf.where(tf.range(hyp.shape[1])[None, :] == i, step_ids[:, None], hyp)
 

@@ -1,0 +1,221 @@
+"""The Transformer LM with tensor_parallel=T: every T gives the T=1 step (issue 27).
+
+The LM of tests/test_lm.py widened to 4 heads (so that T=4 divides them), with
+residual and attention dropout, in float64: loss, whole gradients (shards
+concatenated) and whole weights after an SGD step are compared with the same
+LM at T=1, K=1 for T in {1, 2, 4} x K in {1, 2} (R*K*T <= 8 logical CPUs, one
+R=2 case), every recompute policy and both schedules. The byte vocabulary (258)
+splits unevenly over T=4 (65, 65, 64, 64): no padding, so nothing to mask and
+a checkpoint holds the 258 rows. Generation (cache split by heads) gives the
+T=1 tokens; evaluation the T=1 metrics; a checkpoint moves between any T.
+"""
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests import test_lm as lm
+from tests import trainer_helpers as th
+from tfpipe import bodies, checkpoints, fprop_context, generation, variable_shards
+from tfpipe.base_layer import flatten_by_path
+from tfpipe.pipeline import partition
+from tfpipe.pipeline.pipelining_layer import PipeliningLayer
+from tfpipe.tasks.lm import LanguageModel
+
+STEP, LR = 3, 0.5
+HEADS = 4
+
+
+def lm_task(t, k=1, r=1, m=1, heads=HEADS, blocks=1, **pipeline):
+    body = bodies.transformer_lm_body(lm.VOCAB, lm.CONTEXT, 16, 32, heads, blocks,
+                                      dropout_keep_prob=0.8)
+    for p in body:
+        p.dtype = tf.float64
+        if 'atten_dropout_keep_prob' in p:
+            p.atten_dropout_keep_prob = 0.9
+    p = LanguageModel.Params()
+    p.pipeline = PipeliningLayer.Params().Set(
+        name='pipe', body=body, num_micro_batches=m, num_replicas=r, tensor_parallel=t,
+        balance=partition.even_balance(len(body), k),
+        tied_weights=dict(bodies.TRANSFORMER_TIES), **pipeline)
+    return p.Instantiate()
+
+
+def whole(task, values):
+    """{whole weight path: numpy value} from values keyed like task.VariablesByPath()."""
+    out, parts = {}, {}
+    for path, var in task.VariablesByPath().items():
+        sharded = variable_shards.of(var)
+        value = tf.convert_to_tensor(values[path]).numpy()
+        if sharded is None:
+            out[path] = value
+        else:
+            parts.setdefault(sharded.path, (sharded.axis, []))[1].append(value)
+    out.update({path: np.concatenate(v, axis) for path, (axis, v) in parts.items()})
+    return out
+
+
+def sgd_step(task, batch):
+    """(loss, whole gradients, whole weights after one SGD step) of a training step."""
+    @tf.function
+    def step():
+        # One theta, also for R=2: the replicas' gradients are summed onto it.
+        with fprop_context.training(step=STEP):
+            loss, grads = task.pipe.ForwardBackward(
+                task.theta['pipe'], task.PipelineInputs(batch), task.PerExampleLoss,
+                task.PipelineTargets(batch))
+        return loss, flatten_by_path({'pipe': grads}, task.path)
+
+    loss, flat = step()
+    grads = whole(task, flat)
+    for path, var in task.VariablesByPath().items():
+        var.assign_sub(LR * tf.convert_to_tensor(flat[path]))
+    return loss.numpy(), grads, whole(task, {p: v for p, v in task.VariablesByPath().items()})
+
+
+_reference = {}
+
+
+def reference():
+    if not _reference:
+        _reference['batch'] = lm.generated_batch()
+        _reference['out'] = sgd_step(lm_task(1), _reference['batch'])
+    return _reference['batch'], _reference['out']
+
+
+def assert_same_step(got, ref):
+    (loss, grads, weights), (ref_loss, ref_grads, ref_weights) = got, ref
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-9)
+    assert sorted(grads) == sorted(ref_grads) and sorted(weights) == sorted(ref_weights)
+    for path in ref_grads:
+        np.testing.assert_allclose(grads[path], ref_grads[path], rtol=1e-7, atol=1e-10,
+                                   err_msg=path)
+        np.testing.assert_allclose(weights[path], ref_weights[path], rtol=1e-7, atol=1e-10,
+                                   err_msg=path)
+
+
+# (T, K, R, M): M=2 where micro-batches add something (dropout offsets, 1F1B's order).
+@pytest.mark.parametrize('t, k, r, m', [(2, 1, 1, 1), (2, 2, 1, 2), (4, 1, 1, 1), (4, 2, 1, 1),
+                                        (2, 2, 2, 1)])
+def test_step_equals_the_t1_step(t, k, r, m):
+    batch, ref = reference()
+    assert_same_step(sgd_step(lm_task(t, k, r, m), batch), ref)
+
+
+@pytest.mark.parametrize('t, k, recompute, schedule', [
+    (2, 2, 'never', 'fill_drain'), (2, 2, 'except_last', '1f1b'), (4, 1, 'never', '1f1b')])
+def test_recompute_policies_and_schedules_equal_the_t1_step(t, k, recompute, schedule):
+    batch, ref = reference()
+    task = lm_task(t, k, m=2, recompute=recompute, schedule=schedule)
+    assert_same_step(sgd_step(task, batch), ref)
+
+
+def test_layers_are_split_over_the_cells_devices():
+    task = lm_task(4)
+    devices = [tf.DeviceSpec.from_string(d) for d in task.pipe.cells[0].shard_devices]
+    assert len(set(devices)) == 4
+
+    def placed(layer):
+        return [(v.shape.as_list(), tf.DeviceSpec.from_string(v.device))
+                for v in layer.VariablesByPath().values()]
+    # The 258 ids over 4 devices: 65, 65, 64, 64 rows, no padding row.
+    assert placed(task.pipe.embedding) == [([n, 16], d) for n, d in zip([65, 65, 64, 64],
+                                                                         devices)]
+    # Heads [4t, 4t + 4) of query on device t: w[:, 4] and b[4] each.
+    assert placed(task.pipe.block0.atten.query) == (
+        [([16, 4], d) for d in devices] + [([4], d) for d in devices])
+    # Row-parallel post: w[4, :] per device, its bias whole on the home device; LayerNorm too.
+    assert placed(task.pipe.block0.atten.post) == (
+        [([4, 16], d) for d in devices] + [([16], devices[0])])
+    assert {d for _, d in placed(task.pipe.block0.atten_ln)} == {devices[0]}
+    with fprop_context.evaluation():
+        logits = task.ComputePredictions(task.theta, lm.generated_batch())
+    assert [s.shape[-1] for s in logits] == [65, 65, 64, 64]
+
+
+def test_eval_metrics_equal_the_t1_metrics():
+    batch = lm.generated_batch()
+    metrics = []
+    for t in (1, 4):
+        task = lm_task(t)
+        with fprop_context.evaluation():
+            logits = task.ComputePredictions(task.theta, batch)
+        metrics.append({k: v[0].numpy() for k, v in task.ComputeLoss(
+            task.theta, logits, batch).items()})
+    for name in metrics[0]:
+        np.testing.assert_allclose(metrics[1][name], metrics[0][name], rtol=1e-9)
+
+
+def test_generation_with_t2_gives_the_t1_tokens():
+    prompt = tf.constant([[lm.lm_inputs.EOD_ID, 97, 98, 99], [lm.lm_inputs.EOD_ID, 120, 121,
+                                                                122]], tf.int32)
+    sampling = generation.Sampling(temperature=0.9, top_k=20, seed=5)
+    out = {}
+    for t in (1, 2):
+        task = lm_task(t, k=2)
+        theta = task.theta['pipe']
+        out[t] = [task.generator.generate(theta, prompt, 3),
+                  task.generator.generate(theta, prompt, 3, sampling)]
+        if t == 2:
+            caches = task.generator.init_caches(2)
+            block_cache = caches[0]['block0']
+            assert len(block_cache) == 2  # one cache per device, of its 2 heads
+            assert block_cache[0]['key'].shape == [2, 2, lm.CONTEXT, 4]
+    for (tokens, log_probs), (ref_tokens, ref_log_probs) in zip(out[2], out[1]):
+        np.testing.assert_array_equal(tokens, ref_tokens)
+        np.testing.assert_allclose(log_probs, ref_log_probs, atol=1e-9)
+
+
+def test_checkpoint_moves_between_t4_t1_and_t2(tmp_path):
+    batch, _ = reference()
+    trained = lm_task(4)
+    sgd_step(trained, batch)
+    path = checkpoints.make(trained.VariablesByPath()).write(str(tmp_path / 'ckpt'))
+    saved = tf.train.list_variables(path)
+    assert not [key for key, _ in saved if 'shard' in key]  # whole weights only
+    # The tied table (the only [V, 16] weight): its 258 rows, no padding row.
+    assert [key for key, shape in saved if shape == [lm.VOCAB, 16]] == [
+        key for key, _ in saved if 'embedding' in key]
+    assert [shape for _, shape in saved if shape and shape[0] in (65, 64, 260)] == []
+    expected = whole(trained, trained.VariablesByPath())
+    for t in (1, 2):
+        task = lm_task(t)
+        checkpoints.make(task.VariablesByPath()).read(path).assert_consumed()
+        got = whole(task, task.VariablesByPath())
+        assert sorted(got) == sorted(expected)
+        for name in expected:
+            np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+
+
+def test_heads_not_divisible_by_t_name_the_layer_and_the_fix():
+    with pytest.raises(ValueError, match=r'pipe/block0/atten: num_heads=2 is not divisible by '
+                                         r'tensor_parallel=4: use a multiple of 4 heads, or '
+                                         r'set task.pipeline.tensor_parallel to a divisor of 2'):
+        lm_task(4, heads=2)
+
+
+LM_MODEL = 'lm.pystdlib.TinyTransformerLM'  # 2 heads, K=2
+
+
+def test_trainer_trains_and_exports_the_registered_lm_at_t2(tmp_path):
+    logdir = str(tmp_path / 'run')
+    result = th.run(LM_MODEL, logdir, 'unused', *th.fast_flags(2, 2),
+                    th.overrides(**{'task.pipeline.tensor_parallel': 2}))
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = th.losses_by_step(os.path.join(logdir, 'train'))
+    assert sorted(losses) == [1, 2] and all(np.isfinite(list(losses.values())))
+    exported = th.run(LM_MODEL, logdir, 'unused', '--mode=export')
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert os.path.exists(os.path.join(logdir, 'export', '2', 'saved_model.pb'))
+
+
+def test_trainer_refuses_heads_not_divisible_by_t_before_the_logdir(tmp_path):
+    logdir = str(tmp_path / 'fresh')
+    result = th.run(LM_MODEL, logdir, 'unused', '--max_steps=2', '--num_logical_cpus=8',
+                    th.overrides(**{'task.pipeline.tensor_parallel': 4}))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert th.error_line(result) == (
+        'error: task/pipe/block0/atten: num_heads=2 is not divisible by tensor_parallel=4: '
+        'use a multiple of 4 heads, or set task.pipeline.tensor_parallel to a divisor of 2')
+    assert not os.path.exists(logdir)
