@@ -153,3 +153,17 @@ def test_the_best_split_configuration_is_among_those_measured():
                                                           configs[1]]
     # Measured medians within 5% are a tie won by fewer devices: K=3,T=1 over K=2,T=2.
     assert planner.pick_measured([configs[4], configs[1]], [[1.0], [1.02]]) == 1
+
+
+def test_the_language_model_allows_the_t_its_heads_divide_and_its_blocks_all_reduce_twice():
+    """The LM's split layers (tfpipe/layers/attention.py, embedding, VocabLogits) say which T
+    they allow: TransformerLM's 4 heads allow T in {1, 2, 4}, TinyTransformerLM's 2 heads
+    {1, 2}; a Transformer block runs two all-reduces per micro-batch forward."""
+    from trainer import experiment
+    assert tensor_split.tensor_parallel_degrees(
+        experiment.load_params('lm.pystdlib.TransformerLM').task.pipeline, 8) == [1, 2, 4]
+    assert tensor_split.tensor_parallel_degrees(
+        experiment.load_params('lm.pystdlib.TinyTransformerLM').task.pipeline, 8) == [1, 2]
+    block = layers.TransformerBlock.Params().Set(name='block', model_dim=8, hidden_dim=16,
+                                                 num_heads=2).Instantiate()
+    assert tensor_split.layer_split(block) == (1.0, 2)

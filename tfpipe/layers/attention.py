@@ -101,6 +101,11 @@ class MultiHeadAttention(BaseLayer):
         p.Define('atten_dropout_keep_prob', 1.0, 'Keep probability on attention weights.')
         return p
 
+    @classmethod
+    def TensorParallelWidths(cls, p) -> list[int]:
+        """Heads are split over T (tfpipe/tuning/tensor_split.py asks)."""
+        return [p.num_heads]
+
     def __init__(self, params, parent=None):
         super().__init__(params, parent)
         p = self.params
@@ -242,6 +247,15 @@ class TransformerBlock(BaseLayer):
         p.Define('residual_dropout_keep_prob', 1.0, 'Keep probability on each residual branch.')
         p.Define('atten_dropout_keep_prob', 1.0, 'Keep probability on attention weights.')
         return p
+
+    # tfpipe/tuning/tensor_split.py: the widths T must divide, and the activation
+    # all-reduces per micro-batch forward (the attention's output, the feed-forward's).
+    TENSOR_PARALLEL_ALL_REDUCES = 2
+
+    @classmethod
+    def TensorParallelWidths(cls, p) -> list[int]:
+        """Heads (split over T) and the feed-forward's hidden width."""
+        return [p.num_heads, p.hidden_dim]
 
     def __init__(self, params, parent=None):
         super().__init__(params, parent)

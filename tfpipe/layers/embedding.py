@@ -29,6 +29,11 @@ class Embedding(BaseLayer):
         p.Define('weight_init', 'gaussian', 'Initialiser name for the table.')
         return p
 
+    @classmethod
+    def TensorParallelWidths(cls, p) -> list[int]:
+        """None: the vocabulary is split unevenly, so any T fits (tensor_split.py asks)."""
+        return []
+
     def __init__(self, params, parent=None):
         super().__init__(params, parent)
         p = self.params

@@ -165,6 +165,11 @@ class VocabLogits(BaseLayer):
                  '[input_dim, vocab_size].')
         return p
 
+    @classmethod
+    def TensorParallelWidths(cls, p) -> list[int]:
+        """None: the vocabulary is split unevenly, so any T fits (tensor_split.py asks)."""
+        return []
+
     def __init__(self, params, parent=None):
         super().__init__(params, parent)
         p = self.params

@@ -8,7 +8,8 @@ embedding) has a classmethod `TensorParallelWidths(p) -> list[int]`, the widths 
 params that T must divide (hidden width, output columns, input rows, heads; none for a
 vocabulary split unevenly). Such a layer is one split unit: its weights are split, and it
 runs one activation all-reduce per micro-batch forward and one backward (Megatron's
-g and f of a pair; its children are not looked into). Every other layer runs on its
+g and f of a pair; its children are not looked into), or `TENSOR_PARALLEL_ALL_REDUCES`
+of each when it says so (a Transformer block: attention, then the feed-forward). Every other layer runs on its
 cell's home device. A body with no split unit allows T=1 only: more devices per cell
 would only idle.
 """
@@ -74,7 +75,9 @@ def layer_split(layer: Any) -> tuple[float, int]:
                          for v in node.trainable_variables))
 
     found = list(units(layer))
+    # A unit that runs more than one (a Transformer block: attention and feed-forward) says so.
+    all_reduces = sum(getattr(type(u), 'TENSOR_PARALLEL_ALL_REDUCES', 1) for u in found)
     whole = size(layer)
     if not found or whole == 0:
-        return 0.0, len(found)
-    return sum(size(u) for u in found) / whole, len(found)
+        return 0.0, all_reduces
+    return sum(size(u) for u in found) / whole, all_reduces
