@@ -5,6 +5,7 @@ import math
 
 import tensorflow as tf
 
+from tfpipe import runtime_defaults
 from tfpipe.base_layer import BaseLayer, LayerMeta
 from tfpipe.layers import activations
 
@@ -24,16 +25,19 @@ def matmul(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
     CPU kernels then repack the whole weight (in * out values) on every call: on
     the few rows of a micro-batch that dominates. `_matmul_small_rows` computes
     the input gradient as (w @ dy^T)^T instead, which repacks dy and transposes
-    dx, rows * (out + in) values: cheaper exactly when rows * (in + out) < in *
-    out (static shapes). Measured CPU time, one thread, Eigen (oneDNN alike):
-    [1024, 1024] weight, 128 rows 0.49x of TensorFlow's, 256 rows 0.69x, 1024 rows
-    1.09x; [256, 1024], 128 rows 0.79x, 1024 rows 1.56x. On 8 x Dense(1024),
-    batch 256, the step's CPU time at M=8 fell from 2.3x to 1.4x that of M=1
-    (benchmarks/micro_batch_cost_benchmark.py). The products and sums are the
-    same ones.
+    dx, rows * (out + in) values. Measured CPU time, one thread, against
+    TensorFlow's gradient: Eigen, [1024, 1024] weight, 32 rows 0.18x, 128 rows
+    0.49x, 256 rows 0.69x, 1024 rows 1.09x; [256, 1024], 128 rows 0.79x, 1024 rows
+    1.56x: cheaper while rows * (in + out) <= in * out. oneDNN repacks less: [1024,
+    1024], 32 rows 0.76x, 128 rows 0.93x, 256 rows 1.03x; [1024, 256], 128 rows
+    1.15x: cheaper while 4 * rows * (in + out) <= in * out. Static shapes decide;
+    the products and sums are the same ones. On 8 x Dense(1024), batch 256, the
+    step's CPU time at M=8 fell from 2.3x to 1.4x that of M=1 with Eigen
+    (benchmarks/micro_batch_cost_benchmark.py).
     """
     rows, (fan_in, fan_out) = x.shape[0], w.shape
-    if rows is not None and fan_in and fan_out and rows * (fan_in + fan_out) < fan_in * fan_out:
+    repacked = (4 if runtime_defaults.onednn_enabled() else 1) * (fan_in + fan_out)
+    if rows is not None and fan_in and fan_out and rows * repacked <= fan_in * fan_out:
         return _matmul_small_rows(x, w)
     return tf.matmul(x, w)
 
