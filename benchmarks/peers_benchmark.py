@@ -24,8 +24,8 @@ The peers are no tfpipe dependency: on first use the script makes one venv each 
 brings GBs of CUDA libraries). Lingvo: tensorflow-cpu 2.21.0 and lingvo==0.14.2 --no-deps (its
 pins include jupyter, apache-beam and tensorflow-text) plus the three modules its GPipe imports.
 
-Run (from the repository root; a full run takes ~30 minutes on a loaded 2-core machine, the
-first one a few minutes more to make the venvs):
+Run (from the repository root; at load 10-20 on 2 cores a full run takes ~75 minutes, --quick
+~13, most of it torch at 2 threads per stage; the first run ~8 minutes more to make the venvs):
     python benchmarks/peers_benchmark.py
     python benchmarks/peers_benchmark.py --quick          # 1 round, fewer settings and steps
     python benchmarks/peers_benchmark.py --configs=2x8 --rounds=5 --systems=tfpipe,torch
