@@ -18,6 +18,7 @@ def check_last_dim(layer: BaseLayer, x: tf.Tensor, expected: int, param: str) ->
                          f'{expected}: set p.{param}={got} or fix the previous layer')
 
 
+@tf.autograph.experimental.do_not_convert  # static Python: AutoGraph would only rewrite it
 def matmul(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
     """x @ w for x of shape [rows, in]; on few rows, with the cheaper input gradient.
 
