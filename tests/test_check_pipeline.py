@@ -7,7 +7,6 @@ layer classes (AmoebaCell, TransformerBlock) as the generated-data models checke
 import ast
 
 import pytest
-import tensorflow as tf
 
 from tests import trainer_helpers
 from tfpipe.base_layer import BaseLayer

@@ -36,7 +36,7 @@ def _start_clients(processes: th.Processes, logdirs, data_dir: str, *flags: str)
     spec = 'trainer=' + ','.join(f'127.0.0.1:{free_port()}' for _ in logdirs)
     procs = []
     for task, logdir in enumerate(logdirs):
-        cmd = [f'--num_logical_cpus=2' if a.startswith('--num_logical_cpus=') else a
+        cmd = ['--num_logical_cpus=2' if a.startswith('--num_logical_cpus=') else a
                for a in th.command(th.FAST, logdir, data_dir, *flags)]
         procs.append(processes.start([*cmd, f'--task={task}', f'--cluster_spec={spec}'],
                                      environ=EXACT))

@@ -12,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpipe import fprop_context, metrics
+from tfpipe.layers import vocab_parallel
 from tfpipe.tasks.base_task import BaseTask, ServingSignature
 
 
