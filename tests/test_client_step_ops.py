@@ -12,7 +12,7 @@ from tests import model_zoo as mz
 from tfpipe import fprop_context
 from tfpipe.pipeline.across_clients import Peers
 
-K, M, BATCH = 2, 2, 16  # BATCH: R * M micro-batches for R in 2, 4
+K, M, ROWS = 2, 2, 4  # ROWS: examples per micro-batch
 
 
 def traced_step(clients: int = 1, replicas: int = 1) -> tf.Graph:
@@ -22,7 +22,10 @@ def traced_step(clients: int = 1, replicas: int = 1) -> tf.Graph:
                        devices=[f'/CPU:{i}' for i in range(K * replicas)])
     if clients > 1:
         pipe.JoinClients(Peers(clients, 0))
-    x, y = mz.inputs_for(body, batch=BATCH)
+    # The global batch grows with R so that each client's micro-batches keep ROWS
+    # examples: kernels may be chosen by rows (Dense's small-rows gradient), and a
+    # client's step is compared at the same work.
+    x, y = mz.inputs_for(body, batch=max(clients, replicas) * M * ROWS)
 
     @tf.function
     def step():
