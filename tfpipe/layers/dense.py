@@ -18,6 +18,10 @@ def check_last_dim(layer: BaseLayer, x: tf.Tensor, expected: int, param: str) ->
                          f'{expected}: set p.{param}={got} or fix the previous layer')
 
 
+MIN_ROWS = 32  # the fewest rows the cheaper input gradient was measured to pay at
+MIN_WEIGHT = 256 * 1024  # the smallest weight (elements) it was measured to pay on
+
+
 @tf.autograph.experimental.do_not_convert  # static Python: AutoGraph would only rewrite it
 def matmul(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
     """x @ w for x of shape [rows, in]; on few rows, with the cheaper input gradient.
@@ -34,11 +38,15 @@ def matmul(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
     1.15x: cheaper while 4 * rows * (in + out) <= in * out. Static shapes decide;
     the products and sums are the same ones. On 8 x Dense(1024), batch 256, the
     step's CPU time at M=8 fell from 2.3x to 1.4x that of M=1 with Eigen
-    (benchmarks/micro_batch_cost_benchmark.py).
+    (benchmarks/micro_batch_cost_benchmark.py). Below MIN_ROWS rows or MIN_WEIGHT
+    weight elements the custom gradient's own cost wins: 16 x Dense(256), K=8, M=64
+    (4 rows) took 95 ms a step against 46 ms with TensorFlow's gradient, and M=32
+    (8 rows) 47 against 36 ms (benchmarks/first_step_benchmark.py, quiet).
     """
     rows, (fan_in, fan_out) = x.shape[0], w.shape
     repacked = (4 if runtime_defaults.onednn_enabled() else 1) * (fan_in + fan_out)
-    if rows is not None and fan_in and fan_out and rows * repacked <= fan_in * fan_out:
+    if (rows is not None and fan_in and fan_out and rows >= MIN_ROWS
+            and fan_in * fan_out >= MIN_WEIGHT and rows * repacked <= fan_in * fan_out):
         return _matmul_small_rows(x, w)
     return tf.matmul(x, w)
 
