@@ -18,6 +18,19 @@ def check_last_dim(layer: BaseLayer, x: tf.Tensor, expected: int, param: str) ->
                          f'{expected}: set p.{param}={got} or fix the previous layer')
 
 
+def projection_meta(x_shape, input_dim: int, output_dim: int) -> LayerMeta:
+    """Flops and output shape of x @ w over the last dimension (Dense, its tensor-parallel
+    forms and VocabLogits: splitting w over devices changes neither)."""
+    x_shape = tf.TensorShape(x_shape)
+    rows = math.prod(x_shape[:-1].as_list())
+    return LayerMeta(2 * rows * input_dim * output_dim, x_shape[:-1].concatenate([output_dim]))
+
+
+def projection_params(input_dim: int, output_dim: int, use_bias: bool) -> int:
+    """Weights of x @ w (+ b), however w is split."""
+    return input_dim * output_dim + (output_dim if use_bias else 0)
+
+
 MIN_ROWS = 32  # the fewest rows the cheaper input gradient was measured to pay at
 MIN_WEIGHT = 256 * 1024  # the smallest weight (elements) it was measured to pay on
 
@@ -111,14 +124,11 @@ class Dense(BaseLayer):
 
     @classmethod
     def FPropMeta(cls, p, x_shape):
-        x_shape = tf.TensorShape(x_shape)
-        rows = math.prod(x_shape[:-1].as_list())
-        return LayerMeta(2 * rows * p.input_dim * p.output_dim,
-                         x_shape[:-1].concatenate([p.output_dim]))
+        return projection_meta(x_shape, p.input_dim, p.output_dim)
 
     @classmethod
     def NumParams(cls, p):
-        return p.input_dim * p.output_dim + (p.output_dim if p.use_bias else 0)
+        return projection_params(p.input_dim, p.output_dim, p.use_bias)
 
 
 # Lingvo's name for the same layer.

@@ -29,7 +29,7 @@ import tensorflow as tf
 
 from tfpipe.base_layer import BaseLayer, LayerMeta
 from tfpipe.layers import activations
-from tfpipe.layers.dense import check_last_dim
+from tfpipe.layers.dense import check_last_dim, projection_meta, projection_params
 from tfpipe.layers.dropout import Dropout
 from tfpipe.pipeline import tensor_parallel
 from tfpipe.variable_shards import shard_name
@@ -104,14 +104,11 @@ class _ParallelDense(BaseLayer):
 
     @classmethod
     def FPropMeta(cls, p, x_shape):
-        x_shape = tf.TensorShape(x_shape)
-        rows = math.prod(x_shape[:-1].as_list())
-        return LayerMeta(2 * rows * p.input_dim * p.output_dim,
-                         x_shape[:-1].concatenate([p.output_dim]))
+        return projection_meta(x_shape, p.input_dim, p.output_dim)
 
     @classmethod
     def NumParams(cls, p):
-        return p.input_dim * p.output_dim + (p.output_dim if p.use_bias else 0)
+        return projection_params(p.input_dim, p.output_dim, p.use_bias)
 
 
 class ColumnParallelDense(_ParallelDense):

@@ -19,13 +19,12 @@ an add_n.
 """
 from __future__ import annotations
 
-import math
 from typing import Callable, Optional, Sequence
 
 import tensorflow as tf
 
-from tfpipe.base_layer import BaseLayer, LayerMeta
-from tfpipe.layers.dense import check_last_dim
+from tfpipe.base_layer import BaseLayer
+from tfpipe.layers.dense import check_last_dim, projection_meta, projection_params
 from tfpipe.pipeline import tensor_parallel
 from tfpipe.variable_shards import shard_name
 
@@ -236,14 +235,11 @@ class VocabLogits(BaseLayer):
 
     @classmethod
     def FPropMeta(cls, p, x_shape):
-        x_shape = tf.TensorShape(x_shape)
-        rows = math.prod(x_shape[:-1].as_list())
-        return LayerMeta(2 * rows * p.input_dim * p.vocab_size,
-                         x_shape[:-1].concatenate([p.vocab_size]))
+        return projection_meta(x_shape, p.input_dim, p.vocab_size)
 
     @classmethod
     def NumParams(cls, p):
-        return p.input_dim * p.vocab_size + (p.vocab_size if p.use_bias else 0)
+        return projection_params(p.input_dim, p.vocab_size, p.use_bias)
 
 
 def split_vocabulary(layer: BaseLayer, vocab_size: int, size: int) -> list[tuple[int, int]]:
