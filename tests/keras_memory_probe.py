@@ -24,7 +24,7 @@ import tensorflow as tf  # noqa: E402
 import tfpipe.keras  # noqa: E402
 from tfpipe.tuning import keras_memory  # noqa: E402
 
-BATCH, EXAMPLES, STEPS = 64, 256, 6
+BATCH, EXAMPLES, STEPS = 64, 256, 24
 
 
 def pipelined() -> keras.Model:

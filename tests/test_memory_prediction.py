@@ -83,6 +83,40 @@ def _keras_probe(mode: str) -> float:
 
 def test_a_keras_models_predicted_fit_peak_within_15_percent_of_the_measured():
     # tfpipe.keras.pipeline of a user's Sequential, compiled with Adam, fit on numpy
-    # arrays: keras_memory.predict_fit against the allocator's peak after fit.
-    predicted, measured = _keras_probe('predict'), _keras_probe('fit')
+    # arrays: keras_memory.predict_fit against the allocator's peak after fit. As for
+    # the trainer, the highest of two fits: a fit's peak keeps one level for all its
+    # steps, set by how its cells' backwards and updates happen to overlap (97-114 MiB
+    # here under load, the same steps).
+    predicted = _keras_probe('predict')
+    measured = max(_keras_probe('fit') for _ in range(2))
     assert abs(predicted / measured - 1) <= TOLERANCE, (predicted, measured)
+
+
+_GARBAGE_THEN_INPUT = '''
+import os
+os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+import numpy as np
+import tensorflow as tf
+from tfpipe.tuning import working_memory
+
+class Arrays:  # an input params' interface: 4 MiB of arrays, batched
+    def Instantiate(self):
+        return self
+    def Iterator(self):
+        x = tf.constant(np.ones((1024, 1024), np.float32))
+        return iter(tf.data.Dataset.from_tensor_slices(x).batch(64).repeat())
+
+cycle = [tf.ones((4096, 1024))]  # 16 MiB that only the garbage collector frees
+cycle.append(cycle)
+del cycle
+print(working_memory.measure_input_pipeline(Arrays()).resident / 2 ** 20)
+'''
+
+
+def test_tensors_the_caller_dropped_are_not_taken_off_the_input_measurement():
+    # Keras' predict_fit built the model just before measuring its input: tensors the
+    # garbage collector freed during the measurement gave the input -10 MiB.
+    result = subprocess.run([sys.executable, '-c', _GARBAGE_THEN_INPUT], env=th.env(),
+                            cwd=th.REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert 4.0 <= float(result.stdout.split()[-1]) < 8.0, result.stdout

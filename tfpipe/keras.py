@@ -337,11 +337,35 @@ class PipelinedModel(keras.Model):
             for adapter in cell.layers:
                 variables += adapter.layer.trainable_variables
                 grads += cell_grads[adapter.params.name]
-        self.optimizer.apply_gradients(zip(grads, variables))
+        self.optimizer.apply_gradients(zip(_once_all_summed(grads), variables))
         with tf.device(self.cells[-1].device), tf.name_scope('loss'):
             loss = tf.add_n(losses)
         self._loss_tracker.update_state(loss, sample_weight=n)
         return self.compute_metrics(x, y, self._merge(run.outputs), sample_weight=sample_weight)
+
+
+def _once_all_summed(grads: list) -> list:
+    """`grads`, each released on its own device only when every one is summed.
+
+    Without the gate the update of a late cell's weights starts while earlier cells
+    still run their backward, and on logical CPUs, which share one allocator, the
+    update's temporaries (Keras' Adam: two to four of a weight's size) stack on the
+    backward's working set: a fit's peak then varies with the threads' timing, 94 to
+    139 MiB for tests/keras_memory_probe.py's model. Gated, the peak is the larger of
+    the two phases, which keras_memory.predict_fit predicts. On devices of their own
+    the gate only delays each device's update to the end of the pipeline's last
+    backward, as GPipe's synchronous update does.
+    """
+    present = [g for g in grads if g is not None]
+    gated = []
+    with tf.name_scope('all_gradients_summed'):
+        for g in grads:
+            if g is None:
+                gated.append(None)
+                continue
+            with tf.device(g.device), tf.control_dependencies(present):
+                gated.append(tf.identity(g))
+    return gated
 
 
 def pipeline(model: Union[keras.Model, Sequence[keras.layers.Layer]],

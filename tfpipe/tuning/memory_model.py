@@ -155,13 +155,18 @@ class HostPeak:
     input_resident  what the input pipeline keeps once its buffers are full;
     input_peak      what it holds at its fullest while it fills them;
     activations     every cell's held micro-batches and the working sets of the
-                    backward tasks that run at once.
+                    backward tasks that run at once;
+    update          the optimizer update's temporaries above the state, once every
+                    gradient is summed (measured for Keras' optimizers, whose Adam
+                    holds two to four of a weight's size; 0 for tfpipe's own, whose
+                    temporaries this model leaves out).
     """
 
     state: float
     input_resident: float
     input_peak: float
     activations: float
+    update: float = 0.0
 
     @property
     def training(self) -> float:
@@ -176,10 +181,15 @@ class HostPeak:
         return self.state + self.input_peak
 
     @property
+    def updating(self) -> float:
+        """The update, after the pipeline's last backward, beside the input's buffers."""
+        return self.state + self.input_resident + self.update
+
+    @property
     def peak(self) -> float:
         """What the trainer's progress line measures on a run whose input fills its
         buffers once, before the first step."""
-        return max(self.training, self.filling)
+        return max(self.training, self.filling, self.updating)
 
     @property
     def refill_bound(self) -> float:

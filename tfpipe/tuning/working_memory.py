@@ -21,6 +21,7 @@ to an estimate and say so.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from typing import Any, Optional, Sequence
 
@@ -122,6 +123,7 @@ def measure_input_pipeline(input_params: Params, device: str = 'CPU:0',
     allocator = _allocator(device)
     if allocator is None:
         return None
+    gc.collect()  # tensors the caller dropped would be freed during, and taken off
     tf.config.experimental.reset_memory_stats(allocator)
     before = _current(allocator)
     iterator = input_params.Instantiate().Iterator()
