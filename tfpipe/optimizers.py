@@ -39,11 +39,12 @@ def slot_key(path: str) -> str:
     return path.replace('/', '-')
 
 
-def _whole_slots(variables: Variables, slots: dict) -> Optional[tf.Module]:
+def whole_slots(variables: Variables, slots: dict) -> Optional[tf.Module]:
     """The slots as checkpointed: each split weight's same-shaped slots joined into one
     `variable_shards.ShardedWeight` under the whole weight's slot key; None when no
     weight is split. A slot of another shape (Adafactor's factored moments) stays per
-    shard: it is not a part of a whole."""
+    shard: it is not a part of a whole. A slot is a tf.Variable or anything with its
+    shape, dtype, device, read_value and assign (the sharded optimizer's)."""
     key_of = {id(var): slot_key(path) for path, var in variables.items()}
     out: dict = {}
     for path, var in variables.items():
@@ -69,6 +70,17 @@ def _whole_slots(variables: Variables, slots: dict) -> Optional[tf.Module]:
     for key, value in out.items():
         setattr(tree, key, value)
     return tree
+
+
+def checkpointed_slots(children: dict, save_type: str) -> dict:
+    """An optimizer's trackable children with `_whole_slots` (see whole_slots) in place
+    of `_slots` in checkpoints: the slots of a weight split over devices (tensor
+    parallelism) save whole under the whole weight's key, as the weight itself does
+    (variable_shards), so a checkpoint moves between any T."""
+    whole = children.pop('_whole_slots', None)  # only ever in place of _slots
+    if save_type == 'checkpoint' and whole is not None:
+        children['_slots'] = whole
+    return children
 
 
 def _ema(slot: tf.Variable, decay: float | _T, x: _T) -> _T:
@@ -180,16 +192,10 @@ class BaseOptimizer(tf.Module):
                                   for name, shape in self._slot_shapes(shapes[path]).items()}
         self._slots.update(slots)  # in place: a restore() made before binds on insertion
         self._shapes = shapes
-        self._whole_slots = _whole_slots(variables, self._slots)
+        self._whole_slots = whole_slots(variables, self._slots)
 
     def _trackable_children(self, save_type='checkpoint', **kwargs):
-        """Checkpoints hold the slots of a weight split over devices (tensor parallelism)
-        whole under the whole weight's key, as the weight itself (variable_shards)."""
-        children = super()._trackable_children(save_type, **kwargs)
-        whole = children.pop('_whole_slots', None)  # only ever in place of _slots
-        if save_type == 'checkpoint' and whole is not None:
-            children['_slots'] = whole
-        return children
+        return checkpointed_slots(super()._trackable_children(save_type, **kwargs), save_type)
 
     def GetSlot(self, path: str, name: str) -> tf.Variable:
         """The slot `name` (e.g. 'm') of the variable at `path`."""
