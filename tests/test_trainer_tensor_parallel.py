@@ -39,6 +39,19 @@ def test_bad_tensor_parallel_exits_2_before_the_logdir(what, flags, message, tmp
     assert not os.path.exists(logdir)
 
 
+def test_adafactor_at_t2_exits_2_before_the_logdir(tmp_path, data_dir):
+    override = tmp_path / 'adafactor.txt'
+    override.write_text('task.train.optimizer : Params(cls=tfpipe.optimizers.Adafactor)\n')
+    logdir = str(tmp_path / 'fresh')
+    result = th.run(MODEL, logdir, data_dir, '--max_steps=2', f'--params_file_override={override}',
+                    th.overrides(**{'task.pipeline.tensor_parallel': 2}))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert re.search(r'^error: Adafactor needs statistics of whole weights and task/pipe/\w+/\w+ '
+                     r'is split over 2 devices \(tensor parallelism\): use Adam, RMSProp or SGD',
+                     th.error_line(result)), th.error_line(result)
+    assert not os.path.exists(logdir)
+
+
 def test_trained_at_t2_resumes_at_t1(tmp_path, data_dir):
     logdir = str(tmp_path / 'run')
     t2 = th.run(MODEL, logdir, data_dir, *th.fast_flags(2, 2),

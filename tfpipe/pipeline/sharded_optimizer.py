@@ -65,7 +65,7 @@ from tensorflow.python.trackable import base as trackable
 
 from tfpipe.hyperparams import InstantiableParams
 from tfpipe.optimizers import (BaseOptimizer, Grads, Variables, Whole, cast_args,
-                               checkpointed_slots, slot_key, whole_slots)
+                               check_split_weights, checkpointed_slots, slot_key, whole_slots)
 from tfpipe.pipeline import across_clients, replicas
 
 __all__ = ['ShardedOptimizer', 'shard_bounds']
@@ -178,6 +178,7 @@ class ShardedOptimizer(tf.Module):
         if peers is not None and len(replica_variables) != 1:
             raise ValueError(f'ShardedOptimizer: a trainer client holds one replica, got '
                              f'{len(replica_variables)} variable dicts; pass its own only')
+        check_split_weights(rule, replica_variables[0])
         self.iterations = rule.iterations
         self._num_local = len(replica_variables)
         # The shard each local replica holds, of how many.
