@@ -9,6 +9,9 @@ Two configurations on one device (K=1), as in the paper's first two columns, and
               half of the optimizer slots. Its size is the model per device; its peak is
               the allocator's (shared by the logical CPUs) divided by R.
 
+The tensor-parallel column (the widest Transformer LM per device budget at T = 1, 2, 4
+devices per cell, predicted) is benchmarks/table1_tensor_parallel.py.
+
 Each probe (one model size, one configuration) runs in its own subprocess with the BFC
 allocator on (TF_CPU_ALLOCATOR_USE_BFC=true, the only CPU allocator that keeps peak
 statistics), builds the model with tfpipe.PipeliningLayer, runs the trainer's real step

@@ -10,16 +10,17 @@ import pytest
 from tests import trainer_helpers as th
 
 
-def load_benchmark():
-    path = os.path.join(th.REPO, 'benchmarks', 'table1_benchmark.py')
-    spec = importlib.util.spec_from_file_location('table1_benchmark', path)
+def load_benchmark(name='table1_benchmark'):
+    path = os.path.join(th.REPO, 'benchmarks', f'{name}.py')
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
+    sys.modules[spec.name] = module  # dataclasses look their module up; siblings import it
     spec.loader.exec_module(module)
     return module
 
 
 t1 = load_benchmark()
+tp = load_benchmark('table1_tensor_parallel')  # imports table1_benchmark: loaded above
 
 
 def probe_pair(configs, **spec):
@@ -101,3 +102,38 @@ def test_sharded_column_keeps_half_the_slots_per_device():
     saved = pipe1['resident'] - sharded['resident']
     assert 0.5 * 4 * params < saved <= 1.5 * 4 * params, (pipe1, sharded)
     assert sharded['peak'] < pipe1['peak'], (pipe1, sharded)
+
+
+def test_tensor_parallel_column_searches_each_t_and_probes_each_width_once():
+    # Fullest device's bytes 10 x size / T + 5 x size (the home device's unsplit part).
+    probed = []
+
+    def probe_width(size):
+        probed.append(size)
+        return {t: dict(params=size, peak=10 * size / t + 5 * size, resident=size, oom=False,
+                        device=f'CPU:{t - 1}')
+                for t in tp.DEGREES}
+
+    res = tp.search_column(probe_width, start=4, budget=300, resolution=0.05)
+    limits = {t: int(300 / (10 / t + 5)) for t in tp.DEGREES}  # 20, 30, 40
+    for t in tp.DEGREES:
+        assert res[t]['size'] <= limits[t] < res[t]['first_miss']['size']
+        assert res[t]['first_miss']['size'] <= max(res[t]['size'] + 1, res[t]['size'] * 1.05)
+    assert len(probed) == len(set(probed)) == res['widths_probed']
+    lines = tp.report(res, budget=300)
+    assert '2.00x' in lines[-1]  # T=4 fits twice T=1's parameters (40 vs 20)
+
+
+def test_tensor_parallel_probe_predicts_less_state_per_device_as_t_grows():
+    # The column's probe in this process: one 1-block LM of width 16 at T = 1, 2, 4.
+    got = tp.predict_width(size=4, blocks=1, micro_batches=2)
+    assert sorted(got) == list(tp.DEGREES)
+    assert len({r['params'] for r in got.values()}) == 1  # the same model at every T
+    for t, r in got.items():
+        assert len(r['devices']) == t  # the home device and its T - 1 shards
+        assert r['peak'] >= r['resident'] > 0
+    states = [sum(d['weights'] + d['slots'] for d in got[t]['devices'].values())
+              for t in tp.DEGREES]
+    assert max(states) - min(states) < 1e-6 * states[0]  # the state is divided, not copied
+    resident = [got[t]['resident'] for t in tp.DEGREES]
+    assert resident[0] > resident[1] > resident[2], resident

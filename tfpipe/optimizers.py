@@ -39,11 +39,12 @@ def slot_key(path: str) -> str:
     return path.replace('/', '-')
 
 
-def _whole_slots(variables: Variables, slots: dict) -> Optional[tf.Module]:
+def whole_slots(variables: Variables, slots: dict) -> Optional[tf.Module]:
     """The slots as checkpointed: each split weight's same-shaped slots joined into one
     `variable_shards.ShardedWeight` under the whole weight's slot key; None when no
     weight is split. A slot of another shape (Adafactor's factored moments) stays per
-    shard: it is not a part of a whole."""
+    shard: it is not a part of a whole. A slot is a tf.Variable or anything with its
+    shape, dtype, device, read_value and assign (the sharded optimizer's)."""
     key_of = {id(var): slot_key(path) for path, var in variables.items()}
     out: dict = {}
     for path, var in variables.items():
@@ -69,6 +70,34 @@ def _whole_slots(variables: Variables, slots: dict) -> Optional[tf.Module]:
     for key, value in out.items():
         setattr(tree, key, value)
     return tree
+
+
+def check_split_weights(rule: 'BaseOptimizer', variables: Variables) -> None:
+    """Refuses a rule whose update reads statistics of the whole weight (Adafactor's row
+    and column moments, its update's RMS, the weight's RMS) for weights split over a
+    tensor-parallel cell's devices: each shard is its own variable here, so the update
+    would be per shard, not the T=1 update."""
+    if not rule.WHOLE_WEIGHT_STATISTICS:
+        return
+    for path, var in sorted(variables.items()):
+        sharded = variable_shards.of(var)
+        if sharded is not None and len(sharded.shards) > 1:
+            whole = path.rsplit('/', 1)[0] + '/' + sharded.path.rsplit('/', 1)[1]
+            raise ValueError(
+                f'{type(rule).__name__} needs statistics of whole weights and {whole} is split '
+                f'over {len(sharded.shards)} devices (tensor parallelism): use Adam, RMSProp '
+                'or SGD (task.train.optimizer), or set task.pipeline.tensor_parallel=1')
+
+
+def checkpointed_slots(children: dict, save_type: str) -> dict:
+    """An optimizer's trackable children with `_whole_slots` (see whole_slots) in place
+    of `_slots` in checkpoints: the slots of a weight split over devices (tensor
+    parallelism) save whole under the whole weight's key, as the weight itself does
+    (variable_shards), so a checkpoint moves between any T."""
+    whole = children.pop('_whole_slots', None)  # only ever in place of _slots
+    if save_type == 'checkpoint' and whole is not None:
+        children['_slots'] = whole
+    return children
 
 
 def _ema(slot: tf.Variable, decay: float | _T, x: _T) -> _T:
@@ -109,6 +138,9 @@ class BaseOptimizer(tf.Module):
     # (name, default, range, doc) per hyper-parameter, for Params() and __init__'s checks;
     # range: a _RANGES key ('?' appended: None allowed too) or None (no check, for bools).
     HYPER_PARAMS: tuple[tuple[str, object, Optional[str], str], ...] = ()
+    # Whether the update of an element reads more of its weight than that element (and
+    # its gradient and slots): such a rule cannot update a tensor-parallel shard alone.
+    WHOLE_WEIGHT_STATISTICS = False
 
     @classmethod
     def Params(cls) -> InstantiableParams:
@@ -168,6 +200,7 @@ class BaseOptimizer(tf.Module):
             self._require(shapes == self._shapes, 'CreateSlots was already called for other '
                           'paths or shapes; build a new optimizer for a new model')
             return
+        check_split_weights(self, variables)
         slots = {}
         with tf.init_scope():  # eager variables even if called inside tf.function
             for path in sorted(variables):
@@ -180,16 +213,10 @@ class BaseOptimizer(tf.Module):
                                   for name, shape in self._slot_shapes(shapes[path]).items()}
         self._slots.update(slots)  # in place: a restore() made before binds on insertion
         self._shapes = shapes
-        self._whole_slots = _whole_slots(variables, self._slots)
+        self._whole_slots = whole_slots(variables, self._slots)
 
     def _trackable_children(self, save_type='checkpoint', **kwargs):
-        """Checkpoints hold the slots of a weight split over devices (tensor parallelism)
-        whole under the whole weight's key, as the weight itself (variable_shards)."""
-        children = super()._trackable_children(save_type, **kwargs)
-        whole = children.pop('_whole_slots', None)  # only ever in place of _slots
-        if save_type == 'checkpoint' and whole is not None:
-            children['_slots'] = whole
-        return children
+        return checkpointed_slots(super()._trackable_children(save_type, **kwargs), save_type)
 
     def GetSlot(self, path: str, name: str) -> tf.Variable:
         """The slot `name` (e.g. 'm') of the variable at `path`."""
@@ -326,6 +353,7 @@ class Adafactor(BaseOptimizer):
         ('clipping_threshold', 1.0, 'positive', 'Update clipping threshold d; > 0.'),
         ('multiply_by_parameter_scale', True, None, 'Scale steps by max(eps2, RMS(w)).'),
         ('factored', True, None, 'Factor second moments of rank >= 2 variables.'))
+    WHOLE_WEIGHT_STATISTICS = True  # row/column moments, RMS(update), RMS(w)
 
     def _factored(self, shape: tf.TensorShape) -> bool:
         return self._params.factored and shape.rank >= 2

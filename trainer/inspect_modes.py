@@ -116,21 +116,10 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
                for cell, (start, stop) in zip(pipe.replica_cells[0], cell_ranges(pipe.balance))]
     replicas = [[dataclasses.replace(c, device=cell.device) for c, cell in zip(layouts, cells)]
                 for cells in pipe.replica_cells]
-    if pipe.params.tensor_parallel > 1:  # each shard device holds its part of the state
-        layer_shares = tensor_parallel_memory.shares(pipe)
-        whole_profiles, profiles = profiles, tensor_parallel_memory.home_profiles(
-            profiles, layer_shares)
-    devices = [memory_model.predict(profiles, cells, batch / m, m, pipe.params.schedule, shards,
-                                    working, inputs) for cells in replicas]
-    shard_devices: list[memory_model.DeviceMemory] = []
-    if pipe.params.tensor_parallel > 1:
-        for r, cells in enumerate(replicas):
-            shard_devices += tensor_parallel_memory.shard_memory(
-                whole_profiles, layer_shares, cells,
-                [cell.shard_devices for cell in pipe.replica_cells[r]], batch / m, m,
-                pipe.params.schedule, shards)
-            devices[r] += shard_devices[len(shard_devices) - len(cells) * (
-                pipe.params.tensor_parallel - 1):]
+    prediction = tensor_parallel_memory.predict(pipe, profiles, replicas, batch / m, shards,
+                                                working, inputs)
+    devices, shard_devices = prediction.devices, prediction.shard_devices
+    profiles = prediction.home_profiles  # each shard device's state is in shard_devices
     if working is not None:
         measured = 'backward working sets measured'
     elif not memory_stats.allocator_devices([pipe.replica_cells[0][0].device]):

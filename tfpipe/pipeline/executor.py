@@ -152,7 +152,11 @@ class PipelineRun:
 
     def _context(self, m: int, sink: fprop_context.BatchStatsSink):
         ctx = self.context
-        return fprop_context.scope(training=ctx.training, step=ctx.step,
+        # A step variable (the trainer's global_step) is read here: a read inside a
+        # tensor-parallel shard's tf.custom_gradient (Dropout.Mask) would make it
+        # demand gradients for the variable.
+        step = ctx.step.read_value() if isinstance(ctx.step, tf.Variable) else ctx.step
+        return fprop_context.scope(training=ctx.training, step=step,
                                    example_offset=self.offsets[m], batch_stats=sink)
 
     def _forward(self, k: int, m: int) -> None:

@@ -32,7 +32,11 @@ elements of a part differently from those of the whole variable).
 Checkpoints hold one whole copy of each slot under the unsharded key
 (`optimizer/_slots/pipe-fc3-w/m`): a slot saves the concatenation of its
 parts and restores by cutting, so a checkpoint moves between any R, sharded
-or not.
+or not. A weight split over a tensor-parallel cell's T devices (`w_shard0`
+.. on its devices, tfpipe/variable_shards.py) has one such slot per shard;
+the checkpoint joins them, as the unsharded optimizer does, into one whole
+slot under the whole weight's key (`pipe-fc3-w/m`), so it also moves between
+any T.
 
 Collectives are TensorFlow's v1 ops (`all_reduce`, `all_gather`), which work
 between logical CPUs of one process and across processes; like the pipeline's
@@ -60,7 +64,8 @@ from tensorflow.python.ops import collective_ops
 from tensorflow.python.trackable import base as trackable
 
 from tfpipe.hyperparams import InstantiableParams
-from tfpipe.optimizers import BaseOptimizer, Grads, Variables, Whole, cast_args, slot_key
+from tfpipe.optimizers import (BaseOptimizer, Grads, Variables, Whole, cast_args,
+                               check_split_weights, checkpointed_slots, slot_key, whole_slots)
 from tfpipe.pipeline import across_clients, replicas
 
 __all__ = ['ShardedOptimizer', 'shard_bounds']
@@ -88,6 +93,23 @@ class _Slot(trackable.Trackable):
         self.gathered: Optional[tf.Tensor] = None  # the whole slot while a client's chief saves
         self.restored: Optional[tf.Tensor] = None  # the whole slot a chief read, until sent
 
+    @property
+    def dtype(self) -> tf.DType:
+        return self.parts[0].dtype
+
+    @property
+    def device(self) -> str:
+        return self.parts[0].device
+
+    def read_value(self) -> tf.Tensor:
+        """The whole slot, as the unsharded optimizer would hold it (named as a variable's
+        read, so that a split weight's slots join as its shards do: variable_shards)."""
+        return self.value()
+
+    def assign(self, whole: tf.Tensor):
+        """Sets the whole slot: each local part gets its elements."""
+        return self._restore_from_tensors({trackable.VARIABLE_VALUE_KEY: whole})
+
     def value(self) -> tf.Tensor:
         """The whole slot, as the unsharded optimizer would hold it."""
         with tf.device(self.parts[0].device):
@@ -101,10 +123,11 @@ class _Slot(trackable.Trackable):
         """A client's whole slot while its chief saves, else an empty tensor: a restore
         serializes too, but reads only the dtype and device; a save outside
         `ShardedOptimizer.GatherSlots` would write the empty tensor, which no restore
-        accepts (it fits no slot), rather than a wrong slot."""
+        accepts (it fits no slot), rather than a wrong slot. Of the slot's rank, so that
+        a split weight's slots join (variable_shards) into an empty tensor too."""
         if self.gathered is not None:
             return self.gathered
-        return tf.zeros([0], self.parts[0].dtype)
+        return tf.zeros([0] * max(1, self.shape.rank), self.parts[0].dtype)
 
     def _serialize_to_tensors(self) -> dict:
         return {trackable.VARIABLE_VALUE_KEY: self.value()}
@@ -155,6 +178,7 @@ class ShardedOptimizer(tf.Module):
         if peers is not None and len(replica_variables) != 1:
             raise ValueError(f'ShardedOptimizer: a trainer client holds one replica, got '
                              f'{len(replica_variables)} variable dicts; pass its own only')
+        check_split_weights(rule, replica_variables[0])
         self.iterations = rule.iterations
         self._num_local = len(replica_variables)
         # The shard each local replica holds, of how many.
@@ -173,6 +197,7 @@ class ShardedOptimizer(tf.Module):
                     name: self._new_slot(path, name, tf.TensorShape(shape), replica_variables)
                     for name, shape in rule.SlotShapes(self._shapes[path]).items()}
         self._slots = slots
+        self._whole_slots = whole_slots(replica_variables[0], slots)
         # The devices holding a variable's local copies: one collective group per cell.
         self._group_devices = {path: tuple(v[path].device for v in replica_variables)
                                for path in self._shapes}
@@ -191,6 +216,9 @@ class ShardedOptimizer(tf.Module):
                 parts.append(tf.Variable(tf.zeros(part_shape, var.dtype), trainable=False,
                                          name=f'{path}/{name}/replica_{self._shards[r]}'))
         return _Slot(shape, parts, bounds, sharded, complete=not self.spans_clients)
+
+    def _trackable_children(self, save_type='checkpoint', **kwargs):
+        return checkpointed_slots(super()._trackable_children(save_type, **kwargs), save_type)
 
     @property
     def params(self) -> InstantiableParams:

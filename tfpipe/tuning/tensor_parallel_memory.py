@@ -12,12 +12,13 @@ their state exactly as the shares say, and as activations the split layers'
 boundary tensors of one micro-batch (the input copy and the partial sum at full
 width, an estimate: logical CPUs share one allocator, so a shard's working set
 cannot be measured apart), held per micro-batch in flight only when the cell does
-not recompute.
+not recompute. `predict` puts these together for every replica's devices: what
+`--mode=inspect_model` prints and benchmarks/table1_tensor_parallel.py searches.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from tfpipe.tuning import memory_model
 from tfpipe.tuning.profile import LayerProfile
@@ -68,3 +69,43 @@ def shard_memory(profiles: Sequence[LayerProfile], layer_shares: Sequence[Sequen
             out.append(memory_model.DeviceMemory(device, weights, weights,
                                                  slots / slot_shards, held, boundary))
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """Predicted bytes of every device of a pipeline (tensor-parallel or not)."""
+
+    devices: list[list[memory_model.DeviceMemory]]  # per replica: home, then shard devices
+    shard_devices: list[memory_model.DeviceMemory]  # every replica's shard devices 1..T-1
+    home_profiles: list[LayerProfile]  # the profiles cut to the home devices' state
+
+    @property
+    def largest(self) -> float:
+        """The fullest device's bytes: what a per-device memory budget must hold."""
+        return max(d.total for replica in self.devices for d in replica)
+
+
+def predict(pipe: Any, profiles: Sequence[LayerProfile],
+            replicas: Sequence[Sequence[memory_model.CellLayout]], micro_batch_size: float,
+            slot_shards: int = 1, working_bytes: Optional[Sequence[float]] = None,
+            input_bytes: Optional[Sequence[float]] = None) -> Prediction:
+    """Every device's bytes of one training step of the built `pipe`, from the T=1 layer
+    `profiles`; `replicas` are the cells' layouts of each replica (memory_model.predict
+    has the other arguments)."""
+    params = pipe.params
+    m, schedule = params.num_micro_batches, params.schedule
+    home = list(profiles)
+    if params.tensor_parallel > 1:
+        layer_shares = shares(pipe)
+        home = home_profiles(profiles, layer_shares)
+    devices = [memory_model.predict(home, cells, micro_batch_size, m, schedule, slot_shards,
+                                    working_bytes, input_bytes) for cells in replicas]
+    shard_devices: list[memory_model.DeviceMemory] = []
+    if params.tensor_parallel > 1:
+        for r, cells in enumerate(replicas):
+            ours = shard_memory(profiles, layer_shares, cells,
+                                [cell.shard_devices for cell in pipe.replica_cells[r]],
+                                micro_batch_size, m, schedule, slot_shards)
+            devices[r] += ours
+            shard_devices += ours
+    return Prediction(devices, shard_devices, home)

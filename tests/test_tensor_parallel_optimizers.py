@@ -1,0 +1,174 @@
+"""Sharded optimizer states (`shard_optimizer_states`) with tensor-parallel cells.
+
+Adam over R=2 replicas x K=2 cells x T=2 devices per cell, slots sharded over
+the replicas, must take the steps of the plain T=1 run with unsharded slots,
+and its checkpoint must hold one whole copy per weight and per slot under the
+layer path (`optimizer/_slots/pipe-mlp-fc1-w/m`, no `_shard`): the T=1 run's
+checkpoint. So checkpoints are compared key by key, and they move both ways:
+T=1 unsharded -> T=2 sharded and T=2 sharded -> T=1 continue as the T=1 run
+does, and T=2 -> T=4 (other K) restores every value exactly. float64, so that
+1e-5 relative tests the mathematics; the trainer's own update
+(guarded_update) drives both optimizers. Adafactor, whose update reads
+statistics of the whole weight, refuses split weights.
+"""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpipe
+from tests import model_zoo as mz
+from tfpipe import checkpoints, fprop_context, optimizers
+from tfpipe.base_layer import flatten_by_path
+from tfpipe.layers.tensor_parallel_dense import (ColumnParallelDense, ParallelMLP,
+                                                 RowParallelDense)
+from tfpipe.pipeline import partition
+from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
+from trainer.train_job import guarded_update
+
+LR = 0.01
+
+
+def pipeline(t, k, r):
+    body = [ColumnParallelDense.Params().Set(name='fc0', input_dim=6, output_dim=8,
+                                             activation='relu'),
+            ParallelMLP.Params().Set(name='mlp', input_dim=8, hidden_dim=16, keep_prob=0.8),
+            RowParallelDense.Params().Set(name='fc3', input_dim=8, output_dim=5)]
+    for p in body:
+        p.dtype = tf.float64
+    return tfpipe.PipeliningLayer.Params().Set(
+        name='pipe', body=body, balance=partition.even_balance(len(body), k),
+        num_micro_batches=2, num_replicas=r, tensor_parallel=t).Instantiate()
+
+
+class Run:
+    """A pipeline with the trainer's optimizer(s): sharded over replicas or one per replica."""
+
+    def __init__(self, t, k, r, sharded):
+        self.pipe = pipeline(t, k, r)
+        self.variables = [{p: v for p, v in copy.items() if v.trainable}
+                          for copy in self.pipe.ReplicaVariablesByPath()]
+        adam = optimizers.Adam.Params().Set(name='adam')
+        if sharded:
+            self.optimizer = ShardedOptimizer(adam, self.variables)
+            self.optimizers = self.optimizer
+        else:
+            self.optimizers = [adam.Instantiate() for _ in self.variables]
+            for optimizer, variables in zip(self.optimizers, self.variables):
+                optimizer.CreateSlots(variables)
+            self.optimizer = self.optimizers[0]
+        self.global_step = tf.Variable(0, dtype=tf.int64)
+        self._step = tf.function(self._build_step)
+
+    def _build_step(self, x, y):
+        pipe = self.pipe
+        with fprop_context.training(step=self.global_step):
+            theta = pipe.ReplicaThetas() if pipe.num_replicas > 1 else pipe.theta
+            loss, grads = pipe.ForwardBackward(theta, x, mz.loss_fn, y)
+        grads = grads if isinstance(grads, list) else [grads]
+        guarded_update(loss, [flatten_by_path(g, 'pipe') for g in grads], None,
+                       self.optimizers, self.variables, tf.constant(LR, tf.float64),
+                       self.global_step)
+
+    def train(self, steps):
+        for _ in range(steps):
+            self._step(*inputs(int(self.global_step.numpy())))
+
+    def checkpoint(self):
+        return checkpoints.make(self.pipe.VariablesByPath(), optimizer=self.optimizer,
+                                step=self.global_step)
+
+    def save(self, path):
+        return self.checkpoint().save(str(path), options=checkpoints.io_options())
+
+    def restore(self, path):
+        checkpoints.restore(self.checkpoint(), path)
+        self.pipe.SyncReplicas()
+        if not isinstance(self.optimizers, ShardedOptimizer):
+            for mirror in self.optimizers[1:]:
+                mirror.iterations.assign(self.optimizer.iterations)
+                for source, copy in zip(self.optimizer.slot_variables, mirror.slot_variables):
+                    copy.assign(source)
+        return self
+
+
+def inputs(step):
+    rng = np.random.default_rng(step)
+    return (tf.constant(rng.normal(size=[8, 6]), tf.float64),
+            tf.constant(rng.integers(0, 5, size=[8]), tf.int32))
+
+
+def contents(path):
+    """{checkpoint key: value} of the model and the optimizer (not the save counter)."""
+    reader = tf.train.load_checkpoint(path)
+    return {key: reader.get_tensor(key) for key in reader.get_variable_to_shape_map()
+            if key.startswith(('model/', 'optimizer/', 'step/'))}
+
+
+def assert_same(actual, expected, rtol):
+    assert sorted(actual) == sorted(expected)
+    for key in expected:
+        np.testing.assert_allclose(actual[key], expected[key], rtol=rtol, atol=1e-12,
+                                   err_msg=key)
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+    """Checkpoints after 2 and 3 Adam steps at T=1 unsharded; after 2 at R=2 x K=2 x T=2
+    sharded, whose replica copies are returned too."""
+    directory = tmp_path_factory.mktemp('tp_sharded')
+    reference = Run(t=1, k=1, r=1, sharded=False)
+    reference.train(2)
+    out = {'t1_step2': reference.save(directory / 't1_step2')}
+    reference.train(1)
+    out['t1_step3'] = reference.save(directory / 't1_step3')
+    split = Run(t=2, k=2, r=2, sharded=True)
+    split.train(2)
+    out['t2_step2'] = split.save(directory / 't2_step2')
+    out['t2_replicas'] = [{p: v.numpy() for p, v in copy.items()} for copy in split.variables]
+    return out
+
+
+def test_sharded_t2_steps_equal_t1_and_save_whole_weights_and_slots(runs):
+    saved = contents(runs['t2_step2'])
+    assert not any('shard' in key for key in saved), sorted(saved)
+    assert 'optimizer/_slots/pipe-mlp-fc1-w/m/.ATTRIBUTES/VARIABLE_VALUE' in saved
+    assert_same(saved, contents(runs['t1_step2']), rtol=1e-5)
+    first, second = runs['t2_replicas']
+    for path in first:
+        np.testing.assert_array_equal(second[path], first[path], err_msg=path)
+
+
+def test_t1_checkpoint_continues_at_t2_sharded(runs, tmp_path):
+    target = Run(t=2, k=2, r=2, sharded=True).restore(runs['t1_step2'])
+    target.train(1)
+    assert_same(contents(target.save(tmp_path / 'ckpt')), contents(runs['t1_step3']),
+                rtol=1e-5)
+
+
+def test_t2_sharded_checkpoint_continues_at_t1(runs, tmp_path):
+    target = Run(t=1, k=1, r=1, sharded=False).restore(runs['t2_step2'])
+    target.train(1)
+    assert_same(contents(target.save(tmp_path / 'ckpt')), contents(runs['t1_step3']),
+                rtol=1e-5)
+
+
+@pytest.mark.parametrize('t,k,r,sharded', [(4, 1, 2, True), (4, 2, 1, False)])
+def test_t2_sharded_checkpoint_restores_exactly_at_t4(runs, tmp_path, t, k, r, sharded):
+    target = Run(t=t, k=k, r=r, sharded=sharded).restore(runs['t2_step2'])
+    assert_same(contents(target.save(tmp_path / 'ckpt')), contents(runs['t2_step2']),
+                rtol=0)
+
+
+def test_adafactor_refuses_split_weights_sharded_or_not():
+    adafactor = optimizers.Adafactor.Params().Set(name='adafactor')
+    pipe = pipeline(t=2, k=1, r=2)
+    variables = [{p: v for p, v in copy.items() if v.trainable}
+                 for copy in pipe.ReplicaVariablesByPath()]
+    message = (r'Adafactor needs statistics of whole weights and pipe/\w+/\w+ is split over 2 '
+               r'devices .*set task.pipeline.tensor_parallel=1')
+    with pytest.raises(ValueError, match=message):
+        adafactor.Instantiate().CreateSlots(variables[0])
+    with pytest.raises(ValueError, match=message):
+        ShardedOptimizer(adafactor, variables)
+    one_device = {p: v for p, v in pipeline(t=1, k=1, r=1).VariablesByPath().items()}
+    adafactor.Instantiate().CreateSlots(one_device)  # T=1: nothing is split
