@@ -17,8 +17,9 @@ All the settings' processes stay alive and take turns step by step (lock-step:
 one runs a step while the others wait on their pipe), in a new random order each
 round, so every setting's step n sees the same moment of a shared machine's load.
 It prints, per config, each setting's median step (wall ms and CPU ms, getrusage,
-after 3 warm-ups) and the median over rounds of `default` over the faster of
-`onednn=1` and `onednn=0` in that round (goal: within 1.05), wall and CPU.
+after 3 warm-ups) and the median over rounds of `default` over the fastest of
+`onednn=1` and `onednn=0` (by median wall time) in the same round (goal: within 1.05),
+wall and CPU.
 
 Run (from the repository root; about 2 minutes per config at 20 rounds, quiet):
     PYTHONPATH=. python benchmarks/library_defaults_benchmark.py
@@ -140,15 +141,17 @@ def main(argv=None) -> None:
 
 
 def report(config, seen: dict, onednn: dict) -> None:
-    """One line per config: each setting's medians, then default / fastest kernel setting."""
-    row = ', '.join(
-        f'{name} {statistics.median(w for w, _ in v):.0f}/{statistics.median(c for _, c in v):.0f}'
-        f' ({"on" if onednn[name] else "off"})' for name, v in seen.items())
+    """One line per config: each setting's medians, then default over the fastest kernel
+    setting (by median wall time), as the median of the per-round ratios."""
+    median = {name: [statistics.median(s[i] for s in v) for i in (0, 1)]
+              for name, v in seen.items()}
+    row = ', '.join(f'{name} {w:.0f}/{c:.0f} ({"on" if onednn[name] else "off"})'
+                    for name, (w, c) in median.items())
     line = f'K={config[0]} M={config[1]}: {row}'
     if {'default', 'onednn=1', 'onednn=0'} <= seen.keys():
-        ratios = [[d[i] / min(on[i], off[i]) for i in (0, 1)]
-                  for d, on, off in zip(seen['default'], seen['onednn=1'], seen['onednn=0'])]
-        line += (f'; default / fastest setting, per round: wall '
+        fastest = min(('onednn=1', 'onednn=0'), key=lambda name: median[name][0])
+        ratios = [[d[i] / f[i] for i in (0, 1)] for d, f in zip(seen['default'], seen[fastest])]
+        line += (f'; default / {fastest} (the fastest), median per round: wall '
                  f'{statistics.median(r[0] for r in ratios):.2f}, CPU '
                  f'{statistics.median(r[1] for r in ratios):.2f}')
     print(line, flush=True)
