@@ -24,6 +24,8 @@ wall and CPU.
 Run (from the repository root; about 2 minutes per config at 20 rounds, quiet):
     PYTHONPATH=. python benchmarks/library_defaults_benchmark.py
     PYTHONPATH=. python benchmarks/library_defaults_benchmark.py --configs=2x8,4x8 --rounds=40
+    git archive main | tar -x -C /tmp/main && PYTHONPATH=. python \
+        benchmarks/library_defaults_benchmark.py --settings=default,onednn=0 --baseline=/tmp/main
 """
 from __future__ import annotations
 
@@ -93,15 +95,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument('--rounds', type=int, default=20)
     ap.add_argument('--settings', default=','.join(SETTINGS),
                     help=f'which of {list(SETTINGS)}')
+    ap.add_argument('--baseline', default='', help='another checkout of tfpipe (e.g. '
+                    'a `git archive` of main): adds its `default` as `baseline`, in turn '
+                    'with the others, and prints this tree\'s default over it')
     return ap.parse_args(argv)
 
 
-def start_child(setting: str, configs: list[tuple[int, int]]) -> subprocess.Popen:
-    """One process with this kernel setting, its steps built and warmed up."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+def start_child(setting: str, configs: list[tuple[int, int]], repo: str) -> subprocess.Popen:
+    """One process with this kernel setting, running `repo`'s tfpipe, its steps built
+    and warmed up."""
     env = {k: v for k, v in os.environ.items()
            if k not in ('TF_ENABLE_ONEDNN_OPTS', 'TF_CPU_ALLOCATOR_USE_BFC')}
-    env.update(SETTINGS[setting], TF_CPP_MIN_LOG_LEVEL='3',
+    env.update(SETTINGS.get(setting, {}), TF_CPP_MIN_LOG_LEVEL='3',
                PYTHONPATH=repo + os.pathsep + os.environ.get('PYTHONPATH', ''))
     first = 'import tensorflow' if setting == 'tf_first' else ''
     code = CHILD.format(first=first, configs=configs)
@@ -122,7 +127,11 @@ def main(argv=None) -> None:
     settings = args.settings.split(',')
     print(f'load: {os.getloadavg()[0]:.1f}; {args.rounds} lock-step rounds, settings in a '
           'random order each round; median wall ms / CPU ms (oneDNN on?)')
-    children = {name: start_child(name, configs) for name in settings}
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    children = {name: start_child(name, configs, repo) for name in settings}
+    if args.baseline:
+        children['baseline'] = start_child('baseline', configs, os.path.abspath(args.baseline))
+        settings.append('baseline')
     try:
         onednn = {name: read_line(child, name)['onednn'] for name, child in children.items()}
         for config in configs:
@@ -154,6 +163,10 @@ def report(config, seen: dict, onednn: dict) -> None:
         line += (f'; default / {fastest} (the fastest), median per round: wall '
                  f'{statistics.median(r[0] for r in ratios):.2f}, CPU '
                  f'{statistics.median(r[1] for r in ratios):.2f}')
+    if {'default', 'baseline'} <= seen.keys():
+        ratios = [[d[i] / b[i] for i in (0, 1)] for d, b in zip(seen['default'], seen['baseline'])]
+        line += (f'; default / baseline: wall {statistics.median(r[0] for r in ratios):.2f}, '
+                 f'CPU {statistics.median(r[1] for r in ratios):.2f}')
     print(line, flush=True)
 
 
