@@ -61,7 +61,7 @@ def input_gradient(dy: tf.Tensor, w: tf.Tensor, onednn: bool) -> tf.Tensor:
     """dy @ w^T, the input gradient of x @ w, in the form the kernels run fastest.
 
     CPU time of one call on a [1024, 1024] weight, one thread, against TensorFlow's
-    MatMul(dy, w, transpose_b=True) (benchmarks/README.md, "Dense's input gradient"):
+    MatMul(dy, w, transpose_b=True) (benchmarks/matmul_forms_benchmark.py):
     - Eigen (`onednn=False`): (w @ dy^T)^T repacks dy and transposes dx, rows *
       (out + in) values, instead of the weight: 32 rows 0.18x, 128 rows 0.49x, 256
       rows 0.69x, 1024 rows 1.09x.
