@@ -9,8 +9,10 @@ A variable the user set wins.
 - `TF_ENABLE_ONEDNN_OPTS=1`: oneDNN's CPU kernels, which TensorFlow 2.21 turns
   on by itself only on some CPUs. Without them a convolution's backward
   allocates an L3-sized scratch buffer per call (AmoebaNetPipe's peak 63 -> 11
-  MiB) and small micro-batches run on slower kernels (8 x Dense(1024), K=2, M=8:
-  305 vs 190 ms on AMD EPYC; docs/memory.md, benchmarks/README.md).
+  MiB) and a Transformer's micro-batched step takes 1.1x the time. The MLP of
+  issue 26 (8 x Dense(1024)) ran within 5% of Eigen's step or faster with them
+  once Dense took oneDNN's fast form of its input gradient (measured side by
+  side under load; tfpipe/layers/dense.py; docs/memory.md, benchmarks/README.md).
 - `TF_CPU_ALLOCATOR_USE_BFC=true`: the CPU allocator that keeps peak
   statistics (tfpipe/memory_stats.py), measured at the same step time.
 
@@ -26,8 +28,9 @@ from typing import Mapping
 
 DEFAULTS = {'TF_ENABLE_ONEDNN_OPTS': '1', 'TF_CPU_ALLOCATOR_USE_BFC': 'true'}
 LATE_IMPORT_WARNING = (
-    'tfpipe: TensorFlow was imported before tfpipe with oneDNN\'s CPU kernels off, so '
-    'pipeline steps run up to 1.6x slower (docs/pipeline_layer.md, "Speed"): import tfpipe '
+    'tfpipe: TensorFlow was imported before tfpipe with oneDNN\'s CPU kernels off, so a '
+    'convolution\'s backward takes up to 5x the memory and a Transformer\'s step 1.1x the '
+    'time (docs/pipeline_layer.md, "Speed"): import tfpipe '
     'before TensorFlow, or set TF_ENABLE_ONEDNN_OPTS=1 (0 to keep them off and silence this)')
 
 

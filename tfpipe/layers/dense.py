@@ -31,44 +31,56 @@ def projection_params(input_dim: int, output_dim: int, use_bias: bool) -> int:
     return input_dim * output_dim + (output_dim if use_bias else 0)
 
 
-MIN_ROWS = 32  # the fewest rows the cheaper input gradient was measured to pay at
+MIN_ROWS = 32  # the fewest rows the custom gradient was measured to pay at
 MIN_WEIGHT = 256 * 1024  # the smallest weight (elements) it was measured to pay on
 
 
 @tf.autograph.experimental.do_not_convert  # static Python: AutoGraph would only rewrite it
 def matmul(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
-    """x @ w for x of shape [rows, in]; on few rows, with the cheaper input gradient.
+    """x @ w for x of shape [rows, in]; on few rows, with a cheaper input gradient.
 
-    TensorFlow's gradient multiplies dy by the transposed weight, and both of its
-    CPU kernels then repack the whole weight (in * out values) on every call: on
-    the few rows of a micro-batch that dominates. `_matmul_small_rows` computes
-    the input gradient as (w @ dy^T)^T instead, which repacks dy and transposes
-    dx, rows * (out + in) values. Measured CPU time, one thread, against
-    TensorFlow's gradient: Eigen, [1024, 1024] weight, 32 rows 0.18x, 128 rows
-    0.49x, 256 rows 0.69x, 1024 rows 1.09x; [256, 1024], 128 rows 0.79x, 1024 rows
-    1.56x: cheaper while rows * (in + out) <= in * out. oneDNN repacks less: [1024,
-    1024], 32 rows 0.76x, 128 rows 0.93x, 256 rows 1.03x; [1024, 256], 128 rows
-    1.15x: cheaper while 4 * rows * (in + out) <= in * out. Static shapes decide;
-    the products and sums are the same ones. On 8 x Dense(1024), batch 256, the
-    step's CPU time at M=8 fell from 2.3x to 1.4x that of M=1 with Eigen
-    (benchmarks/micro_batch_cost_benchmark.py). Below MIN_ROWS rows or MIN_WEIGHT
-    weight elements the custom gradient's own cost wins: 16 x Dense(256), K=8, M=64
-    (4 rows) took 95 ms a step against 46 ms with TensorFlow's gradient, and M=32
-    (8 rows) 47 against 36 ms (benchmarks/first_step_benchmark.py, quiet).
+    TensorFlow's gradient computes dx = dy @ w^T with MatMul(transpose_b=True),
+    which on the few rows of a micro-batch costs more than the product itself:
+    Eigen repacks the whole transposed weight (in * out values) on every call,
+    and oneDNN's GEMM call (its MatMul kernel) is slow there too. `input_gradient`
+    computes the same product in the form each kernel setting runs fastest. Static
+    shapes decide: from MIN_ROWS rows and MIN_WEIGHT weight elements while rows *
+    (in + out) <= in * out; otherwise TensorFlow's gradient. Below those bounds the
+    custom gradient's own cost wins: 16 x Dense(256), K=8, M=64 (4 rows) took 95 ms
+    a step against 46 ms with TensorFlow's gradient, and M=32 (8 rows) 47 against
+    36 ms (benchmarks/first_step_benchmark.py, quiet, Eigen).
     """
     rows, (fan_in, fan_out) = x.shape[0], w.shape
-    repacked = (4 if runtime_defaults.onednn_enabled() else 1) * (fan_in + fan_out)
     if (rows is not None and fan_in and fan_out and rows >= MIN_ROWS
-            and fan_in * fan_out >= MIN_WEIGHT and rows * repacked <= fan_in * fan_out):
+            and fan_in * fan_out >= MIN_WEIGHT and rows * (fan_in + fan_out) <= fan_in * fan_out):
         return _matmul_small_rows(x, w)
     return tf.matmul(x, w)
 
 
+def input_gradient(dy: tf.Tensor, w: tf.Tensor, onednn: bool) -> tf.Tensor:
+    """dy @ w^T, the input gradient of x @ w, in the form the kernels run fastest.
+
+    CPU time of one call on a [1024, 1024] weight, one thread, against TensorFlow's
+    MatMul(dy, w, transpose_b=True) (benchmarks/matmul_forms_benchmark.py):
+    - Eigen (`onednn=False`): (w @ dy^T)^T repacks dy and transposes dx, rows *
+      (out + in) values, instead of the weight: 32 rows 0.18x, 128 rows 0.49x, 256
+      rows 0.69x, 1024 rows 1.09x.
+    - oneDNN: BatchMatMulV2(dy, w, adj_y) runs its matmul primitive, where
+      MatMul runs a GEMM call: 32 rows 0.62x, 64 rows 0.79x, 256 rows 0.86x, 1024
+      rows 1.02x; (w @ dy^T)^T was 0.72x / 0.99x / 1.06x / 1.02x there. Under Eigen,
+      BatchMatMulV2 repacks the weight as MatMul does (32 rows: 9x Eigen's form).
+    The products and sums are the same ones; only the order of the loops differs.
+    """
+    if onednn:
+        return tf.raw_ops.BatchMatMulV2(x=dy, y=w, adj_x=False, adj_y=True)
+    return tf.transpose(tf.matmul(w, dy, transpose_b=True))
+
+
 @tf.custom_gradient
 def _matmul_small_rows(x: tf.Tensor, w: tf.Tensor):
-    """x @ w, whose input gradient is (w @ dy^T)^T: see `matmul`."""
+    """x @ w, whose input gradient is `input_gradient`'s: see `matmul`."""
     def grad(dy):
-        dx = tf.transpose(tf.matmul(w, dy, transpose_b=True))
+        dx = input_gradient(dy, w, runtime_defaults.onednn_enabled())
         return dx, tf.matmul(x, dy, transpose_a=True)
     return tf.matmul(x, w), grad
 
