@@ -43,7 +43,8 @@ def _copy_as_of(logdir, step, target):
     """A copy of `logdir` as its run left it at `step`: the later checkpoints left out (a
     listed checkpoint without files is skipped: tfpipe/checkpoints.py `latest`), and the
     events of later steps too. The same flags with max_steps=`step` train the same steps
-    (the learning rate does not depend on max_steps), so this equals stopping there."""
+    (they are within SmallConvPipe's 50 warm-up steps, whose rates do not depend on the
+    cosine's horizon, max_steps), so this equals a run that stopped there."""
     import glob
     import shutil
     shutil.copytree(logdir, target)
