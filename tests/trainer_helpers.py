@@ -17,6 +17,7 @@ FAST = 'image.shapes.SmallConvPipe'
 # The translation model's shared run (session fixture reverse_trained): K=2 with M=2, and
 # 32 decoded examples (of its default 128) are enough for the tests that read them.
 REVERSE = 'mt.reverse.TransformerPipe'
+LM_STEPS = 150  # the language model's shared run (session fixture lm_trained)
 REVERSE_OVERRIDES = {'task.pipeline.num_micro_batches': 2,
                      'task.eval.decoder_samples_per_summary': 32}
 
