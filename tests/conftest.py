@@ -130,9 +130,9 @@ def clients_r2_exact(tmp_path_factory, data_dir):
 
 # Modules whose tests share module (or session) fixtures, by group; a test ID (without its
 # parameters) puts that one test in a group. LONGEST_FIRST orders by CPU seconds
-# measured at load 19 (2 cores): clients_exact ~190, clients ~180, lm ~135, clients_sharded
-# ~50, a registered model's check_pipeline ~25, test_kill_9 ~25; the other units by their
-# count of trainer processes (each ~8 s of CPU).
+# measured at load 19 (2 cores): clients_exact ~190, clients ~180, lm ~120 (150 steps, at
+# load 12), clients_sharded ~50, a registered model's check_pipeline ~25, test_kill_9 ~25;
+# the other units by their count of trainer processes (each ~8 s of CPU).
 MODULE_GROUPS = {
     'tests/test_clients.py': 'clients',
     'tests/test_launcher.py': 'launcher',
