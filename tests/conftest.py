@@ -59,15 +59,33 @@ def trained_4_steps_two_replicas(tmp_path_factory, data_dir):
 
 
 @pytest.fixture(scope='session')
+def reverse_trained(tmp_path_factory, data_dir):
+    """mt.reverse.TransformerPipe (th.REVERSE_OVERRIDES: K=2, M=2) trained 2 steps,
+    checkpoint at step 2, with its decoder on test in the same process (a Transformer's
+    start-up costs seconds) decoding that checkpoint. tests/test_trainer.py reads the
+    decoder's output; tests/test_export.py exports the checkpoint."""
+    from tests import trainer_helpers as th
+    logdir = str(tmp_path_factory.mktemp('reverse') / 'run')
+    result = th.run(th.REVERSE, logdir, data_dir, '--job=trainer,decoder_test',
+                    '--max_steps=2', '--gin_bindings=trainer.save_interval_steps=2',
+                    '--gin_bindings=trainer.eval_poll_max_seconds=1',
+                    th.overrides(**th.REVERSE_OVERRIDES), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return th.TrainedRun(logdir, result.stderr)
+
+
+@pytest.fixture(scope='session')
 def lm_trained(tmp_path_factory):
-    """lm.pystdlib.TinyTransformerLM (K=2, M=2) trained its default 300 steps on the
-    standard library, with its evaler on dev and decoder on test in the same process.
-    tests/test_lm_trainer.py reads it; tests/test_export_lm.py exports a copy."""
+    """lm.pystdlib.TinyTransformerLM (K=2, M=2) trained LM_STEPS (150, half its default
+    300: its dev log-perplexity is then 2.61, past tests/test_lm_trainer.py's bound of the
+    unigram's 3.10 - 0.3) on the standard library, with its evaler on dev and decoder on
+    test in the same process. tests/test_lm_trainer.py reads it; tests/test_export_lm.py
+    exports a copy."""
     from tests import trainer_helpers as th
     logdir = str(tmp_path_factory.mktemp('lm') / 'run')
     result = th.run('lm.pystdlib.TinyTransformerLM', logdir,
                     str(tmp_path_factory.mktemp('unused_tfds')),
-                    '--job=trainer,evaler_dev,decoder_test',
+                    '--job=trainer,evaler_dev,decoder_test', f'--max_steps={th.LM_STEPS}',
                     '--gin_bindings=trainer.eval_poll_max_seconds=1', timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     return th.TrainedRun(logdir, result.stderr)
@@ -110,10 +128,11 @@ def clients_r2_exact(tmp_path_factory, data_dir):
 # two workers finish together; every other test is its own unit, as with `--dist load`.
 # An explicit --dist other than load is left to xdist.
 
-# Modules whose tests share module fixtures, by group. LONGEST_FIRST orders by CPU seconds
-# measured at load 19 (2 cores): clients_exact ~190, clients ~180, lm ~135, clients_sharded
-# ~50, a registered model's check_pipeline ~25, test_kill_9 ~25; the other units by their
-# count of trainer processes (each ~8 s of CPU).
+# Modules whose tests share module (or session) fixtures, by group; a test ID (without its
+# parameters) puts that one test in a group. LONGEST_FIRST orders by CPU seconds
+# measured at load 19 (2 cores): clients_exact ~190, clients ~180, lm ~120 (150 steps, at
+# load 12), clients_sharded ~50, a registered model's check_pipeline ~25, test_kill_9 ~25;
+# the other units by their count of trainer processes (each ~8 s of CPU).
 MODULE_GROUPS = {
     'tests/test_clients.py': 'clients',
     'tests/test_launcher.py': 'launcher',
@@ -122,11 +141,13 @@ MODULE_GROUPS = {
     'tests/test_clients_input.py': 'clients_exact',
     'tests/test_clients_sharded_optimizer.py': 'clients_sharded',
     'tests/test_cluster_trainer.py': 'cluster_trainer',
-    # Both use the LM's 300-step run (session fixture lm_trained).
+    # Both use the LM's run (session fixture lm_trained).
     'tests/test_lm_trainer.py': 'lm',
     'tests/test_export_lm.py': 'lm',
     'tests/test_logdir_experiment.py': 'logdir_experiment',
+    # Both use the Transformer's run (session fixture reverse_trained).
     'tests/test_export.py': 'export',
+    'tests/test_trainer.py::test_transformer_trains_and_decodes': 'export',
     'tests/test_own_models.py': 'own_models',
     'tests/test_ray.py': 'ray',
     'tests/test_slurm.py': 'slurm',
@@ -167,7 +188,8 @@ def pytest_xdist_make_scheduler(config, log):
         each), the units ordered by LONGEST_FIRST, then by file order."""
 
         def _split_scope(self, nodeid: str) -> str:
-            return MODULE_GROUPS.get(nodeid.split('::', 1)[0], nodeid)
+            return (MODULE_GROUPS.get(nodeid.split('[', 1)[0])
+                    or MODULE_GROUPS.get(nodeid.split('::', 1)[0], nodeid))
 
         def _assign_work_unit(self, node) -> None:
             if not getattr(self, '_ordered', False):  # the first call: the queue is complete

@@ -24,7 +24,6 @@ from tfpipe.tasks.base_task import BaseTask
 from tfpipe.tasks.classifier import ImageClassifier
 from trainer import eval_jobs, experiment, export_mode
 
-REVERSE = 'mt.reverse.TransformerPipe'
 AMOEBA = 'image.shapes.AmoebaNetPipe'
 K2_M2 = {'task.pipeline.num_micro_batches': 2}  # SmallConvPipe is K=2, M=2 already
 TOL = 1e-5
@@ -250,11 +249,12 @@ def test_saved_model_cli_shows_and_runs_the_signature(cli_export, tmp_path):
 # -- Translation -------------------------------------------------------------------------------
 
 @pytest.fixture(scope='module')
-def reverse_decoded(tmp_path_factory, data_dir):
-    """mt.reverse trained 2 steps with K=2, M=2, and the decoder's output on a dev batch."""
-    run = _train(tmp_path_factory.mktemp('reverse'), REVERSE, data_dir, K2_M2)
-    decoder = eval_jobs.Decoder(_params(REVERSE, data_dir, K2_M2), 'dev', run.logdir,
-                                max_steps=2)
+def reverse_decoded(reverse_trained, data_dir):
+    """mt.reverse trained 2 steps with K=2, M=2 (the session's run), and the decoder's
+    output on a dev batch."""
+    run = reverse_trained
+    decoder = eval_jobs.Decoder(_params(th.REVERSE, data_dir, th.REVERSE_OVERRIDES), 'dev',
+                                run.logdir, max_steps=2)
     checkpoints.restore(decoder.checkpoint, os.path.join(run.logdir, 'train', 'ckpt-2'),
                         partial=True)
     batch = _eval_batch(decoder)
@@ -265,8 +265,8 @@ def reverse_decoded(tmp_path_factory, data_dir):
 @pytest.mark.parametrize('placement', export.PLACEMENTS)
 def test_reverse_export_decodes_as_the_decoder(reverse_decoded, data_dir, tmp_path, placement):
     run, src, expected = reverse_decoded
-    path = _export(REVERSE, run.logdir, data_dir, tmp_path / placement, K2_M2,
-                   placement=placement)
+    path = _export(th.REVERSE, run.logdir, data_dir, tmp_path / placement,
+                   th.REVERSE_OVERRIDES, placement=placement)
     devices = _devices_in(path)
     if placement == export.PIPELINED:  # the two cells keep their devices
         assert {'/job:localhost/replica:0/task:0/device:CPU:0',

@@ -3,7 +3,7 @@ continues prompts, both loaded without tfpipe and equal to the evaler's per-toke
 log-probs and the decoder's greedy continuation (issue 19).
 
 The K=2, M=2 run of lm.pystdlib.TinyTransformerLM that tests/test_lm_trainer.py reads
-(its default 300 steps: the session fixture lm_trained) is exported once per placement
+(150 steps: the session fixture lm_trained) is exported once per placement
 and shared by every test here.
 """
 import os
@@ -17,7 +17,7 @@ from tests import export_helpers, trainer_helpers as th
 from tfpipe import checkpoints, fprop_context, lm_inputs
 
 MODEL = 'lm.pystdlib.TinyTransformerLM'  # K=2 (balance [3, 4]), M=2
-STEPS = 300  # the model's default max_steps, which lm_trained runs
+STEPS = th.LM_STEPS  # the steps lm_trained runs
 TOL = 1e-5
 
 

@@ -1,9 +1,8 @@
 """The registered LM through the trainer binary: it learns, decodes, generates; bad input.
 
-One trainer run (lm.pystdlib.TinyTransformerLM, its default 300 steps on the
-standard library, with its evaler on dev and decoder on test in the same
-process: the session fixture lm_trained) is shared by every test here and by
-tests/test_export_lm.py.
+One trainer run (lm.pystdlib.TinyTransformerLM, 150 steps on the standard library,
+with its evaler on dev and decoder on test in the same process: the session fixture
+lm_trained) is shared by every test here and by tests/test_export_lm.py.
 """
 import json
 import math
@@ -18,7 +17,7 @@ from tfpipe import checkpoints, generation, inputs, lm_inputs
 from tests import trainer_helpers as th
 
 MODEL = 'lm.pystdlib.TinyTransformerLM'
-STEPS = 300
+STEPS = th.LM_STEPS
 
 
 @pytest.fixture(scope='module')

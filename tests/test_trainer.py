@@ -127,17 +127,10 @@ def test_non_finite_training_stops_and_keeps_the_last_good_checkpoint(tmp_path, 
         assert all(np.isfinite(v).all() for v in values.values()), path
 
 
-def test_transformer_trains_and_decodes(tmp_path, data_dir):
-    logdir = str(tmp_path / 'mt')
-    model = 'mt.reverse.TransformerPipe'
-    # Both jobs in one process (a Transformer's start-up costs seconds): the decoder
-    # decodes the checkpoint the trainer saves at step 2. The time limit is the two
-    # processes' (300 s each) that this one replaces.
-    result = th.run(model, logdir, data_dir, '--job=trainer,decoder_test', '--max_steps=2',
-                    '--gin_bindings=trainer.save_interval_steps=2',
-                    '--gin_bindings=trainer.eval_poll_max_seconds=1',
-                    th.overrides(**{'task.eval.decoder_samples_per_summary': 32}), timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_transformer_trains_and_decodes(reverse_trained):
+    # The trainer and its decoder ran in one process (session fixture reverse_trained): the
+    # decoder decoded the checkpoint the trainer saved at step 2.
+    logdir = reverse_trained.logdir
     with open(os.path.join(logdir, 'decoder_test', 'decoder_out-2.jsonl')) as f:
         records = [json.loads(line) for line in f]
     assert len(records) == 32 and set(records[0]) == {'src', 'ref', 'hyp'}

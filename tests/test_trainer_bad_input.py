@@ -207,3 +207,23 @@ def test_read_only_logdir(read_only_copy, data_dir):
     assert th.error_line(result) == (f'error: --logdir {read_only_copy} is not writable: give '
                                      'a directory this user can write, e.g. under /tmp')
     assert th.snapshot(read_only_copy) == before
+
+
+@pytest.mark.parametrize('flags', [['--job=trainr'], ['--pipeline_trace_step=3']])
+def test_bad_flags_are_refused_before_tensorflow_loads(tmp_path, data_dir, flags):
+    """A refusal that needs no model is cheap: ~0.1 s of CPU instead of TensorFlow's ~3 s
+    import (trainer/main.py `_check_flags_before_tensorflow`). -X importtime lists every
+    module the process imported."""
+    import subprocess
+    import sys
+    logdir = str(tmp_path / 'fresh')
+    cmd = th.command(th.FAST, logdir, data_dir, '--max_steps=2', *flags)
+    assert cmd[0] == sys.executable
+    result = subprocess.run([sys.executable, '-X', 'importtime', *cmd[1:]], env=th.env(),
+                            cwd=th.REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert flags[0].split('=')[0] in th.error_line(result)
+    imported = [line.rsplit('|', 1)[-1].strip() for line in result.stderr.splitlines()
+                if line.startswith('import time:')]
+    assert 'tfpipe' in imported and 'tensorflow' not in imported
+    assert not os.path.exists(logdir)

@@ -6,7 +6,6 @@ slots and step as that run did, under the same checkpoint keys: so a sharded
 checkpoint is the unsharded one (tests/test_sharded_optimizer.py restores each
 into the other under other R).
 """
-import glob
 import os
 
 import numpy as np
@@ -40,24 +39,11 @@ def _assert_same_state(a, b, step, first_step):
         np.testing.assert_allclose(losses_a[s], losses_b[s], rtol=1e-5, err_msg=f'step {s}')
 
 
-def _rewind(logdir, step):
-    """Makes ckpt-`step` the newest checkpoint of a copied run (later ones and the logged
-    losses removed)."""
-    train_dir = os.path.join(logdir, 'train')
-    for path in glob.glob(os.path.join(train_dir, 'events.out.tfevents.*')):
-        os.remove(path)
-    for path in glob.glob(os.path.join(train_dir, 'ckpt-*')):
-        if int(os.path.basename(path).split('.')[0].split('-')[1]) > step:
-            os.remove(path)
-    tf.compat.v1.train.update_checkpoint_state(train_dir,
-                                               os.path.join(train_dir, f'ckpt-{step}'))
-
-
 def test_sharded_trainer_resumes_an_unsharded_run_and_saves_what_it_would_have(
         tmp_path, data_dir, trained_4_steps_two_replicas):
     unsharded = trained_4_steps_two_replicas.logdir  # R=2, M=2 per replica, Adam
     sharded = trained_4_steps_two_replicas.copy_to(tmp_path / 'sharded')
-    _rewind(sharded, STEPS // 2)
+    th.rewind(sharded, STEPS // 2, keep_events=False)  # only the sharded trainer's losses
     result = th.run(th.FAST, sharded, data_dir, *th.fast_flags(STEPS, 2),
                     th.overrides(**SHARDED))
     assert result.returncode == 0, result.stderr[-3000:]

@@ -14,6 +14,12 @@ import tensorflow as tf
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = 'image.shapes.SmallConvPipe'
+# The translation model's shared run (session fixture reverse_trained): K=2 with M=2, and
+# 32 decoded examples (of its default 128) are enough for the tests that read them.
+REVERSE = 'mt.reverse.TransformerPipe'
+LM_STEPS = 150  # the language model's shared run (session fixture lm_trained)
+REVERSE_OVERRIDES = {'task.pipeline.num_micro_batches': 2,
+                     'task.eval.decoder_samples_per_summary': 32}
 
 
 def env() -> dict:
@@ -82,6 +88,27 @@ def train_once(directory, data_dir: str, *flags: str) -> TrainedRun:
     result = run(FAST, logdir, data_dir, *flags)
     assert result.returncode == 0, result.stderr[-3000:]
     return TrainedRun(logdir, result.stderr)
+
+
+def rewind(logdir: str, step: int, keep_events: bool = True) -> None:
+    """Makes ckpt-`step` the newest checkpoint of a copied run, as if the run had stopped
+    there: later checkpoints removed, the state file rewritten, and the events logged
+    after `step` removed (all events with `keep_events=False`)."""
+    import glob
+    train_dir = os.path.join(logdir, 'train')
+    for path in glob.glob(os.path.join(train_dir, 'ckpt-*')):
+        if int(os.path.basename(path).split('.')[0].split('-')[1]) > step:
+            os.remove(path)
+    tf.compat.v1.train.update_checkpoint_state(train_dir,
+                                               os.path.join(train_dir, f'ckpt-{step}'))
+    for path in glob.glob(os.path.join(train_dir, 'events.out.tfevents.*')):
+        kept = [event.SerializeToString() for event in tf.compat.v1.train.summary_iterator(path)
+                if keep_events and event.step <= step]
+        os.remove(path)
+        if kept:
+            with tf.io.TFRecordWriter(path) as writer:
+                for record in kept:
+                    writer.write(record)
 
 
 def error_line(result: subprocess.CompletedProcess) -> str:

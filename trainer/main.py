@@ -148,12 +148,16 @@ def _parse_jobs(job_flag: str | None) -> list[str]:
     return jobs
 
 
+def _data_dir() -> str:
+    return FLAGS.tfds_data_dir or os.path.expanduser('~/tensorflow_datasets')
+
+
 def _set_data_dir(params) -> None:
     """Points every tfds input without a data_dir at --tfds_data_dir (or the tfds default).
 
     Inputs that read no tfds data (DatasetInput) have no data_dir.
     """
-    data_dir = FLAGS.tfds_data_dir or os.path.expanduser('~/tensorflow_datasets')
+    data_dir = _data_dir()
     logdir_access.check_directory(data_dir, '--tfds_data_dir', writable=False)
     for _, input_params in params.input.IterParams():
         if input_params is not None and 'data_dir' in input_params \
@@ -309,6 +313,37 @@ def _check_required_flags() -> None:
         raise UsageError('--logdir is required: the directory for checkpoints and summaries')
 
 
+def _check_trace_step(max_steps: int | None) -> None:
+    """--pipeline_trace_step names a training step: 1.., and at most `max_steps` when known
+    (trainer/train_job.py checks it against the params' max_steps as well)."""
+    step = FLAGS.pipeline_trace_step
+    if step < 1:
+        raise UsageError(f'--pipeline_trace_step={step} must be a step >= 1 (1 is the first '
+                         'training step)')
+    if max_steps and step > max_steps:
+        raise UsageError(f'--pipeline_trace_step={step} is beyond max_steps={max_steps}: '
+                         f'pick a step in 1..{max_steps}')
+
+
+def _check_flags_before_tensorflow() -> None:
+    """The flag checks of a one-process run that need no TensorFlow, before it is imported.
+
+    Importing TensorFlow costs ~3 s of CPU; a typo in --job or a --logdir that is a file
+    is refused in a fraction of that. `main` repeats these checks on every path (a
+    cluster's processes check theirs there), so this only moves refusals earlier.
+    """
+    if (FLAGS.list_models or FLAGS.cluster_spec or FLAGS.cluster_resolver
+            or FLAGS.job == 'worker' or os.environ.get('TF_CONFIG')):
+        return
+    _check_required_flags()
+    jobs = _parse_jobs(FLAGS.job)
+    if FLAGS.mode == 'sync':
+        logdir_access.check_directory(FLAGS.logdir, '--logdir')
+        if FLAGS.pipeline_trace_step is not None and 'trainer' in jobs:
+            _check_trace_step(FLAGS.max_steps)
+    logdir_access.check_directory(_data_dir(), '--tfds_data_dir', writable=False)
+
+
 def _load_params_and_options(from_logdir: bool = False):
     """The model's params with every override applied, and the runtime options of the flags.
 
@@ -325,9 +360,7 @@ def _load_params_and_options(from_logdir: bool = False):
         params.task.train.max_steps = FLAGS.max_steps
         options.max_steps = FLAGS.max_steps
     if FLAGS.pipeline_trace_step is not None:
-        if FLAGS.pipeline_trace_step < 1:
-            raise UsageError(f'--pipeline_trace_step={FLAGS.pipeline_trace_step} must be a '
-                             'step >= 1 (1 is the first training step)')
+        _check_trace_step(max_steps=None)
         options.pipeline_trace_step = FLAGS.pipeline_trace_step
     if from_logdir:
         named = [key for key, _ in experiment.split_overrides(FLAGS.params_override)]
@@ -360,6 +393,11 @@ def _main_with_errors(argv) -> int:
     from trainer import launcher  # imports no TensorFlow: the launcher process stays small
     if launcher.requested(FLAGS):
         return launcher.run(FLAGS, os.environ)
+    try:
+        _check_flags_before_tensorflow()
+    except ValueError as e:  # UsageError and logdir_access's refusals: one line each
+        print(f'error: {e}', file=sys.stderr)
+        return EXIT_BAD_INPUT
     from tfpipe import checkpoints
     from tfpipe.cluster import WorkerUnavailableError
     from tfpipe.hyperparams import ParamsError
