@@ -13,7 +13,6 @@ import tfpipe.keras as tk
 
 
 def test_no_update_op_reads_a_gradient_before_every_gradient_is_summed():
-    keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation='relu'),
                               keras.layers.Dense(16, activation='relu'), keras.layers.Dense(3)])
     pipe = tk.pipeline(model, balance=[2, 1], num_micro_batches=2)
