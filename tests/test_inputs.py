@@ -195,6 +195,21 @@ def test_order_is_fixed_by_seed_and_each_epoch_is_a_reshuffled_full_pass(data_di
     assert unshuffled != first and sorted(unshuffled) == sorted(first)
 
 
+def test_the_users_global_seed_neither_breaks_nor_changes_the_order(data_dir):
+    # keras.utils.set_random_seed(0) before training is common; a global seed of 0 made
+    # the shuffle's seed an error, and any other changed the order.
+    p = input_params(data_dir, dataset='tfpipe_reverse', split='validation', batch_size=100,
+                     preprocess='seq2seq', max_length=13, shuffle_buffer=1000, repeat=True,
+                     seed=7)
+    unseeded = epochs(p, 2, 10)
+    try:
+        for global_seed in (0, 5):
+            tf.random.set_seed(global_seed)
+            assert epochs(p, 2, 10) == unseeded, global_seed
+    finally:
+        tf.random.set_seed(None)
+
+
 def test_iterator_checkpoint_resumes_at_the_same_element(data_dir, tmp_path):
     p = input_params(data_dir, dataset='tfpipe_shapes', split='validation', batch_size=64,
                      shuffle_buffer=256, repeat=True)

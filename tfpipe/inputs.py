@@ -344,6 +344,11 @@ class TfdsInput:
                                                       if decode_later else None))
 
         def epoch_examples(epoch: tf.Tensor) -> tf.data.Dataset:
+            # This function's graph would inherit the user's global seed, which would
+            # then enter the shuffle's seed pair: the order would depend on it, and a
+            # global seed of 0 makes TensorFlow compare the tensor seed with 0 in Python
+            # (an error). Cleared here, in this graph only: the order is the params'.
+            tf.random.set_seed(None)
             ds = stored
             if shuffle:
                 ds = ds.shuffle(p.shuffle_buffer, seed=_epoch_seed(p.seed, epoch),
