@@ -10,6 +10,8 @@ shards cannot follow (a weight split by rows tied to one split by columns, or a
 split weight to a whole one) is refused in one line naming both paths and the
 fix, though T=1 takes it.
 """
+import os
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -17,6 +19,7 @@ import tensorflow as tf
 import tfpipe
 from tests import model_zoo as mz
 from tests import tensor_parallel_lm_task as lm_tp
+from tests import trainer_helpers as th
 from tests.tensor_parallel_mlp import STEP, assert_same, inputs, step, whole
 from tfpipe import fprop_context, layers
 from tfpipe.base_layer import flatten_by_path
@@ -155,3 +158,17 @@ def test_a_shard_path_is_refused_with_the_whole_path_suggested():
     with pytest.raises(ValueError, match=r"^pipe: tied_weights: no variable 'col_b/w_shard0' "
                                          r"in the body; did you mean 'col_b/w'\?"):
         tied_pipeline(2, 2, ties={'col_b/w_shard0': 'col_a/w_shard0'})
+
+
+def test_trainer_refuses_an_unlike_tie_before_the_logdir(tmp_path):
+    """TensorParallelMLP's row-parallel bias (whole) tied to its column-parallel embed/b."""
+    logdir = str(tmp_path / 'fresh')
+    result = th.run('image.shapes.TensorParallelMLP', logdir, 'unused', '--max_steps=2',
+                    th.overrides(**{'task.pipeline.tensor_parallel': 2,
+                                    'task.pipeline.tied_weights': {'mlp1/fc2/b': 'embed/b'}}))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert th.error_line(result).startswith(
+        "error: task/pipe: tied_weights: 'mlp1/fc2/b' is whole on its cell's home device but "
+        "'embed/b' is split along axis 0 over 2 devices: ")
+    assert th.error_line(result).endswith('or set task.pipeline.tensor_parallel=1')
+    assert not os.path.exists(logdir)
