@@ -1,13 +1,12 @@
 """Tensor parallelism: a step with T devices per cell is the T=1 step.
 
-An MLP of Megatron's layers (a column-parallel Dense, dropout on the home
-device, a ParallelMLP pair with dropout on its split hidden layer, a plain
-Dense, a row-parallel Dense) in float64, so that 1e-5 relative tests the
-mathematics. Loss, gradients and weights after an SGD step are compared as
-whole weights (shards concatenated) with the same pipeline at T=1, on the
-8 logical CPUs of conftest.py: every (T, K, R) with T in {1, 2, 4}, K in
-{1, 2}, R in {1, 2} and R*K*T <= 8 (all but T=4, K=2, R=2), and every
-recompute policy x schedule x executor at T=2, K=2 and T=4, K=1.
+The MLP of tests/tensor_parallel_mlp.py (Megatron's layers, float64, so that
+1e-5 relative tests the mathematics). Loss, gradients and weights after an SGD
+step are compared as whole weights (shards concatenated) with the same pipeline
+at T=1, on the 8 logical CPUs of conftest.py: every (T, K, R) with T in
+{1, 2, 4}, K in {1, 2}, R in {1, 2} and R*K*T <= 8 (all but T=4, K=2, R=2, which
+tests/test_tensor_parallel_16.py runs on 16), and every recompute policy x
+schedule x executor at T=2, K=2 and T=4, K=1.
 """
 import numpy as np
 import pytest
@@ -15,110 +14,11 @@ import tensorflow as tf
 
 import tfpipe
 from tests import model_zoo as mz
-from tfpipe import checkpoints, fprop_context, layers, variable_shards
+from tests.tensor_parallel_mlp import (STEP, assert_same, check, inputs, reference, tp_body,
+                                       tp_pipeline, whole)
+from tfpipe import checkpoints, fprop_context
 from tfpipe.base_layer import flatten_by_path
-from tfpipe.layers.tensor_parallel_dense import (ColumnParallelDense, ParallelMLP,
-                                                 RowParallelDense)
 from tfpipe.pipeline import partition
-
-STEP = 7
-
-
-def tp_body(dtype=tf.float64):
-    body = [
-        ColumnParallelDense.Params().Set(name='fc0', input_dim=12, output_dim=16,
-                                         activation='relu'),
-        layers.Dropout.Params().Set(name='drop0', keep_prob=0.7),
-        ParallelMLP.Params().Set(name='mlp', input_dim=16, hidden_dim=32, keep_prob=0.8),
-        layers.Dense.Params().Set(name='fc2', input_dim=16, output_dim=16, activation='tanh'),
-        RowParallelDense.Params().Set(name='fc3', input_dim=16, output_dim=5),
-    ]
-    for p in body:
-        p.dtype = dtype
-    return body
-
-
-def tp_pipeline(t, k, r=1, m=3, **kw):
-    body = tp_body()
-    return tfpipe.PipeliningLayer.Params().Set(
-        name='pipe', body=body, balance=partition.even_balance(len(body), k),
-        num_micro_batches=m, num_replicas=r, tensor_parallel=t, **kw).Instantiate()
-
-
-def inputs(batch=10):
-    rng = np.random.default_rng(0)
-    return (tf.constant(rng.normal(size=[batch, 12]), tf.float64),
-            tf.constant(rng.integers(0, 5, size=[batch]), tf.int32))
-
-
-def whole(pipe, values_by_path):
-    """{whole weight path: value} from per-variable values (shards concatenated)."""
-    out, seen = {}, set()
-    for path, var in pipe.VariablesByPath().items():
-        sharded = variable_shards.of(var)
-        if sharded is None:
-            out[path] = np.asarray(values_by_path[path])
-        elif sharded.path not in seen:
-            seen.add(sharded.path)
-            paths = {id(v): p for p, v in pipe.VariablesByPath().items()}
-            out[sharded.path] = np.concatenate(
-                [np.asarray(values_by_path[paths[id(s)]]) for s in sharded.shards],
-                sharded.axis)
-    return out
-
-
-def step(pipe, replica_thetas=False):
-    """One SGD step through ForwardBackward (the trainer's form with replica_thetas)."""
-    x, y = inputs()
-
-    @tf.function
-    def run():
-        with fprop_context.training(step=STEP):
-            if replica_thetas:
-                loss, grads = pipe.ForwardBackward(pipe.ReplicaThetas(), x, mz.loss_fn, y)
-                for theta, g in zip(pipe.ReplicaThetas(), grads):
-                    for v, d in zip(tf.nest.flatten(theta), tf.nest.flatten(g)):
-                        v.assign_sub(0.1 * d)
-                grads = grads[0]
-            else:
-                loss, grads = pipe.ForwardBackward(pipe.theta, x, mz.loss_fn, y)
-                for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads)):
-                    v.assign_sub(0.1 * g)
-        return loss, grads
-    loss, grads = run()
-    grads = {p: g.numpy() for p, g in flatten_by_path(grads, 'pipe').items()}
-    weights = {p: v.numpy() for p, v in pipe.VariablesByPath().items()}
-    return loss.numpy(), whole(pipe, grads), whole(pipe, weights)
-
-
-_reference = {}
-
-
-def reference():
-    if not _reference:
-        pipe = tp_pipeline(1, 1, m=3)
-        _reference['initial'] = whole(pipe, {p: v.numpy()
-                                             for p, v in pipe.VariablesByPath().items()})
-        _reference['loss'], _reference['grads'], _reference['weights'] = step(pipe)
-    return _reference
-
-
-def assert_same(actual, expected, what):
-    assert sorted(actual) == sorted(expected), what
-    for path in expected:
-        np.testing.assert_allclose(actual[path], expected[path], rtol=1e-5, atol=1e-12,
-                                   err_msg=f'{what} {path}')
-
-
-def check(pipe, replica_thetas=False):
-    ref = reference()
-    initial = whole(pipe, {p: v.numpy() for p, v in pipe.VariablesByPath().items()})
-    assert_same(initial, ref['initial'], 'initial weights')
-    loss, grads, weights = step(pipe, replica_thetas)
-    np.testing.assert_allclose(loss, ref['loss'], rtol=1e-5)
-    assert_same(grads, ref['grads'], 'grads')
-    assert_same(weights, ref['weights'], 'updated weights')
-
 
 CORNERS = [(t, k, r) for t in (1, 2, 4) for k in (1, 2) for r in (1, 2) if t * k * r <= 8]
 

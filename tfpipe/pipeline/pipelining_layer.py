@@ -230,10 +230,6 @@ class PipeliningLayer(BaseLayer):
 
     # -- Replicas ------------------------------------------------------------------------
 
-    def CellDevices(self, replica: int) -> list[str]:
-        """The device of each cell of one replica (cell j: device j mod K)."""
-        return [cell.device for cell in self.replica_cells[replica]]
-
     @property
     def num_replicas(self) -> int:
         return len(self.replica_cells)
@@ -563,7 +559,7 @@ class PipeliningLayer(BaseLayer):
                     cell_grads = across_clients.all_reduce_sum(self._peers, cell_grads,
                                                                self.cells[k].device)
                 grads.update(tf.nest.pack_sequence_as(runs[0].thetas[k], cell_grads))
-            ties.fold(grads, self.ties, self.CellDevices(0))
+            ties.fold(grads, self.ties, [cell.shard_devices for cell in self.cells])
             return loss, {name: grads[name] for name in theta}
         per_replica: list[dict] = [{} for _ in runs]
         for k in range(len(self.cells)):
@@ -573,7 +569,8 @@ class PipeliningLayer(BaseLayer):
                 run.theta_grads[k] = reduced[r]
                 per_replica[r].update(run.theta_grads_of(k))
         for r, replica_grads in enumerate(per_replica):
-            ties.fold(replica_grads, self.ties, self.CellDevices(r))
+            ties.fold(replica_grads, self.ties,
+                      [cell.shard_devices for cell in self.replica_cells[r]])
         grads = [{name: g[name] for name in t} for g, t in zip(per_replica, theta)]
         return loss, (grads if self.num_replicas > 1 else grads[0])
 

@@ -11,7 +11,11 @@ once to the owner's device and added to the owner's gradient: the gradient of
 the one variable is the sum of both uses, as in the unpartitioned model.
 
 Ties are declared on the pipeline, by variable paths relative to the body:
-`tied_weights={'logits/w': 'embedding/emb'}` (user: owner).
+`tied_weights={'logits/w': 'embedding/emb'}` (user: owner). With tensor
+parallelism a split weight is named whole ('w', not 'w_shard0') and tied shard
+by shard: user shard t reads owner shard t on the user cell's t-th device, and
+its gradient is added to the owner shard's on the owner shard's device. Both
+must be split alike (same axis and sizes), or neither: anything else is refused.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from typing import Any, Mapping, Sequence
 
 import tensorflow as tf
 
+from tfpipe import variable_shards
 from tfpipe.base_layer import BaseLayer
 from tfpipe.variable_shards import shard_name
 
@@ -29,12 +34,35 @@ Path = tuple[str, ...]
 
 @dataclasses.dataclass(frozen=True)
 class Tie:
-    """The user's variable path reads the owner's variable (paths into the pipeline's theta)."""
+    """The user's variable path reads the owner's variable (paths into the pipeline's theta).
+
+    A split weight (tensor parallelism) is tied shard by shard: one Tie per shard, `shard`
+    its index (0 for a whole weight), whose gradient is added on that shard's device.
+    """
 
     user: Path
     owner: Path
     user_cell: int
     owner_cell: int
+    shard: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Weight:
+    """A weight of the body under its whole path: one variable, or the shards of a split
+    one, by their paths relative to the body (a tie names whole weights whatever T is)."""
+
+    parts: tuple[str, ...]
+    shape: tf.TensorShape
+    dtype: tf.DType
+    axis: int | None  # the split axis; None: one variable
+
+    def layout(self) -> str:
+        if self.axis is None:
+            return "whole on its cell's home device"
+        along = {0: 'by rows', 1: 'by columns'}[self.axis] if self.shape.rank == 2 else \
+            f'along axis {self.axis}'
+        return f'split {along} over {len(self.parts)} devices'
 
 
 def resolve(tied_weights: Mapping[str, str] | None,
@@ -49,42 +77,49 @@ def resolve(tied_weights: Mapping[str, str] | None,
         raise ValueError(f'tied_weights={tied_weights!r} must be a dict {{user variable path: '
                          "owner variable path}}, e.g. {'logits/w': 'embedding/emb'}")
     variables, cell_of = _variables_by_path(cell_layers)
+    weights = _whole_weights(variables)
     ties = []
-    for user, owner in _shard_by_shard(tied_weights, variables).items():
+    for user, owner in tied_weights.items():
         for path in (user, owner):
-            if path not in variables:
-                close = difflib.get_close_matches(str(path), variables, n=1)
+            if path not in weights:
+                close = difflib.get_close_matches(str(path), weights, n=1)
                 hint = f'; did you mean {close[0]!r}?' if close else ''
                 raise ValueError(f'tied_weights: no variable {path!r} in the body{hint} (paths '
                                  "are relative to the body, e.g. 'logits/w')")
         if user == owner or owner in tied_weights:
             raise ValueError(f'tied_weights: {user!r} -> {owner!r}: the owner must be another '
                              'variable that is not itself tied; tie every user to the owner')
-        u, o = variables[user], variables[owner]
+        u, o = weights[user], weights[owner]
         if tuple(u.shape) != tuple(o.shape) or u.dtype != o.dtype:
             raise ValueError(
                 f'tied_weights: {user!r} is {u.dtype.name} {u.shape.as_list()} but {owner!r} '
                 f'is {o.dtype.name} {o.shape.as_list()}: they must match (a Dense tied to an '
                 "Embedding table needs weight_layout='oi')")
-        ties.append(Tie(tuple(user.split('/')), tuple(owner.split('/')), cell_of[user],
-                        cell_of[owner]))
+        if u.axis != o.axis or [variables[p].shape for p in u.parts] != [
+                variables[p].shape for p in o.parts]:
+            raise ValueError(
+                f'tied_weights: {user!r} is {u.layout()} but {owner!r} is {o.layout()}: a '
+                'tie reads the owner shard by shard, so both layers must split the weight '
+                'alike (e.g. two ColumnParallelDense, or an Embedding and a VocabLogits) or '
+                'neither; tie layers of one kind, or set task.pipeline.tensor_parallel=1')
+        ties += [Tie(tuple(up.split('/')), tuple(op.split('/')), cell_of[up], cell_of[op], t)
+                 for t, (up, op) in enumerate(zip(u.parts, o.parts))]
     return ties
 
 
-def _shard_by_shard(tied_weights: Mapping[str, str], variables: Mapping[str, Any]
-                    ) -> dict[str, str]:
-    """The declared ties, a split weight's (tensor parallelism: 'w_shard0', ...) tied
-    shard to shard: a vocabulary-parallel softmax reads its embedding's shards."""
+def _whole_weights(variables: Mapping[str, tf.Variable]) -> dict[str, _Weight]:
+    """The body's weights by whole path: a split weight's shards ('w_shard0', ...) under
+    'w', so that a vocabulary-parallel softmax reads its embedding's shards."""
     out = {}
-    for user, owner in tied_weights.items():
-        size = 0
-        # shard_name(.., size=2): the name shard `size` has in any split (T > 1).
-        while user not in variables and shard_name(user, size, 2) in variables:
-            size += 1
-        if size == 0:
-            out[user] = owner
-        for t in range(size):
-            out[shard_name(user, t, size)] = shard_name(owner, t, size)
+    for path, var in variables.items():
+        sharded = variable_shards.of(var)
+        if sharded is None:
+            out[path] = _Weight((path,), var.shape, var.dtype, None)
+            continue
+        whole = f'{path.rsplit("/", 1)[0]}/{sharded.path.rsplit("/", 1)[1]}'
+        size = len(sharded.shards)
+        out[whole] = _Weight(tuple(shard_name(whole, t, size) for t in range(size)),
+                             sharded.shape, sharded.dtype, sharded.axis)
     return out
 
 
@@ -111,11 +146,12 @@ def read_into(cell_theta: dict, theta: dict, ties: Sequence[Tie], read) -> None:
         _set(cell_theta, t.user, read(_get(theta, t.owner)))
 
 
-def fold(grads: dict, ties: Sequence[Tie], owner_devices: Sequence[str]) -> None:
-    """Moves each tied use's gradient from `grads` onto its owner's, on the owner's device."""
+def fold(grads: dict, ties: Sequence[Tie], cell_devices: Sequence[Sequence[str]]) -> None:
+    """Moves each tied use's gradient from `grads` onto its owner's, on the owner's device
+    (cell_devices: each cell's devices, home first; a shard's is its cell's shard-th)."""
     for t in ties:
         g = _pop(grads, t.user)
-        with tf.device(owner_devices[t.owner_cell]), tf.name_scope('tied_grads'):
+        with tf.device(cell_devices[t.owner_cell][t.shard]), tf.name_scope('tied_grads'):
             _set(grads, t.owner, _get(grads, t.owner) + tf.convert_to_tensor(g))
 
 
