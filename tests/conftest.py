@@ -91,6 +91,14 @@ def lm_trained(tmp_path_factory):
     return th.TrainedRun(logdir, result.stderr)
 
 
+def pytest_sessionfinish(session):
+    """Stops this process's trainer fork server (tests/trainer_forkserver.py) by its PID."""
+    import sys
+    helpers = sys.modules.get('tests.trainer_helpers')
+    if helpers is not None:
+        helpers.stop_forkserver()
+
+
 @pytest.fixture(scope='module')
 def processes():
     """Every process a module's tests start (trainer_helpers.Processes), stopped by PID."""

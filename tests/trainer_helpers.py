@@ -1,4 +1,10 @@
-"""Running the trainer binary in a subprocess, on data generated once per session."""
+"""Running the trainer binary in a subprocess, on data generated once per session.
+
+`python -m trainer` processes are forked from the worker's trainer fork server
+(tests/trainer_forkserver.py: TensorFlow imported once, not per process) unless their
+environment differs in a variable read when TensorFlow loads; then, and for any other
+command, a new interpreter starts.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -7,10 +13,13 @@ import os
 import shutil
 import subprocess
 import sys
-from typing import Iterator, Sequence
+import tempfile
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
+
+from tests import trainer_forkserver
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = 'image.shapes.SmallConvPipe'
@@ -34,16 +43,67 @@ def command(model: str, logdir: str, data_dir: str, *flags: str) -> list[str]:
             f'--tfds_data_dir={data_dir}', '--num_logical_cpus=4', *flags]
 
 
+_SERVER = None  # this worker's trainer_forkserver.Server, started on first use
+# Variable prefixes TensorFlow, its kernels or Python read while loading (TF_CONFIG is read
+# by the trainer at run time).
+_LOAD_TIME = ('TF_', 'OMP_', 'KMP_', 'MKL', 'ONEDNN', 'DNNL', 'PYTHON', 'CUDA', 'LD_')
+
+
+def _load_time_environment(environ: dict) -> dict:
+    from tfpipe import runtime_defaults
+    full = {**runtime_defaults.DEFAULTS, **environ}
+    return {k: v for k, v in full.items() if k.startswith(_LOAD_TIME) and k != 'TF_CONFIG'}
+
+
+def popen(cmd: Sequence[str], environ: dict, stdout=None, stderr=None):
+    """subprocess.Popen(cmd, text=True) in REPO, forked from the fork server when `cmd` is
+    `python -m trainer ...` and `environ` loads TensorFlow as the server did."""
+    global _SERVER
+    cmd = list(cmd)
+    if cmd[:3] == [sys.executable, '-m', 'trainer']:
+        if _SERVER is None:
+            _SERVER = trainer_forkserver.Server(tempfile.mkdtemp(prefix='tfpipe-fork-'), env(),
+                                                REPO)
+        if _load_time_environment(environ) == _load_time_environment(_SERVER.env):
+            return _SERVER.start(cmd[3:], environ, REPO, stdout=stdout, stderr=stderr)
+    return subprocess.Popen(cmd, env=environ, cwd=REPO, stdout=stdout, stderr=stderr,
+                            text=True)
+
+
+def stop_forkserver() -> None:
+    """Stops this worker's fork server by its PID (the session's end, tests/conftest.py)."""
+    global _SERVER
+    if _SERVER is not None:
+        _SERVER.stop()
+        shutil.rmtree(os.path.dirname(_SERVER.path), ignore_errors=True)
+        _SERVER = None
+
+
+def run_command(cmd: Sequence[str], environ: Optional[dict] = None, timeout: float = 300
+                ) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True) through `popen`."""
+    proc = popen(cmd, {**env(), **(environ or {})}, subprocess.PIPE, subprocess.PIPE)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def run(model: str, logdir: str, data_dir: str, *flags: str, timeout: int = 300,
         environ: dict = None) -> subprocess.CompletedProcess:
-    return subprocess.run(command(model, logdir, data_dir, *flags),
-                          env={**env(), **(environ or {})},
-                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return run_command(command(model, logdir, data_dir, *flags), environ, timeout)
 
 
-def start(model: str, logdir: str, data_dir: str, *flags: str) -> subprocess.Popen:
-    return subprocess.Popen(command(model, logdir, data_dir, *flags), env=env(), cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def start(model: str, logdir: str, data_dir: str, *flags: str):
+    return popen(command(model, logdir, data_dir, *flags), env(), subprocess.PIPE,
+                 subprocess.STDOUT)
 
 
 class Processes:
@@ -54,8 +114,7 @@ class Processes:
         self.procs: list[subprocess.Popen] = []
 
     def start(self, cmd: list[str], environ: dict = None) -> subprocess.Popen:
-        proc = subprocess.Popen(cmd, env={**env(), **(environ or {})}, cwd=REPO,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        proc = popen(cmd, {**env(), **(environ or {})}, subprocess.DEVNULL, subprocess.PIPE)
         self.procs.append(proc)
         return proc
 
