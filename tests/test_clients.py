@@ -184,10 +184,8 @@ def test_a_worker_cluster_is_not_a_client_cluster():
 
 
 def _run_client(logdir, data_dir, spec, task, *extra, timeout=120):
-    return subprocess.run(client_command(logdir, data_dir, spec, task, *th.fast_flags(2, 2),
-                                         *extra),
-                          env=th.env(), cwd=th.REPO, capture_output=True, text=True,
-                          timeout=timeout)
+    return th.run_command(client_command(logdir, data_dir, spec, task, *th.fast_flags(2, 2),
+                                         *extra), timeout=timeout)
 
 
 def test_port_in_use_and_wrong_replicas_exit_2_and_a_missing_client_exits_1(

@@ -43,12 +43,11 @@ class Workers:
         self.procs: dict[int, subprocess.Popen] = {}
 
     def start(self, task: int) -> subprocess.Popen:
-        proc = subprocess.Popen(
+        proc = th.popen(
             [sys.executable, '-m', 'trainer', '--job=worker', f'--task={task}',
              f'--cluster_spec={self.spec}', '--run_locally=cpu',
              f'--num_logical_cpus={WORKER_CPUS}'],
-            env=th.env(), cwd=self.cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            text=True)
+            th.env(), subprocess.DEVNULL, subprocess.PIPE, cwd=self.cwd)
         self.procs[task] = proc
         return proc
 
@@ -76,8 +75,7 @@ def trainer(cwd: str, logdir: str, data_dir: str, *flags: str, spec: str = None,
     cmd = th.command(th.FAST, logdir, data_dir, *flags)
     if spec:
         cmd.append(f'--cluster_spec={spec}')
-    return subprocess.run(cmd, env={**th.env(), **(environ or {})}, cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout)
+    return th.run_command(cmd, environ, timeout, cwd=cwd)
 
 
 def start_long_run(cwd: str, logdir: str, data_dir: str, spec: str,
@@ -85,8 +83,7 @@ def start_long_run(cwd: str, logdir: str, data_dir: str, spec: str,
     """A cluster trainer that would run for ever (the caller stops it by PID)."""
     cmd = [*th.command(th.FAST, logdir, data_dir, *th.fast_flags(100000, 2)),
            f'--cluster_spec={spec}', *flags]
-    return subprocess.Popen(cmd, env=th.env(), cwd=cwd, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    return th.popen(cmd, th.env(), subprocess.DEVNULL, subprocess.PIPE, cwd=cwd)
 
 
 def losses(train_dir: str) -> dict[int, float]:
@@ -295,10 +292,9 @@ def test_worker_serves_until_sigterm_and_refuses_a_used_port(tmp_path):
         while not cluster.accepts_connections(w.addresses[0]) and time.time() < deadline:
             assert first.poll() is None, first.stderr.read()
             time.sleep(0.1)
-        second = subprocess.run(
+        second = th.run_command(
             [sys.executable, '-m', 'trainer', '--job=worker', '--task=0',
-             f'--cluster_spec={w.spec}'], env=th.env(), capture_output=True, text=True,
-            timeout=120)
+             f'--cluster_spec={w.spec}'], timeout=120, cwd=os.getcwd())
         first.send_signal(signal.SIGTERM)
         assert first.wait(timeout=30) == 0
     finally:

@@ -316,6 +316,30 @@ def test_tfpipe_dataset_without_generation_and_unknown_names(tmp_path):
         input_params(str(tmp_path), dataset='tfpipe_reverse', preprocess='seq2seq').Instantiate()
 
 
+def test_a_users_preprocessor_may_branch_on_a_tensor(data_dir):
+    """tfpipe's own input functions skip AutoGraph (start-up time); a preprocessor
+    registered outside tfpipe is still converted, so a Python `if` on a tensor works."""
+    @inputs.register_preprocessor('test_branching')
+    def branching(p):
+        def fn(ex):
+            src = tf.cast(ex['src'], tf.int32)[:4]
+            if tf.reduce_sum(src) > 0:  # a tensor condition: needs AutoGraph
+                label = tf.constant(1)
+            else:
+                label = tf.constant(0)
+            return {'src': tf.ensure_shape(tf.pad(src, [[0, 4 - tf.shape(src)[0]]]), [4]),
+                    'label': label}
+        return fn
+
+    try:
+        p = input_params(data_dir, dataset='tfpipe_reverse', preprocess='test_branching')
+        batch = next(iter(p.Instantiate().Dataset()))
+        want = (tf.reduce_sum(batch['src'], axis=1) > 0).numpy().astype(np.int32)
+        np.testing.assert_array_equal(batch['label'].numpy(), want)
+    finally:
+        inputs.PREPROCESSORS.pop('test_branching')
+
+
 def test_registered_preprocessor_and_the_static_shape_check(data_dir):
     @inputs.register_preprocessor('test_raw_sequences')
     def raw(p):

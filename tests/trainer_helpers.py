@@ -55,8 +55,8 @@ def _load_time_environment(environ: dict) -> dict:
     return {k: v for k, v in full.items() if k.startswith(_LOAD_TIME) and k != 'TF_CONFIG'}
 
 
-def popen(cmd: Sequence[str], environ: dict, stdout=None, stderr=None):
-    """subprocess.Popen(cmd, text=True) in REPO, forked from the fork server when `cmd` is
+def popen(cmd: Sequence[str], environ: dict, stdout=None, stderr=None, cwd: str = REPO):
+    """subprocess.Popen(cmd, text=True), forked from the fork server when `cmd` is
     `python -m trainer ...` and `environ` loads TensorFlow as the server did."""
     global _SERVER
     cmd = list(cmd)
@@ -65,8 +65,8 @@ def popen(cmd: Sequence[str], environ: dict, stdout=None, stderr=None):
             _SERVER = trainer_forkserver.Server(tempfile.mkdtemp(prefix='tfpipe-fork-'), env(),
                                                 REPO)
         if _load_time_environment(environ) == _load_time_environment(_SERVER.env):
-            return _SERVER.start(cmd[3:], environ, REPO, stdout=stdout, stderr=stderr)
-    return subprocess.Popen(cmd, env=environ, cwd=REPO, stdout=stdout, stderr=stderr,
+            return _SERVER.start(cmd[3:], environ, cwd, stdout=stdout, stderr=stderr)
+    return subprocess.Popen(cmd, env=environ, cwd=cwd, stdout=stdout, stderr=stderr,
                             text=True)
 
 
@@ -79,10 +79,11 @@ def stop_forkserver() -> None:
         _SERVER = None
 
 
-def run_command(cmd: Sequence[str], environ: Optional[dict] = None, timeout: float = 300
-                ) -> subprocess.CompletedProcess:
-    """subprocess.run(cmd, capture_output=True, text=True) through `popen`."""
-    proc = popen(cmd, {**env(), **(environ or {})}, subprocess.PIPE, subprocess.PIPE)
+def run_command(cmd: Sequence[str], environ: Optional[dict] = None, timeout: float = 300,
+                cwd: str = REPO) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True) through `popen`, with env()
+    updated by `environ`."""
+    proc = popen(cmd, {**env(), **(environ or {})}, subprocess.PIPE, subprocess.PIPE, cwd)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
