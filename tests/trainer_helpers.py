@@ -60,12 +60,12 @@ def popen(cmd: Sequence[str], environ: dict, stdout=None, stderr=None, cwd: str 
     `python -m trainer ...` and `environ` loads TensorFlow as the server did."""
     global _SERVER
     cmd = list(cmd)
-    if cmd[:3] == [sys.executable, '-m', 'trainer']:
-        if _SERVER is None:
+    if (cmd[:3] == [sys.executable, '-m', 'trainer']
+            and _load_time_environment(environ) == _load_time_environment(env())):
+        if _SERVER is None:  # started with env(): what the check above compares with
             _SERVER = trainer_forkserver.Server(tempfile.mkdtemp(prefix='tfpipe-fork-'), env(),
                                                 REPO)
-        if _load_time_environment(environ) == _load_time_environment(_SERVER.env):
-            return _SERVER.start(cmd[3:], environ, cwd, stdout=stdout, stderr=stderr)
+        return _SERVER.start(cmd[3:], environ, cwd, stdout=stdout, stderr=stderr)
     return subprocess.Popen(cmd, env=environ, cwd=cwd, stdout=stdout, stderr=stderr,
                             text=True)
 

@@ -52,7 +52,7 @@ def whole_slots(variables: Variables, slots: dict) -> Optional[tf.Module]:
         if sharded is None:
             out[slot_key(path)] = slots[slot_key(path)]
             continue
-        whole = slot_key(path.rsplit('/', 1)[0] + '/' + sharded.path.rsplit('/', 1)[1])
+        whole = slot_key(variable_shards.whole_path(path, sharded))
         keys = [key_of.get(id(s)) for s in sharded.shards]
         if None in keys:  # not every shard is optimized here
             out[slot_key(path)] = slots[slot_key(path)]
@@ -82,7 +82,7 @@ def check_split_weights(rule: 'BaseOptimizer', variables: Variables) -> None:
     for path, var in sorted(variables.items()):
         sharded = variable_shards.of(var)
         if sharded is not None and len(sharded.shards) > 1:
-            whole = path.rsplit('/', 1)[0] + '/' + sharded.path.rsplit('/', 1)[1]
+            whole = variable_shards.whole_path(path, sharded)
             raise ValueError(
                 f'{type(rule).__name__} needs statistics of whole weights and {whole} is split '
                 f'over {len(sharded.shards)} devices (tensor parallelism): use Adam, RMSProp '

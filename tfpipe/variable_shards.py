@@ -85,6 +85,14 @@ def of(variable: Any) -> 'ShardedWeight | None':
     return _registry.get(id(variable))
 
 
+def whole_path(shard_path: str, sharded: ShardedWeight) -> str:
+    """The path of the whole weight a shard belongs to, relative to the same root as
+    `shard_path` (a theta's, a body's): 'body/fc/w_shard1' -> 'body/fc/w'."""
+    head, _, _ = shard_path.rpartition('/')
+    name = sharded.path.rpartition('/')[2]
+    return f'{head}/{name}' if head else name
+
+
 def whole_view(variables: dict[str, Any]) -> dict[str, Any]:
     """`variables` by path with each split weight's shards replaced by one ShardedWeight
     under the whole weight's path (what checkpoints save)."""

@@ -116,7 +116,7 @@ def _whole_weights(variables: Mapping[str, tf.Variable]) -> dict[str, _Weight]:
         if sharded is None:
             out[path] = _Weight((path,), var.shape, var.dtype, None)
             continue
-        whole = f'{path.rsplit("/", 1)[0]}/{sharded.path.rsplit("/", 1)[1]}'
+        whole = variable_shards.whole_path(path, sharded)
         size = len(sharded.shards)
         out[whole] = _Weight(tuple(shard_name(whole, t, size) for t in range(size)),
                              sharded.shape, sharded.dtype, sharded.axis)

@@ -77,13 +77,7 @@ def _update_bytes(optimizer: Any, weights: list, allocator: str, repeats: int = 
     stand_in.build(copies)
     update = tf.function(lambda: stand_in.apply_gradients(zip(grads, copies)))
     update()  # traces
-    peaks = []
-    for _ in range(repeats):
-        tf.config.experimental.reset_memory_stats(allocator)
-        before = tf.config.experimental.get_memory_info(allocator)['current']
-        update()
-        peaks.append(tf.config.experimental.get_memory_info(allocator)['peak'] - before)
-    return float(max(peaks))
+    return float(max(working_memory.call_peaks(allocator, update, repeats)))
 
 
 def predict_fit(pipe: tfpipe_keras.PipelinedModel, x: Any, y: Any = None,

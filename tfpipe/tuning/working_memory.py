@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import tensorflow as tf
 
@@ -82,17 +82,23 @@ def measure_cells(cells: Sequence[Any], theta: dict, inputs: Any, num_micro_batc
             cell_theta = cell.read_theta(theta)
             with tf.device(cell.device):
                 _, y = step(cell_theta, x)  # traces and warms up
-                peaks = []
-                for _ in range(repeats):
-                    tf.config.experimental.reset_memory_stats(allocator)
-                    before = _current(allocator)
-                    outputs = step(cell_theta, x)
-                    peaks.append(tf.config.experimental.get_memory_info(allocator)['peak']
-                                 - before)
-                    del outputs
+                peaks = call_peaks(allocator, lambda: step(cell_theta, x), repeats)
             working.append(CellMeasurement(float(min(peaks)), _num_bytes(x)))
             x = y
     return working
+
+
+def call_peaks(allocator: str, call: Callable[[], Any], repeats: int) -> list[int]:
+    """The peak bytes of each of `repeats` calls of `call` (traced and warmed up before)
+    above what was allocated before that call; its outputs are dropped after each."""
+    peaks = []
+    for _ in range(repeats):
+        tf.config.experimental.reset_memory_stats(allocator)
+        before = _current(allocator)
+        outputs = call()
+        peaks.append(int(tf.config.experimental.get_memory_info(allocator)['peak']) - before)
+        del outputs
+    return peaks
 
 
 def _num_bytes(struct: Any) -> float:
