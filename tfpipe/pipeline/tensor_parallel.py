@@ -12,15 +12,16 @@ and computes its part there; the parts meet through TensorFlow's collectives
 see the shared notes). Every other layer runs on the home device alone, on one
 variable: the activations that enter and leave a split layer are the only things
 that travel. Why shard 0 rather than replicated on all T devices (Megatron's
-SPMD): every op of the graph then computes exactly what the T=1 graph computes,
-so plain autodiff is exact with no gradient rule beyond the collectives' own
-(replicated compute would read each weight T times and autodiff would add the T
-copies' gradients: T times the true gradient); a replicated weight has one
-variable and one set of optimizer slots, not T; and the executor, the cell
-functions and the schedules do not change. What it costs: the activation goes out
-to T devices and comes back at each split layer (`scatter`/`reduce_to_home`, the
-same two collectives per pair Megatron's f and g are), and the non-split layers'
-compute and activations stay on the home device.
+SPMD): a composite layer is Python calling its children on one tensor, so
+replicated compute would need every activation between split layers as T
+per-device tensors through every layer's code (each cell built as T programs);
+a non-split weight keeps one variable and one set of optimizer slots; and the
+executor, the cell functions and the schedules do not change. Exactness does not
+decide it: both layouts are exact under autodiff when every collective has its
+true gradient. What it costs: the activation goes out to T devices and comes
+back at each split layer (`scatter`/`reduce_to_home`, the same two collectives
+per pair Megatron's f and g are), and the non-split layers' compute and
+activations stay on the home device.
 
 Gradients are the true derivatives of the single graph, so any composition is
 exact: all_reduce's gradient is an all-reduce of the output gradients, an
