@@ -122,7 +122,7 @@ def _all_gather(clients, data: bytes, timeout_seconds: float) -> list[bytes]:
     count = clients.count
     device = f'/job:{TRAINER}/replica:0/task:{clients.task_index}/device:CPU:0'
 
-    @tf.function
+    @tf.function(autograph=False)
     def gather(values, instance_key):
         with tf.device(device):
             return collective_ops.all_gather(values, count, GROUP_KEY, instance_key,

@@ -87,7 +87,8 @@ def build(task_params: Params, features: dict[str, tf.TensorSpec],
     module.variables_by_path = task.VariablesByPath()
     concrete = {}
     for name, sig in signatures.items():
-        concrete[name] = tf.function(_serving_fn(name, sig)).get_concrete_function(**sig.inputs)
+        concrete[name] = tf.function(_serving_fn(name, sig),
+                                     autograph=False).get_concrete_function(**sig.inputs)
     return module, concrete
 
 

@@ -84,8 +84,8 @@ class Generator:
         self.pipe = pipe
         self.context = positions[0].params.max_length
         # One call per token: the step, the choice and (uncached) the write of the token.
-        self._step = tf.function(self._cached_step)
-        self._full = tf.function(self._uncached_step)
+        self._step = tf.function(self._cached_step, autograph=False)
+        self._full = tf.function(self._uncached_step, autograph=False)
 
     def check_lengths(self, prompt_length: int, num_new: int) -> None:
         if prompt_length < 1 or num_new < 1:

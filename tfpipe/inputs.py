@@ -64,6 +64,10 @@ STREAM_REGROUPERS: Dict[str, StreamRegrouper] = {
     'lm': lambda p, documents: lm_inputs.pack_documents(documents, p.max_length, _tokenizer(p)),
 }
 _NEEDS_MAX_LENGTH = ('seq2seq', 'seq2seq_text', 'lm')
+# tf.data converts every map function with AutoGraph. tfpipe's own are plain graph code,
+# and converting them re-parses their source (with the eval jobs' functions, ~0.4 CPU s of
+# each trainer's start): they skip it, as `_Preprocess` does for the built-in preprocessors.
+_as_is = tf.autograph.experimental.do_not_convert
 
 
 class MissingDataError(ValueError):
@@ -263,7 +267,7 @@ class TfdsInput:
         EvalDataset to see every example. Its tf.data iterator checkpoints hold the
         shuffle buffer; `Iterator()` checkpoints only the position.
         """
-        return self._Batches(0, 0).map(lambda batch, epoch, index: batch).prefetch(2)
+        return self._Batches(0, 0).map(_as_is(lambda batch, epoch, index: batch)).prefetch(2)
 
     def Iterator(self, share: Optional[range] = None) -> InputIterator:
         """An iterator over Dataset()'s batches whose checkpoint is its position only.
@@ -290,10 +294,10 @@ class TfdsInput:
         p = self.params
         if num_examples < 1:
             raise ValueError(f'{p.name}: num_examples={num_examples} must be >= 1')
-        ds = self._Epochs(0).take(num_examples).map(lambda ex, epoch, index: ex)
+        ds = self._Epochs(0).take(num_examples).map(_as_is(lambda ex, epoch, index: ex))
         ds = ds.map(self._Preprocess, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-        ds = ds.map(lambda ex: {**ex, 'weight': tf.ones([], tf.float32)})
-        ds = ds.batch(p.batch_size).map(functools.partial(_pad_batch, size=p.batch_size))
+        ds = ds.map(_as_is(lambda ex: {**ex, 'weight': tf.ones([], tf.float32)}))
+        ds = ds.batch(p.batch_size).map(_as_is(functools.partial(_pad_batch, size=p.batch_size)))
         self._CheckStatic(ds.element_spec)
         return ds.prefetch(2)
 
@@ -365,7 +369,7 @@ class TfdsInput:
             if shuffle:
                 ds = ds.shuffle(p.shuffle_buffer, seed=_epoch_seed(p.seed, epoch),
                                 reshuffle_each_iteration=False)
-            return ds.enumerate().map(lambda index, ex: (ex, epoch, index))
+            return ds.enumerate().map(_as_is(lambda index, ex: (ex, epoch, index)))
 
         end = _NO_END if p.repeat else 1
         ds = tf.data.Dataset.range(start_epoch, end).flat_map(epoch_examples)
@@ -392,14 +396,14 @@ class TfdsInput:
         ds = self._Epochs(start_epoch, decode_later=partial).skip(start_index)
         if partial:
             ds = ds.window(p.batch_size, drop_remainder=True).flat_map(
-                functools.partial(input_iterator.share_of_window, share=share,
-                                  size=p.batch_size))
+                _as_is(functools.partial(input_iterator.share_of_window, share=share,
+                                         size=p.batch_size)))
         size = p.batch_size if share is None else len(share)
-        ds = ds.map(lambda ex, epoch, index: (self._Preprocess(ex), epoch, index),
+        ds = ds.map(_as_is(lambda ex, epoch, index: (self._Preprocess(ex), epoch, index)),
                     num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         ds = ds.batch(size, drop_remainder=True)
         self._CheckStatic(ds.element_spec[0])
-        return ds.map(lambda batch, epochs, indices: (batch, epochs[-1], indices[-1] + 1))
+        return ds.map(_as_is(lambda batch, epochs, indices: (batch, epochs[-1], indices[-1] + 1)))
 
     def _CheckStatic(self, spec: Dict[str, tf.TensorSpec]) -> None:
         p = self.params

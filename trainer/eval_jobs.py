@@ -126,7 +126,7 @@ class Evaler(_PollingJob):
         super().__init__(*args, **kwargs)
         task = self.task
 
-        @tf.function
+        @tf.function(autograph=False)  # as the training step: see docs/own_models_and_data.md
         def metrics(batch):
             with fprop_context.evaluation():
                 return task.ComputeLoss(task.theta, task.ComputePredictions(task.theta, batch),
@@ -156,7 +156,7 @@ class Decoder(_PollingJob):
         super().__init__(*args, **kwargs)
         task = self.task
 
-        @tf.function
+        @tf.function(autograph=False)
         def decode(batch):
             with fprop_context.evaluation():
                 return task.Decode(task.theta, batch)

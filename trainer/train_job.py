@@ -290,7 +290,7 @@ class Trainer:
         sharded = isinstance(self.optimizer, ShardedOptimizer) and self.optimizer.spans_clients
         self._broadcast_chief_state(self.optimizer.ChiefSlots() if sharded else [])
 
-    @tf.function
+    @tf.function(autograph=False)
     def _broadcast_chief_state(self, chief_slots):
         across_clients.broadcast_from_chief(self.peers, self._checkpointed_variables(),
                                             self.task.pipe.devices[0])
@@ -304,7 +304,7 @@ class Trainer:
             return self.optimizer.GatherSlots()
         return contextlib.nullcontext()
 
-    @tf.function
+    @tf.function(autograph=False)
     def _any_client_says(self, flag):
         """Whether any client passed a positive `flag` (every client calls it at once)."""
         total, = across_clients.all_reduce_sum(self.peers, [flag], self.task.pipe.devices[0])
@@ -362,7 +362,7 @@ class Trainer:
         self._recorder = recorder
         return loss, norm, lr, recorder.stamps()
 
-    @tf.function
+    @tf.function(autograph=False)
     def _weights_are_finite(self):
         return tf.reduce_all([tf.reduce_all(tf.math.is_finite(v))
                               for v in self.variables.values()])
