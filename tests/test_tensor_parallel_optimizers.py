@@ -41,18 +41,19 @@ def pipeline(t, k, r):
 
 
 class Run:
-    """A pipeline with the trainer's optimizer(s): sharded over replicas or one per replica."""
+    """A pipeline with the trainer's optimizer(s) (`rule`'s Params, default Adam): sharded
+    over replicas or one per replica."""
 
-    def __init__(self, t, k, r, sharded):
+    def __init__(self, t, k, r, sharded, rule=None):
         self.pipe = pipeline(t, k, r)
         self.variables = [{p: v for p, v in copy.items() if v.trainable}
                           for copy in self.pipe.ReplicaVariablesByPath()]
-        adam = optimizers.Adam.Params().Set(name='adam')
+        rule = rule or optimizers.Adam.Params().Set(name='adam')
         if sharded:
-            self.optimizer = ShardedOptimizer(adam, self.variables)
+            self.optimizer = ShardedOptimizer(rule, self.variables)
             self.optimizers = self.optimizer
         else:
-            self.optimizers = [adam.Instantiate() for _ in self.variables]
+            self.optimizers = [rule.Instantiate() for _ in self.variables]
             for optimizer, variables in zip(self.optimizers, self.variables):
                 optimizer.CreateSlots(variables)
             self.optimizer = self.optimizers[0]
