@@ -20,10 +20,14 @@ import pytest
 import tensorflow as tf
 
 from tests import tensor_parallel_lm_task as lmt
+from tests import tensor_parallel_mlp as mlp
 from tests.test_tensor_parallel_optimizers import Run, assert_same, contents, pipeline
 from tfpipe import fprop_context, optimizers
 from tfpipe.base_layer import flatten_by_path
+from tfpipe.pipeline import partition
 from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
+from tfpipe.tuning import memory_model, tensor_parallel_memory
+from tfpipe.tuning.profile import Affine, LayerProfile, slot_bytes_of
 
 CONFIGS = {'plain': {},  # beta1 0, factored, beta2 from the decay schedule
            'momentum': {'beta1': 0.9, 'beta2': 0.99},
@@ -162,3 +166,35 @@ def test_some_shards_of_a_split_weight_are_refused_sharded_or_not():
     with pytest.raises(ValueError, match=message):
         ShardedOptimizer(adafactor('plain'), variables)
     optimizers.Adam.Params().Set(name='adam').Instantiate().CreateSlots(variables[0])
+
+
+def test_memory_prediction_places_each_devices_adafactor_slots():
+    """inspect_model's prediction (tensor_parallel_memory.predict with the trainer's
+    optimizer) of each device's slot bytes at T=2 and T=4, from the T=1 layers' slot
+    bytes, equals the slots the optimizer creates there; the variables' shares alone
+    would miss the factored moment every shard of a weight holds whole."""
+    rule = adafactor('plain')
+    whole = mlp.tp_pipeline(1, 2)
+    zero = Affine(0.0, 0.0)
+    profiles = [LayerProfile(layer.params.name, zero, zero, 0.0,
+                             slot_bytes_of(rule, layer.trainable_variables), 0.0, 0.0)
+                for cell in whole.cells for layer in cell.layers]
+    for t in (2, 4):
+        pipe = mlp.tp_pipeline(t, 2)
+        optimizer = rule.Instantiate()
+        optimizer.CreateSlots({p: v for p, v in pipe.VariablesByPath().items() if v.trainable})
+        measured = {}
+        for slot in optimizer.slot_variables:
+            measured[slot.device] = (measured.get(slot.device, 0)
+                                     + slot.shape.num_elements() * slot.dtype.size)
+        layouts = [memory_model.CellLayout(cell.device, start, stop, cell.recompute)
+                   for cell, (start, stop) in zip(pipe.cells,
+                                                  partition.cell_ranges(pipe.balance))]
+        predicted = {d.device: d.slots for d in tensor_parallel_memory.predict(
+            pipe, profiles, [layouts], 1.0, optimizer=rule).devices[0]}
+        assert predicted == pytest.approx(measured, rel=1e-9), t
+        by_weights = {d.device: d.slots for d in tensor_parallel_memory.predict(
+            pipe, profiles, [layouts], 1.0).devices[0]}
+        shard = pipe.cells[0].shard_devices[-1]
+        if t == 4:  # 372 bytes of 608: factored moments are not 1/T of the layer's
+            assert by_weights[shard] < 0.85 * measured[shard]
