@@ -13,7 +13,9 @@ relative: weights, and the slots whole under the whole weight's key (`vr`,
 or the decay schedule, multiply_by_parameter_scale on. Checkpoints move
 between T=1, 2 and 4 (sharded or not) exactly and continue as the T=1 run.
 One LM step at T=2 (an embedding and a vocabulary-parallel softmax split by
-rows, attention and MLP weights by rows and columns) equals T=1's.
+rows, attention and MLP weights by rows and columns) equals T=1's. Only partial
+sums cross devices in the traced update; inspect_model's prediction places each
+device's slot bytes exactly.
 """
 import numpy as np
 import pytest
@@ -21,7 +23,7 @@ import tensorflow as tf
 
 from tests import tensor_parallel_lm_task as lmt
 from tests import tensor_parallel_mlp as mlp
-from tests.test_tensor_parallel_optimizers import Run, assert_same, contents, pipeline
+from tests.test_tensor_parallel_optimizers import LR, Run, assert_same, contents, pipeline
 from tfpipe import fprop_context, optimizers
 from tfpipe.base_layer import flatten_by_path
 from tfpipe.pipeline import partition
@@ -198,3 +200,29 @@ def test_memory_prediction_places_each_devices_adafactor_slots():
         shard = pipe.cells[0].shard_devices[-1]
         if t == 4:  # 372 bytes of 608: factored moments are not 1/T of the layer's
             assert by_weights[shard] < 0.85 * measured[shard]
+
+
+def test_only_vectors_and_scalars_cross_devices_in_the_update():
+    """The traced update at T=2 computes each shard's arithmetic on its own device: an op
+    placed on one device reads from another only partial sums (rank <= 1: a row or column
+    mean, an RMS), never a gradient, weight or slot of a shard."""
+    pipe = pipeline(t=2, k=1, r=1)
+    variables = {p: v for p, v in pipe.VariablesByPath().items() if v.trainable}
+    optimizer = adafactor('momentum').Instantiate()
+    optimizer.CreateSlots(variables)
+
+    @tf.function
+    def update():
+        grads = {}
+        for path, var in variables.items():
+            with tf.device(var.device):
+                grads[path] = tf.sin(var.read_value())
+        optimizer.Apply(tf.constant(LR, tf.float64), grads, variables)
+
+    graph = update.get_concrete_function().graph
+    index = lambda op: tf.DeviceSpec.from_string(op.device).device_index  # noqa: E731
+    crossings = [(op.name, x.shape.rank) for op in graph.get_operations() if op.device
+                 for x in op.inputs if x.op.device and index(x.op) != index(op)]
+    assert crossings, 'the shards share no statistics'
+    assert all(rank is not None and rank <= 1 for _, rank in crossings), crossings
+    assert {index(op) for op in graph.get_operations() if op.type == 'Rsqrt'} == {0, 1}
