@@ -36,7 +36,11 @@ or not. A weight split over a tensor-parallel cell's T devices (`w_shard0`
 .. on its devices, tfpipe/variable_shards.py) has one such slot per shard;
 the checkpoint joins them, as the unsharded optimizer does, into one whole
 slot under the whole weight's key (`pipe-fc3-w/m`), so it also moves between
-any T.
+any T. Adafactor updates a split weight's shards together, its statistics
+reduced over the shards (tfpipe/split_statistics.py) and its update's RMS
+over the replicas' parts too; its factored moments, whole per replica, are
+per shard split like the weight or held whole by every shard, and save as the
+T=1 slot.
 
 Collectives are TensorFlow's v1 ops (`all_reduce`, `all_gather`), which work
 between logical CPUs of one process and across processes; like the pipeline's
@@ -310,8 +314,12 @@ class ShardedOptimizer(tf.Module):
         at once when the rule reads whole-weight statistics (split_statistics.groups)."""
         out: dict = {}
         for paths, axis in groups(sorted(grads), variables, self._rule.WHOLE_WEIGHT_STATISTICS):
-            if any(grads[path] is None for path in paths):
+            given = [grads[path] is not None for path in paths]
+            if not any(given):
                 continue
+            if not all(given):
+                raise ValueError(f'ShardedOptimizer: gradients for some shards of {paths} are '
+                                 'None; give every shard of a split weight a gradient or none')
             with tf.name_scope(f'shard_update_{r}'), tf.device(variables[paths[0]].device):
                 cast = [self._part(r, lr, step, grads[path], variables[path], path)
                         for path in paths]
