@@ -12,8 +12,8 @@ relative: weights, and the slots whole under the whole weight's key (`vr`,
 `vc` of the whole shape), for beta1 0 and > 0, factored and not, fixed beta2
 or the decay schedule, multiply_by_parameter_scale on. Checkpoints move
 between T=1, 2 and 4 (sharded or not) exactly and continue as the T=1 run.
-One LM step at T=2 (an embedding and a vocabulary-parallel softmax split by
-rows, attention and MLP weights by rows and columns) equals T=1's. Only partial
+One LM step at T=4 (an embedding and a vocabulary-parallel softmax split by
+rows, unevenly, attention and MLP weights by rows and columns) equals T=1's. Only partial
 sums cross devices in the traced update; inspect_model's prediction places each
 device's slot bytes exactly.
 """
@@ -146,8 +146,9 @@ def adafactor_lm_step(t):
     return loss, lmt.whole(task, task.VariablesByPath())
 
 
-def test_lm_step_at_t2_equals_t1():
-    (loss, weights), (ref_loss, ref_weights) = adafactor_lm_step(2), adafactor_lm_step(1)
+def test_lm_step_at_t4_equals_t1():
+    """T=4 splits the vocabulary (258) unevenly: 65, 65, 64, 64 rows per shard."""
+    (loss, weights), (ref_loss, ref_weights) = adafactor_lm_step(4), adafactor_lm_step(1)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-9)
     assert sorted(weights) == sorted(ref_weights)
     for path in ref_weights:
