@@ -9,7 +9,8 @@ T=1 unsharded -> T=2 sharded and T=2 sharded -> T=1 continue as the T=1 run
 does, and T=2 -> T=4 (other K) restores every value exactly. float64, so that
 1e-5 relative tests the mathematics; the trainer's own update
 (guarded_update) drives both optimizers. Adafactor, whose update reads
-statistics of the whole weight, refuses split weights.
+statistics of the whole weight, is checked the same way in
+tests/test_tensor_parallel_adafactor.py (with `Run`'s rule).
 """
 import numpy as np
 import pytest
@@ -41,18 +42,19 @@ def pipeline(t, k, r):
 
 
 class Run:
-    """A pipeline with the trainer's optimizer(s): sharded over replicas or one per replica."""
+    """A pipeline with the trainer's optimizer(s) (`rule`'s Params, default Adam): sharded
+    over replicas or one per replica."""
 
-    def __init__(self, t, k, r, sharded):
+    def __init__(self, t, k, r, sharded, rule=None):
         self.pipe = pipeline(t, k, r)
         self.variables = [{p: v for p, v in copy.items() if v.trainable}
                           for copy in self.pipe.ReplicaVariablesByPath()]
-        adam = optimizers.Adam.Params().Set(name='adam')
+        rule = rule or optimizers.Adam.Params().Set(name='adam')
         if sharded:
-            self.optimizer = ShardedOptimizer(adam, self.variables)
+            self.optimizer = ShardedOptimizer(rule, self.variables)
             self.optimizers = self.optimizer
         else:
-            self.optimizers = [adam.Instantiate() for _ in self.variables]
+            self.optimizers = [rule.Instantiate() for _ in self.variables]
             for optimizer, variables in zip(self.optimizers, self.variables):
                 optimizer.CreateSlots(variables)
             self.optimizer = self.optimizers[0]
@@ -157,18 +159,3 @@ def test_t2_sharded_checkpoint_restores_exactly_at_t4(runs, tmp_path, t, k, r, s
     target = Run(t=t, k=k, r=r, sharded=sharded).restore(runs['t2_step2'])
     assert_same(contents(target.save(tmp_path / 'ckpt')), contents(runs['t2_step2']),
                 rtol=0)
-
-
-def test_adafactor_refuses_split_weights_sharded_or_not():
-    adafactor = optimizers.Adafactor.Params().Set(name='adafactor')
-    pipe = pipeline(t=2, k=1, r=2)
-    variables = [{p: v for p, v in copy.items() if v.trainable}
-                 for copy in pipe.ReplicaVariablesByPath()]
-    message = (r'Adafactor needs statistics of whole weights and pipe/\w+/\w+ is split over 2 '
-               r'devices .*set task.pipeline.tensor_parallel=1')
-    with pytest.raises(ValueError, match=message):
-        adafactor.Instantiate().CreateSlots(variables[0])
-    with pytest.raises(ValueError, match=message):
-        ShardedOptimizer(adafactor, variables)
-    one_device = {p: v for p, v in pipeline(t=1, k=1, r=1).VariablesByPath().items()}
-    adafactor.Instantiate().CreateSlots(one_device)  # T=1: nothing is split

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Optional
+from typing import Callable, Optional
 
 import tensorflow as tf
 
-from tfpipe import variable_shards
+from tfpipe import split_statistics, variable_shards
 from tfpipe.hyperparams import InstantiableParams, Params
 
 __all__ = ['BaseOptimizer', 'SGD', 'Adam', 'RMSProp', 'Adafactor', 'Whole',
@@ -39,31 +39,26 @@ def slot_key(path: str) -> str:
     return path.replace('/', '-')
 
 
-def whole_slots(variables: Variables, slots: dict) -> Optional[tf.Module]:
-    """The slots as checkpointed: each split weight's same-shaped slots joined into one
-    `variable_shards.ShardedWeight` under the whole weight's slot key; None when no
-    weight is split. A slot of another shape (Adafactor's factored moments) stays per
-    shard: it is not a part of a whole. A slot is a tf.Variable or anything with its
-    shape, dtype, device, read_value and assign (the sharded optimizer's)."""
+def whole_slots(variables: Variables, slots: dict,
+                slot_shapes: Callable[[tf.TensorShape], dict]) -> Optional[tf.Module]:
+    """The slots as checkpointed: each split weight's slots joined under the whole weight's
+    slot key into the slot of the whole weight, of shape `slot_shapes(whole shape)[name]`
+    (split_statistics.whole_slot); None when no weight is split. A slot is a tf.Variable
+    or anything with its shape, dtype, device, read_value and assign (the sharded
+    optimizer's)."""
     key_of = {id(var): slot_key(path) for path, var in variables.items()}
     out: dict = {}
     for path, var in variables.items():
         sharded = variable_shards.of(var)
-        if sharded is None:
+        keys = [key_of.get(id(s)) for s in sharded.shards] if sharded is not None else [None]
+        if None in keys or len(keys) == 1:  # not split, or not every shard is optimized here
             out[slot_key(path)] = slots[slot_key(path)]
             continue
         whole = slot_key(variable_shards.whole_path(path, sharded))
-        keys = [key_of.get(id(s)) for s in sharded.shards]
-        if None in keys:  # not every shard is optimized here
-            out[slot_key(path)] = slots[slot_key(path)]
-            continue
-        for name, slot in slots[slot_key(path)].items():
-            if tuple(slot.shape) == tuple(var.shape):
-                if name not in out.setdefault(whole, {}):
-                    out[whole][name] = variable_shards.ShardedWeight(
-                        f'{whole}/{name}', [slots[k][name] for k in keys], sharded.axis)
-            else:
-                out.setdefault(slot_key(path), {})[name] = slot
+        for name, shape in slot_shapes(sharded.shape).items():
+            if name not in out.setdefault(whole, {}):
+                out[whole][name] = split_statistics.whole_slot(
+                    f'{whole}/{name}', [slots[k][name] for k in keys], shape)
     if out.keys() == slots.keys():
         return None
     tree = tf.Module()
@@ -73,20 +68,17 @@ def whole_slots(variables: Variables, slots: dict) -> Optional[tf.Module]:
 
 
 def check_split_weights(rule: 'BaseOptimizer', variables: Variables) -> None:
-    """Refuses a rule whose update reads statistics of the whole weight (Adafactor's row
-    and column moments, its update's RMS, the weight's RMS) for weights split over a
-    tensor-parallel cell's devices: each shard is its own variable here, so the update
-    would be per shard, not the T=1 update."""
-    if not rule.WHOLE_WEIGHT_STATISTICS:
-        return
-    for path, var in sorted(variables.items()):
-        sharded = variable_shards.of(var)
-        if sharded is not None and len(sharded.shards) > 1:
-            whole = variable_shards.whole_path(path, sharded)
-            raise ValueError(
-                f'{type(rule).__name__} needs statistics of whole weights and {whole} is split '
-                f'over {len(sharded.shards)} devices (tensor parallelism): use Adam, RMSProp '
-                'or SGD (task.train.optimizer), or set task.pipeline.tensor_parallel=1')
+    """Refuses a rule whose update reads statistics of the whole weight (Adafactor) for a
+    weight split over a tensor-parallel cell's devices of which `variables` hold only some
+    shards: the statistics are reduced over the shards updated together
+    (split_statistics), so without all of them the update would not be the T=1 one."""
+    missing = rule.WHOLE_WEIGHT_STATISTICS and split_statistics.missing_shard(variables)
+    if missing:
+        whole, count = missing
+        raise ValueError(
+            f'{type(rule).__name__} needs statistics of whole weights and {whole} is split '
+            f'over {count} devices of which only some shards are given: pass every shard '
+            'variable (VariablesByPath()) to the optimizer, or use Adam, RMSProp or SGD')
 
 
 def checkpointed_slots(children: dict, save_type: str) -> dict:
@@ -113,17 +105,14 @@ class Whole:
     Adafactor also needs statistics of the whole variable, which it takes from
     here: `grad` and `weight` are whole (a shard's replica holds both), `cut`
     maps a whole-shaped tensor to the part being updated and `total` sums a
-    per-part scalar over all parts. Here the part is the whole variable.
+    per-part scalar over all parts. Here the part is the whole variable. (A
+    tensor-parallel shard is a variable of its own; `split_statistics.Split`
+    combines the Wholes of a weight's shards.)
     """
 
     def __init__(self, grad: _T, weight: _T) -> None:
         self.grad = grad
         self.weight = weight
-
-    @property
-    def size(self) -> int:
-        """Number of elements of the whole variable."""
-        return self.grad.shape.num_elements()
 
     def cut(self, x: _T) -> _T:
         return x
@@ -139,7 +128,8 @@ class BaseOptimizer(tf.Module):
     # range: a _RANGES key ('?' appended: None allowed too) or None (no check, for bools).
     HYPER_PARAMS: tuple[tuple[str, object, Optional[str], str], ...] = ()
     # Whether the update of an element reads more of its weight than that element (and
-    # its gradient and slots): such a rule cannot update a tensor-parallel shard alone.
+    # its gradient and slots): such a rule updates a tensor-parallel weight's shards
+    # together (`_deltas` with the split_statistics.Split of all of them).
     WHOLE_WEIGHT_STATISTICS = False
 
     @classmethod
@@ -177,17 +167,27 @@ class BaseOptimizer(tf.Module):
     def _delta(self, lr: _T, step: _T, grad: _T, slots: Variables, whole: Whole) -> _T:
         """What to subtract from the part of a variable that `grad` covers, updating its
         slots (those of the variable's shape cover that part too, others are whole).
-        lr, step (1-based) and grad are in the variable's dtype (subclasses)."""
+        lr, step (1-based) and grad are in the variable's dtype (subclasses of
+        element-wise rules)."""
         raise NotImplementedError
+
+    def _deltas(self, lr: _T, step: _T, grads: list[_T], slots: list[Variables],
+                split: split_statistics.Split) -> list[_T]:
+        """`_delta` of each part of `split` (a weight's tensor-parallel shards, or the whole
+        weight) on its device; a rule with WHOLE_WEIGHT_STATISTICS overrides it."""
+        return split.each(lambda g, s, w: self._delta(lr, step, g, s, w), grads, slots,
+                          split.parts)
 
     def SlotShapes(self, shape: tf.TensorShape) -> dict[str, list[int]]:
         """{slot name: shape} of the slots of a variable of `shape`."""
         return self._slot_shapes(tf.TensorShape(shape))
 
-    def Delta(self, lr: _T, step: _T, grad: _T, slots: Variables, whole: Whole) -> _T:
-        """One update's decrement of the part of a variable that `grad` covers; updates
-        `slots`. For tfpipe.pipeline.sharded_optimizer; `Apply` is the usual entry."""
-        return self._delta(lr, step, grad, slots, whole)
+    def Deltas(self, lr: _T, step: _T, grads: list[_T], slots: list[Variables],
+               split: split_statistics.Split) -> list[_T]:
+        """One update's decrements of the parts of a weight (`split`: its shards, or the
+        whole weight) that `grads` cover, each on its part's device; updates `slots`. For
+        tfpipe.pipeline.sharded_optimizer; `Apply` is the usual entry."""
+        return self._deltas(lr, step, grads, slots, split)
 
     @property
     def params(self) -> Params:
@@ -213,7 +213,7 @@ class BaseOptimizer(tf.Module):
                                   for name, shape in self._slot_shapes(shapes[path]).items()}
         self._slots.update(slots)  # in place: a restore() made before binds on insertion
         self._shapes = shapes
-        self._whole_slots = whole_slots(variables, self._slots)
+        self._whole_slots = whole_slots(variables, self._slots, self.SlotShapes)
 
     def _trackable_children(self, save_type='checkpoint', **kwargs):
         return checkpointed_slots(super()._trackable_children(save_type, **kwargs), save_type)
@@ -242,13 +242,26 @@ class BaseOptimizer(tf.Module):
                           f'gradient for {path!r} has shape {getattr(grad, "shape", None)}, '
                           f'variable {shape}; they must match')
         step = self.iterations.assign_add(1)  # this update's 1-based number
-        for path in sorted(grads):
-            grad, var = grads[path], variables[path]
-            if grad is not None:
+        for paths, axis in split_statistics.groups(sorted(grads), variables,
+                                                   self.WHOLE_WEIGHT_STATISTICS):
+            given = [grads[path] is not None for path in paths]
+            if not any(given):
+                continue
+            self._require(all(given), f'gradients for some shards of {paths} are None; give '
+                          'every shard of a split weight a gradient or none')
+            parts = []
+            for path in paths:
+                var = variables[path]
                 with tf.device(var.device):
-                    lr_, step_, grad_ = cast_args(lr, step, grad, var.dtype)
-                    var.assign_sub(self._delta(lr_, step_, grad_, self._slots[slot_key(path)],
-                                               Whole(grad_, var.read_value())))
+                    lr_, step_, grad_ = cast_args(lr, step, grads[path], var.dtype)
+                    parts.append(Whole(grad_, var.read_value()))
+            split = split_statistics.Split(parts, [variables[p].device for p in paths], axis)
+            with tf.device(split.devices[0]):  # the scalars on the home shard's device
+                deltas = self._deltas(lr_, step_, [part.grad for part in parts],
+                                      [self._slots[slot_key(path)] for path in paths], split)
+            for path, delta in zip(paths, deltas):
+                with tf.device(variables[path].device):
+                    variables[path].assign_sub(delta)
 
 
 def cast_args(lr, step: _T, grad, dtype: tf.DType) -> tuple[_T, _T, _T]:
@@ -342,6 +355,9 @@ class Adafactor(BaseOptimizer):
       beta1 > 0 (default 0: no momentum, no slot) U is then averaged into slot ``m``.
     - Step ``lr * max(epsilon2, RMS(w))`` (multiply_by_parameter_scale) or ``lr``: the
       schedule's lr plays the paper's relative step size rho_t.
+    - A weight split over a tensor-parallel cell's T devices is updated shard by shard with
+      the statistics reduced over its shards (split_statistics): each shard's update is its
+      part of the T=1 update.
     """
 
     HYPER_PARAMS = (
@@ -364,32 +380,43 @@ class Adafactor(BaseOptimizer):
                else {'v': dims})
         return {**out, 'm': dims} if self._params.beta1 > 0 else out
 
-    def _delta(self, lr: _T, step: _T, grad: _T, slots: Variables, whole: Whole) -> _T:
+    def _deltas(self, lr: _T, step: _T, grads: list[_T], slots: list[Variables],
+                split: split_statistics.Split) -> list[_T]:
         p = self._params
         if p.beta2 is None:
             beta2 = 1.0 - step ** -p.decay_exponent
         else:
             beta2 = p.beta2 * (1.0 - p.beta2 ** (step - 1)) / (1.0 - p.beta2 ** step)
-        if self._factored(whole.grad.shape):
-            # The factored moments are row and column means of the whole gradient: their
-            # slots are whole, and so is the preconditioner until it is cut to the part.
-            g2 = tf.square(whole.grad) + p.epsilon1
-            vr = _ema(slots['vr'], beta2, tf.reduce_mean(g2, -1))
-            vc = _ema(slots['vc'], beta2, tf.reduce_mean(g2, -2))
-            row_mean = tf.reduce_mean(vr, -1, keepdims=True)
-            precond = whole.cut(tf.math.rsqrt(vr / row_mean)[..., :, None]
-                                * tf.math.rsqrt(vc)[..., None, :])
+        if self._factored(split.shape):
+            # Row and column means of the whole weight's g^2: each part's slot holds its
+            # piece (or all) of them, and so does its preconditioner until cut to the part.
+            rows, axis = split.shape.rank - 1, split.axis
+            g2 = split.each(lambda w: tf.square(w.grad) + p.epsilon1, split.parts)
+            vr = split.each(lambda s, x: _ema(s['vr'], beta2, x), slots,
+                            split.mean(g2, rows, axis))
+            vc = split.each(lambda s, x: _ema(s['vc'], beta2, x), slots,
+                            split.mean(g2, rows - 1, axis))
+            vr_axis = axis if axis is not None and axis < rows else None  # else vr is whole
+            row_mean = split.mean(vr, rows - 1, vr_axis, keepdims=True)
+            precond = split.each(
+                lambda w, r, m, c: w.cut(tf.math.rsqrt(r / m)[..., :, None]
+                                         * tf.math.rsqrt(c)[..., None, :]),
+                split.parts, vr, row_mean, vc)
         else:
-            precond = tf.math.rsqrt(_ema(slots['v'], beta2, tf.square(grad) + p.epsilon1))
-        update = grad * precond
-        rms = tf.sqrt(whole.total(tf.reduce_sum(tf.square(update)))
-                      / tf.cast(whole.size, update.dtype))
-        update /= tf.maximum(rms / p.clipping_threshold, 1.0)
+            precond = split.each(
+                lambda s, g: tf.math.rsqrt(_ema(s['v'], beta2, tf.square(g) + p.epsilon1)),
+                slots, grads)
+        updates = split.each(tf.multiply, grads, precond)
+        squares = split.each(lambda u: tf.reduce_sum(tf.square(u)), updates)
+        rms = tf.sqrt(split.total(squares) / tf.cast(split.size, updates[0].dtype))
+        updates = split.each(lambda u: u / tf.maximum(rms / p.clipping_threshold, 1.0), updates)
         if p.beta1 > 0:
-            update = _ema(slots['m'], p.beta1, update)
+            updates = split.each(lambda s, u: _ema(s['m'], p.beta1, u), slots, updates)
         if p.multiply_by_parameter_scale:
-            lr *= tf.maximum(tf.sqrt(tf.reduce_mean(tf.square(whole.weight))), p.epsilon2)
-        return lr * update
+            weights = split.across(split.each(lambda w: tf.reduce_sum(tf.square(w.weight)),
+                                              split.parts))
+            lr *= tf.maximum(tf.sqrt(weights / tf.cast(split.size, weights.dtype)), p.epsilon2)
+        return split.each(lambda u: lr * u, updates)
 
 
 def clip_by_global_norm(grads: Grads, max_norm: Optional[float]) -> tuple[Grads, tf.Tensor]:

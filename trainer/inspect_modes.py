@@ -117,7 +117,7 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
     replicas = [[dataclasses.replace(c, device=cell.device) for c, cell in zip(layouts, cells)]
                 for cells in pipe.replica_cells]
     prediction = tensor_parallel_memory.predict(pipe, profiles, replicas, batch / m, shards,
-                                                working, inputs)
+                                                working, inputs, params.task.train.optimizer)
     devices, shard_devices = prediction.devices, prediction.shard_devices
     profiles = prediction.home_profiles  # each shard device's state is in shard_devices
     if working is not None:

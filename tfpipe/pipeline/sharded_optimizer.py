@@ -36,7 +36,11 @@ or not. A weight split over a tensor-parallel cell's T devices (`w_shard0`
 .. on its devices, tfpipe/variable_shards.py) has one such slot per shard;
 the checkpoint joins them, as the unsharded optimizer does, into one whole
 slot under the whole weight's key (`pipe-fc3-w/m`), so it also moves between
-any T.
+any T. Adafactor updates a split weight's shards together, its statistics
+reduced over the shards (tfpipe/split_statistics.py) and its update's RMS
+over the replicas' parts too; its factored moments, whole per replica, are
+per shard split like the weight or held whole by every shard, and save as the
+T=1 slot.
 
 Collectives are TensorFlow's v1 ops (`all_reduce`, `all_gather`), which work
 between logical CPUs of one process and across processes; like the pipeline's
@@ -67,6 +71,7 @@ from tfpipe.hyperparams import InstantiableParams
 from tfpipe.optimizers import (BaseOptimizer, Grads, Variables, Whole, cast_args,
                                check_split_weights, checkpointed_slots, slot_key, whole_slots)
 from tfpipe.pipeline import across_clients, replicas
+from tfpipe.split_statistics import Split, groups
 
 __all__ = ['ShardedOptimizer', 'shard_bounds']
 
@@ -197,7 +202,7 @@ class ShardedOptimizer(tf.Module):
                     name: self._new_slot(path, name, tf.TensorShape(shape), replica_variables)
                     for name, shape in rule.SlotShapes(self._shapes[path]).items()}
         self._slots = slots
-        self._whole_slots = whole_slots(replica_variables[0], slots)
+        self._whole_slots = whole_slots(replica_variables[0], slots, rule.SlotShapes)
         # The devices holding a variable's local copies: one collective group per cell.
         self._group_devices = {path: tuple(v[path].device for v in replica_variables)
                                for path in self._shapes}
@@ -303,30 +308,53 @@ class ShardedOptimizer(tf.Module):
 
     def _apply_replica(self, r: int, lr: tf.Tensor, step: tf.Tensor, grads: Grads,
                       variables: Variables) -> dict:
-        """Local replica r's update of its parts; returns {(devices, dtype): [(path, new part)]}."""
+        """Local replica r's update of its parts; returns {(devices, dtype): [(path, new part)]}.
+
+        A weight split over a tensor-parallel cell's devices is updated with all its shards
+        at once when the rule reads whole-weight statistics (split_statistics.groups)."""
         out: dict = {}
-        for path in sorted(grads):
-            grad, var = grads[path], variables[path]
-            if grad is None:
+        for paths, axis in groups(sorted(grads), variables, self._rule.WHOLE_WEIGHT_STATISTICS):
+            given = [grads[path] is not None for path in paths]
+            if not any(given):
                 continue
-            devices = self._group_devices[path]
-            n = self._shapes[path].num_elements()
-            start, stop = shard_bounds(n, self._num_shards)[self._shards[r]]
-            with tf.device(var.device), tf.name_scope(f'shard_update_{r}'):
-                lr_, step_, grad_ = cast_args(lr, step, grad, var.dtype)
-                weight = var.read_value()
-
-                def total(x, path=path, devices=devices):
-                    return self._sum(x, (path, 'total'), devices, r)
-
-                part = _Part(grad_, weight, (start, stop), total)
-                slots = {name: slot.parts[r]
-                         for name, slot in self._slots[slot_key(path)].items()}
-                new = part.cut(weight) - self._rule.Delta(lr_, step_, part.cut(grad_), slots,
-                                                         part)
-                padded = tf.pad(new, [[0, math.ceil(n / self._num_shards) - (stop - start)]])
-            out.setdefault((devices, var.dtype), []).append((path, padded))
+            if not all(given):
+                raise ValueError(f'ShardedOptimizer: gradients for some shards of {paths} are '
+                                 'None; give every shard of a split weight a gradient or none')
+            with tf.name_scope(f'shard_update_{r}'), tf.device(variables[paths[0]].device):
+                cast = [self._part(r, lr, step, grads[path], variables[path], path)
+                        for path in paths]
+                (lr_, step_, _), parts = cast[0], [part for _, _, part in cast]
+                split = Split(parts, [variables[path].device for path in paths], axis)
+                slots = [{name: slot.parts[r]
+                          for name, slot in self._slots[slot_key(path)].items()}
+                         for path in paths]
+                deltas = self._rule.Deltas(lr_, step_,
+                                           split.each(lambda p: p.cut(p.grad), parts),
+                                           slots, split)
+                for path, part, delta in zip(paths, parts, deltas):
+                    n = self._shapes[path].num_elements()
+                    with tf.device(variables[path].device):
+                        new = part.cut(part.weight) - delta
+                        padded = tf.pad(new, [[0, math.ceil(n / self._num_shards)
+                                               - new.shape[0]]])
+                    out.setdefault((self._group_devices[path], part.weight.dtype), []).append(
+                        (path, padded))
         return out
+
+    def _part(self, r: int, lr: tf.Tensor, step: tf.Tensor, grad: tf.Tensor,
+              var: tf.Variable, path: str) -> tuple[tf.Tensor, tf.Tensor, _Part]:
+        """lr and step in the variable's dtype and local replica r's part of the variable at
+        `path`, for the rule (on its device)."""
+        devices = self._group_devices[path]
+        start, stop = shard_bounds(self._shapes[path].num_elements(),
+                                   self._num_shards)[self._shards[r]]
+        with tf.device(var.device):
+            lr_, step_, grad_ = cast_args(lr, step, grad, var.dtype)
+
+            def total(x):
+                return self._sum(x, (path, 'total'), devices, r)
+
+            return lr_, step_, _Part(grad_, var.read_value(), (start, stop), total)
 
     def _gather(self, group: tuple, pieces: Sequence[list], variables: Sequence[Variables]):
         """All-gathers one cell's updated parts (one buffer per dtype) into every copy."""
