@@ -16,9 +16,18 @@ weight gradients), M=8 / M=4, and the M=1 peak of each executor relative to the
 unrolled one. Goal (issue 17): the default within 1.1 gradient sets and its M=1
 peak within 5% of the unrolled executor's.
 
+The peak depends on which ops the two inter-op threads run at once, so it moves
+from run to run (M=4 301-347 MiB on one tree at load 3-10): compare trees over
+several alternating runs. `--trace` also records the measured step with the
+profiler and prints the buffers (1 MiB and more) allocated during the step and
+alive at its peak, with their ops: how the 2026-11-26 night regression in
+benchmarks/README.md was found (the profiler's own work shifts the timing a little).
+
 Run (from the repository root; about 2 minutes):
     PYTHONPATH=. python benchmarks/executor_memory_benchmark.py
     PYTHONPATH=. python benchmarks/executor_memory_benchmark.py --width=1024   # smaller
+    PYTHONPATH=. python benchmarks/executor_memory_benchmark.py --executors=functions \
+        --micro_batches=1,4 --trace
 """
 from __future__ import annotations
 
@@ -43,14 +52,19 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument('--cells', type=int, default=2)
     ap.add_argument('--micro_batches', default=','.join(map(str, MICRO_BATCHES)))
     ap.add_argument('--executors', default=','.join(EXECUTORS))
+    ap.add_argument('--trace', action='store_true', help='print the buffers alive at each '
+                    "measured step's peak (profiler trace)")
     ap.add_argument('--child', default=None, help='internal: executor,M; prints one JSON line')
     return ap.parse_args(argv)
 
 
 def measure(executor: str, num_micro_batches: int, width: int, layers: int, batch: int,
-            cells: int) -> dict:
+            cells: int, trace: bool = False) -> dict:
     """In this (fresh, BFC-allocator) process: {'peak': bytes of one step's peak counted
-    from before the model was built, 'grad_set': bytes of one set of weight gradients}."""
+    from before the model was built, 'grad_set': bytes of one set of weight gradients},
+    with `trace` also 'live': `live_at_peak` of the measured step."""
+    import tempfile
+
     import tensorflow as tf
 
     import tfpipe
@@ -79,20 +93,67 @@ def measure(executor: str, num_micro_batches: int, width: int, layers: int, batc
 
     step().numpy()  # traces and warms up
     tf.config.experimental.reset_memory_stats('CPU:0')
+    logdir = tempfile.mkdtemp(prefix='executor_memory_') if trace else None
+    if trace:
+        tf.profiler.experimental.start(
+            logdir, options=tf.profiler.experimental.ProfilerOptions(host_tracer_level=3))
     step().numpy()
+    if trace:
+        tf.profiler.experimental.stop()
     peak = tf.config.experimental.get_memory_info('CPU:0')['peak'] - before
     grad_set = sum(v.shape.num_elements() * v.dtype.size for v in tf.nest.flatten(pipe.theta))
-    return {'peak': peak, 'grad_set': grad_set}
+    result = {'peak': peak, 'grad_set': grad_set}
+    if trace:
+        result['live'] = live_at_peak(logdir)
+    return result
+
+
+def live_at_peak(logdir: str, smallest: int = MIB) -> list[tuple[str, int]]:
+    """From the profiler trace in `logdir`: (op, bytes) of every buffer of `smallest` bytes
+    or more that was allocated during the traced step and still alive when the allocator's
+    bytes in use peaked (the BFC allocator's MemoryAllocation / MemoryDeallocation events).
+    Buffers allocated before the step (weights, inputs) are not in the trace."""
+    import glob
+
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2  # the trace's format
+
+    space = xplane_pb2.XSpace()
+    with open(glob.glob(os.path.join(logdir, 'plugins/profile/*/*.xplane.pb'))[0], 'rb') as f:
+        space.ParseFromString(f.read())
+    host = next(plane for plane in space.planes if plane.name == '/host:CPU')
+
+    def value(stat):
+        kind = stat.WhichOneof('value')
+        v = getattr(stat, kind)
+        return host.stat_metadata[v].name if kind == 'ref_value' else v
+
+    events = []
+    for line in host.lines:
+        for event in line.events:
+            kind = host.event_metadata[event.metadata_id].name
+            if kind in ('MemoryAllocation', 'MemoryDeallocation'):
+                stats = {host.stat_metadata[s.metadata_id].name: value(s) for s in event.stats}
+                events.append((line.timestamp_ns * 1000 + event.offset_ps, kind, stats))
+    live, best, at_best = {}, -1, {}
+    for _, kind, stats in sorted(events, key=lambda e: e[0]):
+        if kind == 'MemoryAllocation':
+            live[stats['addr']] = (stats.get('tf_op', '?'), stats['allocation_bytes'])
+        else:
+            live.pop(stats['addr'], None)
+        if stats['bytes_allocated'] > best:
+            best, at_best = stats['bytes_allocated'], dict(live)
+    return sorted((v for v in at_best.values() if v[1] >= smallest), key=lambda v: -v[1])
 
 
 def run_child(executor: str, num_micro_batches: int, width: int, layers: int, batch: int,
-              cells: int, timeout: float = 600) -> dict:
+              cells: int, trace: bool = False, timeout: float = 600) -> dict:
     """measure() in a fresh process with the BFC allocator on (set before TF loads)."""
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC='true', TF_CPP_MIN_LOG_LEVEL='2')
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env['PYTHONPATH'] = os.pathsep.join(p for p in (repo, env.get('PYTHONPATH')) if p)
     cmd = [sys.executable, os.path.abspath(__file__), f'--child={executor},{num_micro_batches}',
            f'--width={width}', f'--layers={layers}', f'--batch={batch}', f'--cells={cells}']
+    cmd += ['--trace'] if trace else []
     result = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True,
                             timeout=timeout)
     if result.returncode != 0:
@@ -114,7 +175,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     sizes = dict(width=args.width, layers=args.layers, batch=args.batch, cells=args.cells)
     if args.child:
         executor, m = args.child.split(',')
-        print(json.dumps(measure(executor, int(m), **sizes)))
+        print(json.dumps(measure(executor, int(m), trace=args.trace, **sizes)))
         return
     executors = args.executors.split(',')
     micro = [int(m) for m in args.micro_batches.split(',')]
@@ -124,9 +185,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     for executor in executors:
         peaks = {}
         for m in micro:
-            r = run_child(executor, m, **sizes)
+            r = run_child(executor, m, trace=args.trace, **sizes)
             peaks[m], grad_set = r['peak'], r['grad_set']
             print(f'  {executor} M={m}: {r["peak"] / MIB:.0f} MiB', flush=True)
+            if 'live' in r:
+                print('    allocated in the step, alive at its peak: ' + ', '.join(
+                    f'{op} {size / MIB:.1f}' for op, size in r['live']), flush=True)
         rows[executor] = summary(peaks, grad_set)
     print(f'one gradient set = {grad_set / MIB:.0f} MiB')
     print('| executor | M=1 peak | M=4 peak | (M=4 - M=1) in gradient sets | M=8 / M=4 '

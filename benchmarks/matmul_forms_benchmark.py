@@ -10,8 +10,9 @@ time (a chain of 8 calls inside a tf.function, 3 warm-ups, median of 11), the CP
 time per call (getrusage) of:
 
 - `tf`: MatMul(dy, w, transpose_b=True), TensorFlow's gradient;
-- `eigen_form`: (w @ dy^T)^T, Dense's form without oneDNN;
-- `bmm`: BatchMatMulV2(dy, w, adj_y=True), Dense's form with oneDNN;
+- `eigen_form`: (w @ dy^T)^T, Dense's form (with oneDNN on fewer rows);
+- `bmm`: BatchMatMulV2(dy, w, adj_y=True), oneDNN's fastest, which Dense does not
+  use: its dx, as fast as `dw`, raised the step's peak (tfpipe/layers/dense.py);
 - `dw`: x^T @ dy, the weight gradient, for scale.
 
 It prints the CPU ms of each form and its ratio to `tf`.

@@ -10,9 +10,9 @@ A variable the user set wins.
   on by itself only on some CPUs. Without them a convolution's backward
   allocates an L3-sized scratch buffer per call (AmoebaNetPipe's peak 63 -> 11
   MiB) and a Transformer's micro-batched step takes 1.1x the time. The MLP of
-  issue 26 (8 x Dense(1024)) ran within 5% of Eigen's step or faster with them
-  once Dense took oneDNN's fast form of its input gradient (measured side by
-  side under load; tfpipe/layers/dense.py; docs/memory.md, benchmarks/README.md).
+  issue 26 (8 x Dense(1024)) runs within 5% of Eigen's step or faster with them
+  (measured side by side; Dense's input gradient, tfpipe/layers/dense.py;
+  docs/memory.md, benchmarks/README.md).
 - `TF_CPU_ALLOCATOR_USE_BFC=true`: the CPU allocator that keeps peak
   statistics (tfpipe/memory_stats.py), measured at the same step time.
 

@@ -41,38 +41,44 @@ def matmul(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
 
     TensorFlow's gradient computes dx = dy @ w^T with MatMul(transpose_b=True),
     which on the few rows of a micro-batch costs more than the product itself:
-    Eigen repacks the whole transposed weight (in * out values) on every call,
-    and oneDNN's GEMM call (its MatMul kernel) is slow there too. `input_gradient`
-    computes the same product in the form each kernel setting runs fastest. Static
-    shapes decide: from MIN_ROWS rows and MIN_WEIGHT weight elements while rows *
-    (in + out) <= in * out; otherwise TensorFlow's gradient. Below those bounds the
-    custom gradient's own cost wins: 16 x Dense(256), K=8, M=64 (4 rows) took 95 ms
-    a step against 46 ms with TensorFlow's gradient, and M=32 (8 rows) 47 against
-    36 ms (benchmarks/first_step_benchmark.py, quiet, Eigen).
+    both CPU kernels repack the whole transposed weight (in * out values) on every
+    call. `input_gradient` repacks dy and transposes dx instead, rows * (out + in)
+    values. Static shapes decide: from MIN_ROWS rows and MIN_WEIGHT weight
+    elements while rows * (in + out) <= in * out (Eigen), or 4 * rows * (in + out)
+    <= in * out with oneDNN, which repacks less (its MatMul on 256 rows of a [1024,
+    1024] weight beat this form: 1.03-1.06x); otherwise TensorFlow's gradient.
+    Below those bounds the custom gradient's own cost wins: 16 x Dense(256), K=8,
+    M=64 (4 rows) took 95 ms a step against 46 ms with TensorFlow's gradient, and
+    M=32 (8 rows) 47 against 36 ms (benchmarks/first_step_benchmark.py, quiet, Eigen).
     """
     rows, (fan_in, fan_out) = x.shape[0], w.shape
+    repacked = (4 if runtime_defaults.onednn_enabled() else 1) * (fan_in + fan_out)
     if (rows is not None and fan_in and fan_out and rows >= MIN_ROWS
-            and fan_in * fan_out >= MIN_WEIGHT and rows * (fan_in + fan_out) <= fan_in * fan_out):
+            and fan_in * fan_out >= MIN_WEIGHT and rows * repacked <= fan_in * fan_out):
         return _matmul_small_rows(x, w)
     return tf.matmul(x, w)
 
 
-def input_gradient(dy: tf.Tensor, w: tf.Tensor, onednn: bool) -> tf.Tensor:
-    """dy @ w^T, the input gradient of x @ w, in the form the kernels run fastest.
+def input_gradient(dy: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
+    """dy @ w^T, the input gradient of x @ w, computed as (w @ dy^T)^T.
 
-    CPU time of one call on a [1024, 1024] weight, one thread, against TensorFlow's
-    MatMul(dy, w, transpose_b=True) (benchmarks/matmul_forms_benchmark.py):
-    - Eigen (`onednn=False`): (w @ dy^T)^T repacks dy and transposes dx, rows *
-      (out + in) values, instead of the weight: 32 rows 0.18x, 128 rows 0.49x, 256
-      rows 0.69x, 1024 rows 1.09x.
-    - oneDNN: BatchMatMulV2(dy, w, adj_y) runs its matmul primitive, where
-      MatMul runs a GEMM call: 32 rows 0.62x, 64 rows 0.79x, 256 rows 0.86x, 1024
-      rows 1.02x; (w @ dy^T)^T was 0.72x / 0.99x / 1.06x / 1.02x there. Under Eigen,
-      BatchMatMulV2 repacks the weight as MatMul does (32 rows: 9x Eigen's form).
-    The products and sums are the same ones; only the order of the loops differs.
+    CPU time of one call, one thread, against TensorFlow's MatMul(dy, w,
+    transpose_b=True) (benchmarks/matmul_forms_benchmark.py): Eigen, [1024, 1024]
+    weight, 32 rows 0.18x, 128 rows 0.49x, 256 rows 0.69x, 1024 rows 1.09x; oneDNN
+    32 rows 0.68x, 64 rows 0.93-0.97x.
+
+    oneDNN runs BatchMatMulV2(dy, w, adj_y=True) faster still (0.64x, 0.75x), and
+    Dense used it, but it raised the step's peak memory: the weight gradient
+    x^T @ dy (0.71-0.73x at 32-64 rows) runs beside dx on the other inter-op
+    thread and its [in, out] buffer lives until its consumer (the running sum's
+    add, the optimizer) runs. With a dx slower than dw, as this form's from 64
+    rows, dw and its consumer end first and the next layer's dw starts after them;
+    with BatchMatMulV2's dx, as fast as dw, the next layer's dw often started while
+    this one still waited, and two or three weight gradients were alive at once
+    (8 x Dense(2048), K=2: +12 MiB at M=1, +13 to +45 MiB at M=4; allocations
+    traced with the profiler, benchmarks/README.md "2026-11-26 night"). The products
+    and sums are the same ones; only the order of the loops differs.
     """
-    if onednn:
-        return tf.raw_ops.BatchMatMulV2(x=dy, y=w, adj_x=False, adj_y=True)
     return tf.transpose(tf.matmul(w, dy, transpose_b=True))
 
 
@@ -80,8 +86,7 @@ def input_gradient(dy: tf.Tensor, w: tf.Tensor, onednn: bool) -> tf.Tensor:
 def _matmul_small_rows(x: tf.Tensor, w: tf.Tensor):
     """x @ w, whose input gradient is `input_gradient`'s: see `matmul`."""
     def grad(dy):
-        dx = input_gradient(dy, w, runtime_defaults.onednn_enabled())
-        return dx, tf.matmul(x, dy, transpose_a=True)
+        return input_gradient(dy, w), tf.matmul(x, dy, transpose_a=True)
     return tf.matmul(x, w), grad
 
 
