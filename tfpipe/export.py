@@ -13,8 +13,9 @@ Placement:
   annotations are removed from the saved graphs, so the loading runtime places
   the ops on its own devices (a GPU if it has one).
 - `PIPELINED`: the trained cells keep their devices (one replica's; a
-  tensor-parallel cell its home device); a request runs through them in order. The device names are those of the exporting
-  process ('/job:localhost/replica:0/task:0/device:CPU:1'); a runtime without
+  tensor-parallel cell its home device); a request runs through them in order.
+  The device names are those of the exporting process
+  ('/job:localhost/replica:0/task:0/device:CPU:1'); a runtime without
   such a device places those ops elsewhere (TensorFlow's soft placement).
 
 Every signature checks the declared sizes of its inputs (an image model exported

@@ -242,13 +242,8 @@ class BaseOptimizer(tf.Module):
                           f'gradient for {path!r} has shape {getattr(grad, "shape", None)}, '
                           f'variable {shape}; they must match')
         step = self.iterations.assign_add(1)  # this update's 1-based number
-        for paths, axis in split_statistics.groups(sorted(grads), variables,
+        for paths, axis in split_statistics.groups(grads, variables,
                                                    self.WHOLE_WEIGHT_STATISTICS):
-            given = [grads[path] is not None for path in paths]
-            if not any(given):
-                continue
-            self._require(all(given), f'gradients for some shards of {paths} are None; give '
-                          'every shard of a split weight a gradient or none')
             parts = []
             for path in paths:
                 var = variables[path]

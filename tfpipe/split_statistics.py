@@ -87,19 +87,29 @@ class Split:
         return self.across(self.each(lambda part, x: part.total(x), self.parts, scalars))
 
 
-def groups(paths: Sequence[str], variables: dict[str, Any],
+def groups(grads: dict[str, Any], variables: dict[str, Any],
            whole_weight: bool) -> list[tuple[list[str], Optional[int]]]:
-    """`paths` as ([path], None) each, or, when `whole_weight`, with the shard paths of each
-    split weight together in shard order, with its split axis: the units of an update."""
+    """The units of an update of the paths with a gradient (sorted): ([path], None) each,
+    or, when `whole_weight`, the shard paths of each split weight together in shard order,
+    with its split axis. A split weight with gradients for only some shards is a
+    ValueError."""
     path_of = {id(var): path for path, var in variables.items()}
     out, seen = [], set()
-    for path in paths:
+    for path in sorted(grads):
         sharded = variable_shards.of(variables[path])
         if not whole_weight or sharded is None or len(sharded.shards) == 1:
-            out.append(([path], None))
-        elif id(sharded) not in seen:
+            unit = ([path], None)
+        elif id(sharded) in seen:
+            continue
+        else:
             seen.add(id(sharded))
-            out.append(([path_of[id(s)] for s in sharded.shards], sharded.axis))
+            unit = ([path_of[id(s)] for s in sharded.shards], sharded.axis)
+        given = [grads[p] is not None for p in unit[0]]
+        if all(given):
+            out.append(unit)
+        elif any(given):
+            raise ValueError(f'gradients for some shards of {unit[0]} are None; give every '
+                             'shard of a split weight a gradient or none')
     return out
 
 

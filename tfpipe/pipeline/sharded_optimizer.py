@@ -313,13 +313,7 @@ class ShardedOptimizer(tf.Module):
         A weight split over a tensor-parallel cell's devices is updated with all its shards
         at once when the rule reads whole-weight statistics (split_statistics.groups)."""
         out: dict = {}
-        for paths, axis in groups(sorted(grads), variables, self._rule.WHOLE_WEIGHT_STATISTICS):
-            given = [grads[path] is not None for path in paths]
-            if not any(given):
-                continue
-            if not all(given):
-                raise ValueError(f'ShardedOptimizer: gradients for some shards of {paths} are '
-                                 'None; give every shard of a split weight a gradient or none')
+        for paths, axis in groups(grads, variables, self._rule.WHOLE_WEIGHT_STATISTICS):
             with tf.name_scope(f'shard_update_{r}'), tf.device(variables[paths[0]].device):
                 cast = [self._part(r, lr, step, grads[path], variables[path], path)
                         for path in paths]

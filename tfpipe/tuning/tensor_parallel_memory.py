@@ -8,7 +8,8 @@ and every other layer keeps all of them on the home device
 variable bytes (or, given the optimizer, of its slot bytes: Adafactor keeps a
 factored moment whole on every shard) lies on each shard from the built pipeline
 itself, `home_profiles` scales the profiles to the home device's part (what
-memory_model.predict then places on the home device), and `shard_memory` predicts the other T-1 devices:
+memory_model.predict then places on the home device), and `shard_memory`
+predicts the other T-1 devices:
 their state exactly as the shares say, and as activations the split layers'
 boundary tensors of one micro-batch (the input copy and the partial sum at full
 width, an estimate: logical CPUs share one allocator, so a shard's working set
