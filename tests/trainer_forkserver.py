@@ -60,7 +60,9 @@ def preload() -> None:
 
 
 def _child(request: dict, fds: list[int]) -> None:
-    """Becomes the trainer: its streams, directory, environment and argv, then its main."""
+    """Becomes the trainer: its streams, directory, environment and argv, then its main;
+    in a session of its own, as `trainer_helpers.popen` starts the other processes."""
+    os.setsid()
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)

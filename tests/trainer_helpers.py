@@ -57,7 +57,12 @@ def _load_time_environment(environ: dict) -> dict:
 
 def popen(cmd: Sequence[str], environ: dict, stdout=None, stderr=None, cwd: str = REPO):
     """subprocess.Popen(cmd, text=True), forked from the fork server when `cmd` is
-    `python -m trainer ...` and `environ` loads TensorFlow as the server did."""
+    `python -m trainer ...` and `environ` loads TensorFlow as the server did.
+
+    Either way the process leads a session of its own, so that only the test signals it:
+    in the suite's own process group, a SIGSTOPped trainer (a frozen client) is continued
+    by the kernel when that group is orphaned, as when the shell that started pytest exits
+    (POSIX: SIGHUP then SIGCONT to an orphaned group with a stopped member)."""
     global _SERVER
     cmd = list(cmd)
     if (cmd[:3] == [sys.executable, '-m', 'trainer']
@@ -67,7 +72,7 @@ def popen(cmd: Sequence[str], environ: dict, stdout=None, stderr=None, cwd: str 
                                                 REPO)
         return _SERVER.start(cmd[3:], environ, cwd, stdout=stdout, stderr=stderr)
     return subprocess.Popen(cmd, env=environ, cwd=cwd, stdout=stdout, stderr=stderr,
-                            text=True)
+                            text=True, start_new_session=True)
 
 
 def stop_forkserver() -> None:
