@@ -19,31 +19,8 @@ threads = {} if args.threads == 'default' else dict(
 tfpipe.configure_logical_cpus(8, **threads)
 
 import tensorflow as tf  # noqa: E402
-from tfpipe import fprop_context, layers, runtime_defaults  # noqa: E402
-
-
-def loss_fn(outputs, targets):
-    return tf.reduce_mean(tf.square(outputs), axis=-1)
-
-
-def build_step(cells: int, micro: int):
-    body = [layers.Dense.Params().Set(name=f'fc{i}', input_dim=steps.WIDTH,
-                                      output_dim=steps.WIDTH, activation='relu')
-            for i in range(steps.LAYERS)]
-    pipe = tfpipe.PipeliningLayer.Params().Set(
-        name=f'pipe{cells}x{micro}', body=body, num_cells=cells, num_micro_batches=micro,
-        recompute='always').Instantiate()
-
-    @tf.function
-    def step(x):
-        with fprop_context.training(step=tf.constant(0, tf.int64)):
-            loss, grads = pipe.ForwardBackward(pipe.theta, x, loss_fn, x)
-        for var, grad in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads)):
-            var.assign_sub(steps.LEARNING_RATE * grad)
-        return loss
-
-    return step
-
+from tfpipe import runtime_defaults  # noqa: E402
+from tfpipe_step import build_step  # noqa: E402
 
 x = tf.random.normal([steps.BATCH, steps.WIDTH])
 for cells, micro in steps.configs(args.configs):
