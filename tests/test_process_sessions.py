@@ -35,3 +35,30 @@ def test_a_started_interpreter_leads_its_own_session(processes):
     sleeper = processes.start([sys.executable, '-c', 'import time; time.sleep(120)'])
     assert isinstance(sleeper, subprocess.Popen)
     assert _session_of(sleeper.pid) == sleeper.pid != os.getsid(0)
+
+
+def _gone(pid: int, timeout: float = 60) -> bool:
+    """Whether `pid` has exited (and been reaped: init adopts an orphan and reaps it)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_stopping_a_fork_server_ends_the_trainers_it_forked(tmp_path, data_dir):
+    # The trainers lead their own sessions, so a Ctrl-C or a hang-up of the suite's group
+    # no longer reaches them: their fork server must end them when it is stopped.
+    from tests import trainer_forkserver
+    server = trainer_forkserver.Server(str(tmp_path), th.env(), th.REPO)
+    try:
+        evaler = server.start(th.command(th.FAST, str(tmp_path / 'run'), data_dir,
+                                         '--job=evaler_dev')[3:], th.env(), th.REPO,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        assert _session_of(evaler.pid) == evaler.pid and evaler.poll() is None
+    finally:
+        server.stop()
+    assert _gone(evaler.pid), f'trainer {evaler.pid} outlived its fork server'

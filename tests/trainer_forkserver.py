@@ -87,37 +87,42 @@ def serve(path: str) -> None:
     os.rename(path + '.tmp', path)  # the socket appears only once it accepts
     listener.listen(64)
     children: dict[int, socket.socket] = {}
-    while os.getppid() == parent:
-        readable, _, _ = select.select([listener], [], [], 0.05)
-        if readable:
-            conn, _ = listener.accept()
-            message, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST, 3)
-            request = json.loads(message)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                listener.close()
+    server = os.getpid()  # a forked child leaves through this `finally` too: not its job
+    try:
+        while os.getppid() == parent:
+            readable, _, _ = select.select([listener], [], [], 0.05)
+            if readable:
+                conn, _ = listener.accept()
+                message, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST, 3)
+                request = json.loads(message)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    listener.close()
+                    conn.close()
+                    for other in children.values():
+                        other.close()
+                    _child(request, fds)
+                for fd in fds:
+                    os.close(fd)
+                conn.send(json.dumps({'pid': pid}).encode())
+                children[pid] = conn
+            while children:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+                if pid == 0:
+                    break
+                conn = children.pop(pid)
+                try:
+                    code = os.waitstatus_to_exitcode(status)
+                    conn.send(json.dumps({'returncode': code}).encode())
+                except OSError:  # the test went away first
+                    pass
                 conn.close()
-                for other in children.values():
-                    other.close()
-                _child(request, fds)
-            for fd in fds:
-                os.close(fd)
-            conn.send(json.dumps({'pid': pid}).encode())
-            children[pid] = conn
-        while children:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-            if pid == 0:
-                break
-            conn = children.pop(pid)
-            try:
-                conn.send(json.dumps({'returncode': os.waitstatus_to_exitcode(status)}).encode())
-            except OSError:  # the test went away first
-                pass
-            conn.close()
-    for pid in children:
-        os.kill(pid, signal.SIGKILL)
+    finally:  # the parent is gone, or SIGTERM: no trainer outlives its server
+        if os.getpid() == server:
+            for pid in children:
+                os.kill(pid, signal.SIGKILL)
 
 
 class Server:
@@ -144,8 +149,13 @@ class Server:
         return ForkedProcess(self.path, list(argv), env, cwd, stdout, stderr)
 
     def stop(self) -> None:
+        """SIGTERM, so that the server kills the trainers it forked; SIGKILL if it hangs."""
         if self.proc.poll() is None:
-            self.proc.kill()
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
         self.proc.wait()
         self.proc.stderr.close()
 
@@ -238,5 +248,10 @@ class ForkedProcess:
 
 
 if __name__ == '__main__':
+    # Ctrl-C reaches the test worker, which stops its processes and then this server; the
+    # trainers lead sessions of their own, so they see neither. SIGTERM ends the server
+    # through serve's `finally`, which kills the trainers still running.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     preload()
     serve(sys.argv[1])
