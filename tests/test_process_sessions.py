@@ -3,8 +3,9 @@
 Why: tests freeze trainers with SIGSTOP (a frozen client, a frozen worker) and expect them
 to stay frozen. In the suite's own process group they do not always: when the shell that
 started pytest exits (a CI step, nohup, a tool that ran it in the background), the group is
-orphaned and the kernel sends it SIGHUP and SIGCONT, which thawed a frozen client mid-test
-(measured: it resumed 20 s after its SIGSTOP, when the launching shell exited).
+orphaned and the kernel sends it SIGHUP and SIGCONT. That thawed a frozen client mid-test
+(its peer's log showed it stepping 20 s after its SIGSTOP); a SIGSTOPped `sleep` left in the
+group of a shell that then exits is running again, one in a session of its own is not.
 """
 import os
 import subprocess
