@@ -99,11 +99,11 @@ def main() -> None:
             times[key].append(steps.median_step_ms(lambda: step(x).numpy(), 3, 10))
     print(f'step ms (median over {args.rounds} rounds) and matmul floor / step '
           f'({args.cpus} cores)')
+    step_ms = {key: statistics.median(values) for key, values in times.items()}
     for cells, micro in configs:
         floor = floor_ms(ms[steps.BATCH // micro], micro, args.cpus)
-        cols = '  '.join(f'{s} {statistics.median(times[(cells, micro, s)]):.1f} '
-                         f'({floor / statistics.median(times[(cells, micro, s)]):.2f})'
-                         for s in schedules)
+        cols = '  '.join(f'{s} {step_ms[(cells, micro, s)]:.1f} '
+                         f'({floor / step_ms[(cells, micro, s)]:.2f})' for s in schedules)
         print(f'  K={cells} M={micro}: floor {floor:.1f}  {cols}')
     print(f'load after: {os.getloadavg()[0]:.1f}')
 
