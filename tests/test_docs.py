@@ -7,11 +7,14 @@ GPU, a second host or a package install: only its syntax is checked). A ```bash,
 or ```python block without either fails, so a new block has to choose; output and
 pseudo-code use ```text.
 
-Blocks run as a user would paste them, with three differences that keep the machine
+Blocks run as a user would paste them, with four differences that keep the machine
 clean and the run cheap: `/tmp/` in a block becomes a fresh temporary directory, HOME is
-a temporary home whose `~/tensorflow_datasets` is the session's generated data, and
-Python blocks that do not configure devices themselves get the 8 logical CPUs the tests
-use (`tfpipe.configure_logical_cpus(8)`).
+a temporary home whose `~/tensorflow_datasets` is the session's generated data, Python
+blocks that do not configure devices themselves get the 8 logical CPUs the tests use
+(`tfpipe.configure_logical_cpus(8)`), and Python blocks and the shell blocks'
+`python -m trainer ...` are forked from the test worker's fork server, TensorFlow already
+imported (tests/trainer_forkserver.py, tests/forked_python.py); `python -c` and heredocs
+on `python -` start a real interpreter.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import sys
 
 import pytest
 
+from tests import forked_python
 from tests import trainer_helpers as th
 
 ROOT = pathlib.Path(th.REPO)
@@ -122,24 +126,41 @@ def home(tmp_path_factory, data_dir):
     return path
 
 
+@pytest.fixture(scope='module')
+def forking_python(tmp_path_factory):
+    """A directory whose `python` is tests/forked_python.py, for the shell blocks' PATH."""
+    path = tmp_path_factory.mktemp('bin')
+    shim = path / 'python'
+    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S '
+                    f'"{ROOT / "tests" / "forked_python.py"}" "$@"\n')
+    shim.chmod(0o755)
+    return path
+
+
 @pytest.mark.parametrize('block', [b for b in BLOCKS if b.marker == RUN], ids=lambda b: b.id)
-def test_run_block_succeeds(block, home, tmp_path):
+def test_run_block_succeeds(block, home, forking_python, tmp_path):
     scratch = tmp_path / 'tmp'
     scratch.mkdir()
     code = block.code.replace('/tmp/', f'{scratch}/')
     env = th.env()
     env['HOME'] = str(home)
-    env['PATH'] = os.path.dirname(sys.executable) + os.pathsep + env['PATH']
+    env['PATH'] = os.pathsep.join([str(forking_python), os.path.dirname(sys.executable),
+                                   env['PATH']])
+    server = th.forkserver(env)
+    if server is not None:
+        env[forked_python.SERVER_VARIABLE] = server.path
     if block.language in PYTHON:
         if 'configure_logical_cpus' not in code:
             code = 'import tfpipe\ntfpipe.configure_logical_cpus(8)\n' + code
-        argv = [sys.executable, '-c', code]
+        script = tmp_path / 'block.py'
+        script.write_text(code)
+        process = th.popen([sys.executable, str(script)], env, subprocess.PIPE,
+                           subprocess.STDOUT, cwd=str(tmp_path))
     else:
-        argv = ['bash', '-e', '-o', 'pipefail', '-c', code]
-    # Its own session, so that teardown can stop whatever the block started in the
-    # background by the group of the one process this test started.
-    process = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        process = th.popen(['bash', '-e', '-o', 'pipefail', '-c', code], env, subprocess.PIPE,
+                           subprocess.STDOUT, cwd=str(tmp_path))
+    # Each leads its own session, so that teardown can stop whatever the block started in
+    # the background by the group of the one process this test started.
     try:
         output, _ = process.communicate(timeout=TIMEOUT_SECONDS)
     finally:

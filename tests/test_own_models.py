@@ -6,7 +6,6 @@ subprocess's PYTHONPATH only, like a user's installed package.
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -25,9 +24,8 @@ def package(tmp_path_factory):
 
 
 def run(package, model, logdir, *flags, data_dir='unused'):
-    return subprocess.run(th.command(model, logdir, data_dir, *flags),
-                          env=own_package.env_with(package, th.env()), cwd=th.REPO,
-                          capture_output=True, text=True, timeout=300)
+    return th.run_command(th.command(model, logdir, data_dir, *flags),
+                          own_package.env_with(package, th.env()))
 
 
 @pytest.fixture(scope='module')
@@ -68,9 +66,8 @@ def test_inspect_model(package):
 
 
 def test_list_models_includes_entry_points(package):
-    result = subprocess.run([sys.executable, '-m', 'trainer', '--list_models'],
-                            env=own_package.env_with(package, th.env()), cwd=th.REPO,
-                            capture_output=True, text=True, timeout=120)
+    result = th.run_command([sys.executable, '-m', 'trainer', '--list_models'],
+                            own_package.env_with(package, th.env()), timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     models = result.stdout.split()
     assert {MODEL, 'byomodels.models.WiderShapes', 'image.shapes.SmallConvPipe',

@@ -3,7 +3,6 @@ subprocess."""
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 
 from tests import trainer_helpers as th
@@ -11,9 +10,8 @@ from tests import trainer_helpers as th
 
 def test_1f1b_peak_at_m8_is_at_most_fill_drains():
     """1F1B holds at most K-k micro-batches of activations on cell k, fill-drain all M."""
-    result = subprocess.run(
-        [sys.executable, '-m', 'tests.pipeline_memory_probe', 'fill_drain', '1f1b'],
-        env=th.env(), cwd=th.REPO, capture_output=True, text=True, timeout=300)
+    result = th.run_command(
+        [sys.executable, '-m', 'tests.pipeline_memory_probe', 'fill_drain', '1f1b'])
     assert result.returncode == 0, result.stderr[-3000:]
     by_policy = json.loads(result.stdout.strip().splitlines()[-1])
     for recompute, peaks in by_policy.items():

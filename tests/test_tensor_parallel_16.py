@@ -15,9 +15,8 @@ DEVICES = sorted(f'/job:localhost/replica:0/task:0/device:CPU:{i}' for i in rang
 
 
 def test_t4_k2_r2_on_16_devices_equals_t1():
-    child = subprocess.Popen([sys.executable, '-m', 'tests.tensor_parallel_16'], env=th.env(),
-                             cwd=th.REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True)
+    child = th.popen([sys.executable, '-m', 'tests.tensor_parallel_16'], th.env(),
+                     subprocess.PIPE, subprocess.PIPE)
     try:
         stdout, stderr = child.communicate(timeout=300)
     except subprocess.TimeoutExpired:

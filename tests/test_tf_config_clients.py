@@ -246,11 +246,10 @@ def _listening_on_every_interface(port: int) -> bool:
 def test_a_worker_server_says_what_it_waits_for_and_that_its_port_is_open(tmp_path):
     address = addresses(1)[0]
     port = int(address.rsplit(':', 1)[1])
-    proc = subprocess.Popen([sys.executable, '-m', 'trainer', '--job=worker',
-                             '--run_locally=cpu', '--num_logical_cpus=1'],
-                            env={**th.env(), **tf_config({'worker': [address]}, 'worker', 0)},
-                            cwd=str(tmp_path), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = th.popen([sys.executable, '-m', 'trainer', '--job=worker', '--run_locally=cpu',
+                     '--num_logical_cpus=1'],
+                    {**th.env(), **tf_config({'worker': [address]}, 'worker', 0)},
+                    subprocess.DEVNULL, subprocess.PIPE, cwd=str(tmp_path))
     try:
         deadline = time.time() + 120
         while not cluster_lib.accepts_connections(address) and time.time() < deadline:

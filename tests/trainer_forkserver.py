@@ -1,25 +1,27 @@
-"""Trainer processes forked from one that has already imported TensorFlow.
+"""Test processes forked from one that has already imported TensorFlow.
 
 Most of a test's trainer process is start-up: importing TensorFlow (which imports Keras),
 tensorflow_datasets and the trainer costs ~3 of the ~5 CPU seconds of a short run, and
-the suite starts ~200 of them. This server does those imports once per test worker, with
-the environment tfpipe gives every trainer (tfpipe/runtime_defaults.py), *without*
-starting TensorFlow's runtime (no op, no device, no thread pool), and then forks one child
-per `python -m trainer ...` a test asks for. The child is its own OS process with its own
-PID, pipes, working directory, environment and argv; it runs the trainer binary's own
-`__main__` (absl flags, devices, sessions, signals and exit status as from the shell).
-What it does not repeat is the import, so it cannot test the import: tests of start-up
-(a flag refused before TensorFlow loads, TensorFlow's kernel settings, the console script)
-and any test whose environment differs in a variable TensorFlow reads when it loads start
-a real interpreter (`tests/trainer_helpers.py` decides).
+the suite starts ~250 of them. This server does those imports once, with one environment
+(a test worker runs one server per environment it asks for, tests/trainer_helpers.py),
+*without* starting TensorFlow's runtime (no op, no device, no thread pool), and then forks
+one child per `python -m MODULE ...` or `python SCRIPT ...` of the repository a test asks
+for: the trainer, the tests' probes, the benchmarks. The child is its own OS process with
+its own PID, pipes, working directory, environment, sys.path[0] and argv; it runs the
+program's own `__main__` (absl flags, devices, sessions, signals and exit status as from
+the shell). What it does not repeat is the import, so it cannot test the import: tests of
+start-up (a flag refused before TensorFlow loads, TensorFlow's kernel settings, the
+console script) start a real interpreter themselves, and `trainer_helpers.popen` forks a
+command only from a server whose environment has the same variables TensorFlow reads
+when it loads.
 
 Fork safety: the server forks from its only Python thread before TensorFlow's runtime
 exists; the native threads alive then are numpy's BLAS pool and jemalloc's background
 thread, which both re-initialise in a forked child (pthread_atfork).
 
 Protocol (one AF_UNIX SOCK_SEQPACKET connection per child): the test sends a JSON request
-{argv, env, cwd} with the child's stdin, stdout and stderr as file descriptors; the server
-answers {"pid": ...} once forked and {"returncode": ...} when the child has exited (a
+{module or script, argv, env, cwd} with the child's stdin, stdout and stderr as file
+descriptors; the server answers {"pid": ...} once forked and {"returncode": ...} when the child has exited (a
 negative signal number if a signal ended it, as subprocess reports it). The server exits
 when its parent (the test worker) is gone.
 
@@ -39,6 +41,19 @@ import time
 from typing import Optional, Sequence
 
 MAX_REQUEST = 1 << 20
+# `python -m` of a module of these packages (the repository's) is forked; so is any script.
+OWN_PACKAGES = ('trainer', 'tests', 'benchmarks', 'params', 'tfpipe', 'model_registry')
+
+
+def program(args: Sequence[str]) -> Optional[dict]:
+    """{'module': ...} for `python -m MODULE ...` of the repository, {'script': ...} for
+    `python SCRIPT.py ...`, from the interpreter's arguments; None for anything else
+    (`-c`, a heredoc on `-`, another package's module), which needs a real interpreter."""
+    if len(args) > 1 and args[0] == '-m' and args[1].split('.')[0] in OWN_PACKAGES:
+        return {'module': args[1]}
+    if args and args[0].endswith('.py') and not args[0].startswith('-'):
+        return {'script': args[0]}
+    return None
 
 
 def preload() -> None:
@@ -60,8 +75,9 @@ def preload() -> None:
 
 
 def _child(request: dict, fds: list[int]) -> None:
-    """Becomes the trainer: its streams, directory, environment and argv, then its main;
-    in a session of its own, as `trainer_helpers.popen` starts the other processes."""
+    """Becomes the requested program: its streams, directory, environment, sys.path[0]
+    and argv, then its `__main__` (`python -m MODULE` or `python SCRIPT`); in a session
+    of its own, as `trainer_helpers.popen` starts the other processes."""
     os.setsid()
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
@@ -74,9 +90,15 @@ def _child(request: dict, fds: list[int]) -> None:
     from tfpipe import runtime_defaults
     for name, value in runtime_defaults.DEFAULTS.items():  # what `import tfpipe` sets
         os.environ.setdefault(name, value)
-    sys.argv = [os.path.join(os.path.dirname(sys.modules['trainer'].__file__), '__main__.py'),
-                *request['argv']]
-    runpy.run_module('trainer', run_name='__main__', alter_sys=True)
+    if 'script' in request:
+        script = request['script']
+        sys.argv = [script, *request['argv']]
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        runpy.run_path(script, run_name='__main__')
+    else:
+        sys.argv = [request['module'], *request['argv']]  # run_module sets argv[0] to its file
+        sys.path[0] = os.getcwd()
+        runpy.run_module(request['module'], run_name='__main__', alter_sys=True)
     sys.exit(0)
 
 
@@ -143,10 +165,13 @@ class Server:
             time.sleep(0.05)
 
     def start(self, argv: Sequence[str], env: dict, cwd: str, stdout=None,
-              stderr=None) -> 'ForkedProcess':
-        """Forks `python -m trainer *argv`; stdout/stderr: None (inherited), DEVNULL,
-        PIPE or, for stderr, STDOUT, as subprocess.Popen takes them (text mode)."""
-        return ForkedProcess(self.path, list(argv), env, cwd, stdout, stderr)
+              stderr=None, module: str = 'trainer',
+              script: Optional[str] = None) -> 'ForkedProcess':
+        """Forks `python -m MODULE *argv` (or `python SCRIPT *argv`); stdout/stderr: None
+        (inherited), DEVNULL, PIPE or, for stderr, STDOUT, as subprocess.Popen takes them
+        (text mode)."""
+        program = {'script': script} if script else {'module': module}
+        return ForkedProcess(self.path, program, list(argv), env, cwd, stdout, stderr)
 
     def stop(self) -> None:
         """SIGTERM, so that the server kills the trainers it forked; SIGKILL if it hangs."""
@@ -164,8 +189,10 @@ class ForkedProcess:
     """A forked trainer with subprocess.Popen's interface (text mode): pid, returncode,
     stdout/stderr, poll, wait, communicate, send_signal, terminate, kill."""
 
-    def __init__(self, path: str, argv: list, env: dict, cwd: str, stdout, stderr):
-        self.args = [sys.executable, '-m', 'trainer', *argv]
+    def __init__(self, path: str, program: dict, argv: list, env: dict, cwd: str, stdout,
+                 stderr):
+        self.args = [sys.executable, *(['-m', program['module']] if 'module' in program
+                                       else [program['script']]), *argv]
         self.returncode: Optional[int] = None
         self.stdout = self.stderr = None
         null = os.open(os.devnull, os.O_RDWR)
@@ -176,7 +203,7 @@ class ForkedProcess:
                                                                             'stderr')
             self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             self._conn.connect(path)
-            request = json.dumps({'argv': argv, 'env': env, 'cwd': cwd}).encode()
+            request = json.dumps({**program, 'argv': argv, 'env': env, 'cwd': cwd}).encode()
             socket.send_fds(self._conn, [request], [null, out_fd, err_fd])
             self.pid = json.loads(self._conn.recv(MAX_REQUEST))['pid']
         finally:

@@ -1,12 +1,13 @@
 """Running the trainer binary in a subprocess, on data generated once per session.
 
-`python -m trainer` processes are forked from the worker's trainer fork server
-(tests/trainer_forkserver.py: TensorFlow imported once, not per process) unless their
-environment differs in a variable read when TensorFlow loads; then, and for any other
-command, a new interpreter starts.
+`python -m trainer` processes, and the repository's other modules and scripts that tests
+start through `popen`, are forked from a fork server (tests/trainer_forkserver.py:
+TensorFlow imported once per worker and environment, not per process); any other command
+starts a new interpreter.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import os
@@ -43,45 +44,60 @@ def command(model: str, logdir: str, data_dir: str, *flags: str) -> list[str]:
             f'--tfds_data_dir={data_dir}', '--num_logical_cpus=4', *flags]
 
 
-_SERVER = None  # this worker's trainer_forkserver.Server, started on first use
+# This worker's fork servers (tests/trainer_forkserver.py) by the load-time environment they
+# were started with (`forkserver`): a server costs one interpreter's start-up, so a one-off
+# environment's command starts its own interpreter instead.
+_SERVERS: dict[tuple, trainer_forkserver.Server] = {}
+_ASKED: collections.Counter = collections.Counter()
 # Variable prefixes TensorFlow, its kernels or Python read while loading (TF_CONFIG is read
 # by the trainer at run time).
 _LOAD_TIME = ('TF_', 'OMP_', 'KMP_', 'MKL', 'ONEDNN', 'DNNL', 'PYTHON', 'CUDA', 'LD_')
 
 
-def _load_time_environment(environ: dict) -> dict:
+def _load_time_environment(environ: dict) -> tuple:
     from tfpipe import runtime_defaults
     full = {**runtime_defaults.DEFAULTS, **environ}
-    return {k: v for k, v in full.items() if k.startswith(_LOAD_TIME) and k != 'TF_CONFIG'}
+    return tuple(sorted((k, v) for k, v in full.items()
+                        if k.startswith(_LOAD_TIME) and k != 'TF_CONFIG'))
+
+
+def forkserver(environ: dict) -> Optional[trainer_forkserver.Server]:
+    """This worker's fork server for `environ`'s load-time variables, started now if this
+    is the common environment's first command or another's second; None: start a real
+    interpreter."""
+    key = _load_time_environment(environ)
+    _ASKED[key] += 1
+    if key not in _SERVERS and (key == _load_time_environment(env()) or _ASKED[key] > 1):
+        _SERVERS[key] = trainer_forkserver.Server(tempfile.mkdtemp(prefix='tfpipe-fork-'),
+                                                  environ, REPO)
+    return _SERVERS.get(key)
 
 
 def popen(cmd: Sequence[str], environ: dict, stdout=None, stderr=None, cwd: str = REPO):
-    """subprocess.Popen(cmd, text=True), forked from the fork server when `cmd` is
-    `python -m trainer ...` and `environ` loads TensorFlow as the server did.
+    """subprocess.Popen(cmd, text=True), forked from `forkserver(environ)` when `cmd` is
+    `python -m MODULE ...` of this repository or `python SCRIPT.py ...`
+    (trainer_forkserver.program).
 
     Either way the process leads a session of its own, so that only the test signals it:
     in the suite's own process group, a SIGSTOPped trainer (a frozen client) is continued
     by the kernel when that group is orphaned, as when the shell that started pytest exits
     (POSIX: SIGHUP then SIGCONT to an orphaned group with a stopped member)."""
-    global _SERVER
     cmd = list(cmd)
-    if (cmd[:3] == [sys.executable, '-m', 'trainer']
-            and _load_time_environment(environ) == _load_time_environment(env())):
-        if _SERVER is None:  # started with env(): what the check above compares with
-            _SERVER = trainer_forkserver.Server(tempfile.mkdtemp(prefix='tfpipe-fork-'), env(),
-                                                REPO)
-        return _SERVER.start(cmd[3:], environ, cwd, stdout=stdout, stderr=stderr)
+    program = trainer_forkserver.program(cmd[1:]) if cmd[:1] == [sys.executable] else None
+    server = forkserver(environ) if program is not None else None
+    if server is not None:
+        argv = cmd[3:] if 'module' in program else cmd[2:]
+        return server.start(argv, environ, cwd, stdout=stdout, stderr=stderr, **program)
     return subprocess.Popen(cmd, env=environ, cwd=cwd, stdout=stdout, stderr=stderr,
                             text=True, start_new_session=True)
 
 
 def stop_forkserver() -> None:
-    """Stops this worker's fork server by its PID (the session's end, tests/conftest.py)."""
-    global _SERVER
-    if _SERVER is not None:
-        _SERVER.stop()
-        shutil.rmtree(os.path.dirname(_SERVER.path), ignore_errors=True)
-        _SERVER = None
+    """Stops this worker's fork servers by their PIDs (the session's end, tests/conftest.py)."""
+    for server in _SERVERS.values():
+        server.stop()
+        shutil.rmtree(os.path.dirname(server.path), ignore_errors=True)
+    _SERVERS.clear()
 
 
 def run_command(cmd: Sequence[str], environ: Optional[dict] = None, timeout: float = 300,
