@@ -1,7 +1,8 @@
 """A user's Keras model pipelined by tfpipe.keras: predicted or measured host peak, in MiB.
 
-Run in a fresh process per figure (tests/test_memory_prediction.py does): the BFC
-allocator, which keeps the statistics, must be on before TensorFlow loads, and a
+Run in a process of its own per figure, whose TensorFlow runtime starts here (a fresh
+interpreter, or one forked before the runtime starts, as tests/test_memory_prediction.py
+does): the BFC allocator, which keeps the statistics, must be on before it starts, and a
 prediction's own tensors would otherwise count in the measured peak.
 Usage: python -m tests.keras_memory_probe predict|fit
 Prints one number: keras_memory.predict_fit's peak, or the allocator's peak since
