@@ -84,6 +84,7 @@ def _child(request: dict, fds: list[int]) -> None:
         os.close(fd)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # blocked around the fork
     os.chdir(request['cwd'])
     os.environ.clear()
     os.environ.update(request['env'])
@@ -119,6 +120,9 @@ def serve(path: str) -> None:
                 request = json.loads(message)
                 sys.stdout.flush()
                 sys.stderr.flush()
+                # A child is on the list before anyone learns its PID, and SIGTERM waits
+                # until it is: a server stopped right after answering must still end it.
+                signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
                 pid = os.fork()
                 if pid == 0:
                     listener.close()
@@ -126,10 +130,11 @@ def serve(path: str) -> None:
                     for other in children.values():
                         other.close()
                     _child(request, fds)
+                children[pid] = conn
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
                 for fd in fds:
                     os.close(fd)
                 conn.send(json.dumps({'pid': pid}).encode())
-                children[pid] = conn
             while children:
                 pid, status = os.waitpid(-1, os.WNOHANG)
                 if pid == 0:
