@@ -25,9 +25,8 @@ def main(args: list) -> None:
     program = trainer_forkserver.program(args)
     if not server or not program:
         os.execv(sys.executable, [sys.executable, *args])
-    argv = args[2:] if 'module' in program else args[1:]
-    child = trainer_forkserver.ForkedProcess(server, program, argv, dict(os.environ),
-                                             os.getcwd(), None, None)
+    child = trainer_forkserver.ForkedProcess(server, program, dict(os.environ), os.getcwd(),
+                                             None, None)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda received, _: child.send_signal(received))
     code = child.wait()

@@ -56,9 +56,9 @@ def test_stopping_a_fork_server_ends_the_trainers_it_forked(tmp_path, data_dir):
     from tests import trainer_forkserver
     server = trainer_forkserver.Server(str(tmp_path), th.env(), th.REPO)
     try:
-        evaler = server.start(th.command(th.FAST, str(tmp_path / 'run'), data_dir,
-                                         '--job=evaler_dev')[3:], th.env(), th.REPO,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        evaler = server.start(trainer_forkserver.program(th.command(
+            th.FAST, str(tmp_path / 'run'), data_dir, '--job=evaler_dev')[1:]), th.env(),
+            th.REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         assert _session_of(evaler.pid) == evaler.pid and evaler.poll() is None
     finally:
         server.stop()

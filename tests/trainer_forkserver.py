@@ -20,10 +20,10 @@ exists; the native threads alive then are numpy's BLAS pool and jemalloc's backg
 thread, which both re-initialise in a forked child (pthread_atfork).
 
 Protocol (one AF_UNIX SOCK_SEQPACKET connection per child): the test sends a JSON request
-{module or script, argv, env, cwd} with the child's stdin, stdout and stderr as file
-descriptors; the server answers {"pid": ...} once forked and {"returncode": ...} when the child has exited (a
-negative signal number if a signal ended it, as subprocess reports it). The server exits
-when its parent (the test worker) is gone.
+{module or script, argv, env, cwd} (`program` gives the first two) with the child's stdin,
+stdout and stderr as file descriptors; the server answers {"pid": ...} once forked and
+{"returncode": ...} when the child has exited (a negative signal number if a signal ended
+it, as subprocess reports it). The server exits when its parent (the test worker) is gone.
 
 Run: python -m tests.trainer_forkserver SOCKET_PATH
 """
@@ -46,13 +46,14 @@ OWN_PACKAGES = ('trainer', 'tests', 'benchmarks', 'params', 'tfpipe', 'model_reg
 
 
 def program(args: Sequence[str]) -> Optional[dict]:
-    """{'module': ...} for `python -m MODULE ...` of the repository, {'script': ...} for
-    `python SCRIPT.py ...`, from the interpreter's arguments; None for anything else
+    """The program the interpreter's arguments name, as the server takes it:
+    {'module': ..., 'argv': [...]} for `python -m MODULE ...` of the repository,
+    {'script': ..., 'argv': [...]} for `python SCRIPT.py ...`; None for anything else
     (`-c`, a heredoc on `-`, another package's module), which needs a real interpreter."""
     if len(args) > 1 and args[0] == '-m' and args[1].split('.')[0] in OWN_PACKAGES:
-        return {'module': args[1]}
+        return {'module': args[1], 'argv': list(args[2:])}
     if args and args[0].endswith('.py') and not args[0].startswith('-'):
-        return {'script': args[0]}
+        return {'script': args[0], 'argv': list(args[1:])}
     return None
 
 
@@ -169,14 +170,11 @@ class Server:
                                    + self.proc.stderr.read().decode()[-3000:])
             time.sleep(0.05)
 
-    def start(self, argv: Sequence[str], env: dict, cwd: str, stdout=None,
-              stderr=None, module: str = 'trainer',
-              script: Optional[str] = None) -> 'ForkedProcess':
-        """Forks `python -m MODULE *argv` (or `python SCRIPT *argv`); stdout/stderr: None
-        (inherited), DEVNULL, PIPE or, for stderr, STDOUT, as subprocess.Popen takes them
-        (text mode)."""
-        program = {'script': script} if script else {'module': module}
-        return ForkedProcess(self.path, program, list(argv), env, cwd, stdout, stderr)
+    def start(self, program: dict, env: dict, cwd: str, stdout=None,
+              stderr=None) -> 'ForkedProcess':
+        """Forks `program` (see `program`); stdout/stderr: None (inherited), DEVNULL, PIPE
+        or, for stderr, STDOUT, as subprocess.Popen takes them (text mode)."""
+        return ForkedProcess(self.path, program, env, cwd, stdout, stderr)
 
     def stop(self) -> None:
         """SIGTERM, so that the server kills the trainers it forked; SIGKILL if it hangs."""
@@ -194,10 +192,9 @@ class ForkedProcess:
     """A forked trainer with subprocess.Popen's interface (text mode): pid, returncode,
     stdout/stderr, poll, wait, communicate, send_signal, terminate, kill."""
 
-    def __init__(self, path: str, program: dict, argv: list, env: dict, cwd: str, stdout,
-                 stderr):
+    def __init__(self, path: str, program: dict, env: dict, cwd: str, stdout, stderr):
         self.args = [sys.executable, *(['-m', program['module']] if 'module' in program
-                                       else [program['script']]), *argv]
+                                       else [program['script']]), *program['argv']]
         self.returncode: Optional[int] = None
         self.stdout = self.stderr = None
         null = os.open(os.devnull, os.O_RDWR)
@@ -208,7 +205,7 @@ class ForkedProcess:
                                                                             'stderr')
             self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             self._conn.connect(path)
-            request = json.dumps({**program, 'argv': argv, 'env': env, 'cwd': cwd}).encode()
+            request = json.dumps({**program, 'env': env, 'cwd': cwd}).encode()
             socket.send_fds(self._conn, [request], [null, out_fd, err_fd])
             self.pid = json.loads(self._conn.recv(MAX_REQUEST))['pid']
         finally:

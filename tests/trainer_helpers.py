@@ -86,8 +86,7 @@ def popen(cmd: Sequence[str], environ: dict, stdout=None, stderr=None, cwd: str 
     program = trainer_forkserver.program(cmd[1:]) if cmd[:1] == [sys.executable] else None
     server = forkserver(environ) if program is not None else None
     if server is not None:
-        argv = cmd[3:] if 'module' in program else cmd[2:]
-        return server.start(argv, environ, cwd, stdout=stdout, stderr=stderr, **program)
+        return server.start(program, environ, cwd, stdout=stdout, stderr=stderr)
     return subprocess.Popen(cmd, env=environ, cwd=cwd, stdout=stdout, stderr=stderr,
                             text=True, start_new_session=True)
 
