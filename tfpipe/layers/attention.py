@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tfpipe.base_layer import BaseLayer, LayerMeta
 from tfpipe.layers.dense import check_last_dim
-from tfpipe.layers.dropout import Dropout
+from tfpipe.layers.dropout import Dropout, apply_mask
 from tfpipe.layers.normalization import LayerNorm
 from tfpipe.layers.tensor_parallel_dense import ColumnParallelDense, RowParallelDense
 from tfpipe.pipeline import tensor_parallel
@@ -161,7 +161,7 @@ class MultiHeadAttention(BaseLayer):
         if mask is None:
             return probs
         mask = mask[:, t * self._local_heads:(t + 1) * self._local_heads]
-        return tf.where(mask, probs / self.params.atten_dropout_keep_prob, tf.zeros_like(probs))
+        return apply_mask(probs, mask, self.params.atten_dropout_keep_prob)
 
     def FProp(self, theta, x, segment_ids=None):
         """segment_ids [b, t] int: a position attends only within its own segment

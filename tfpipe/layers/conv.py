@@ -54,7 +54,7 @@ class Conv2D(BaseLayer):
         check_last_dim(self, x, p.filter_shape[2], 'filter_shape[2]')
         y = tf.nn.conv2d(x, theta['w'], strides=[1, *p.filter_stride, 1], padding=p.padding)
         if p.use_bias:
-            y += theta['b']
+            y = tf.nn.bias_add(y, theta['b'])
         return self._act(y)
 
     @classmethod
@@ -129,7 +129,7 @@ class Flatten(BaseLayer):
     """[N, ...] -> [N, prod(...)]."""
 
     def FProp(self, theta, x):
-        return tf.reshape(x, [tf.shape(x)[0], math.prod(x.shape[1:].as_list())])
+        return tf.reshape(x, [-1, math.prod(x.shape[1:].as_list())])
 
     @classmethod
     def FPropMeta(cls, p, x_shape):

@@ -136,7 +136,7 @@ class Dense(BaseLayer):
         if x.shape.rank != 2:
             y = tf.reshape(y, tf.concat([tf.shape(x)[:-1], [p.output_dim]], 0))
         if self.params.use_bias:
-            y += theta['b']
+            y = tf.nn.bias_add(y, theta['b'])
         return self._act(y)
 
     @classmethod

@@ -49,6 +49,23 @@ def stateless_uniform_slice(key: int, step: tf.Tensor, first_element: int | tf.T
     return values[skip:]
 
 
+def apply_mask(x: tf.Tensor, mask: tf.Tensor, keep_prob: float) -> tf.Tensor:
+    """x / keep_prob where `mask`, else 0, with the gradient TensorFlow would give
+    (dy / keep_prob where `mask`, else 0), value for value.
+
+    Why not the plain ops: TensorFlow's gradient of `tf.where(mask, x / keep, 0)`
+    also builds the quotient's gradient for the constant `keep` and the select's
+    broadcast reductions, a dozen ops a tape then discards. Every dropout in every
+    cell function and recompute traces them, and tracing is most of a first step.
+    """
+    @tf.custom_gradient
+    def dropped(x):
+        def grad(dy):
+            return tf.where(mask, dy / keep_prob, tf.zeros([], dy.dtype))
+        return tf.where(mask, x / keep_prob, tf.zeros([], x.dtype)), grad
+    return dropped(x)
+
+
 class Dropout(BaseLayer):
     """Drops units with probability 1 - keep_prob in training; identity in eval."""
 
@@ -70,7 +87,7 @@ class Dropout(BaseLayer):
         mask = self.Mask(x.shape)
         if mask is None:
             return x
-        return tf.where(mask, x / keep, tf.zeros_like(x))
+        return apply_mask(x, mask, keep)
 
     def Mask(self, shape: tf.TensorShape) -> tf.Tensor | None:
         """The keep mask of an activation of `shape` in the current context (None: keep

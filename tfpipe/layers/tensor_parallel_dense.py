@@ -30,7 +30,7 @@ import tensorflow as tf
 from tfpipe.base_layer import BaseLayer, LayerMeta
 from tfpipe.layers import activations
 from tfpipe.layers.dense import check_last_dim, projection_meta, projection_params
-from tfpipe.layers.dropout import Dropout
+from tfpipe.layers.dropout import Dropout, apply_mask
 from tfpipe.pipeline import tensor_parallel
 from tfpipe.variable_shards import shard_name
 
@@ -124,7 +124,7 @@ class ColumnParallelDense(_ParallelDense):
         """One shard's output columns activation(x @ w_t + b_t) (under its device)."""
         y = tf.matmul(_rows(x, self.params.input_dim), w)
         if b is not None:
-            y += b
+            y = tf.nn.bias_add(y, b)
         return _unrows(self._act(y), x, w.shape[1])
 
     def ForwardShards(self, theta: dict, copies: list[tf.Tensor]) -> list[tf.Tensor]:
@@ -164,7 +164,7 @@ class RowParallelDense(_ParallelDense):
         y = self.group.reduce_to_home(partials)
         with self.group.device(0):
             if self.params.use_bias:
-                y += theta['b']
+                y = tf.nn.bias_add(y, theta['b'])
             return self._act(y)
 
     def FProp(self, theta, x):
@@ -224,7 +224,7 @@ class ParallelMLP(BaseLayer):
             return h
         if self.group.size > 1:
             mask = tf.split(mask, self.group.size, axis=-1)[t]
-        return tf.where(mask, h / self.params.keep_prob, tf.zeros_like(h))
+        return apply_mask(h, mask, self.params.keep_prob)
 
     @classmethod
     def FPropMeta(cls, p, x_shape):

@@ -212,7 +212,7 @@ class VocabLogits(BaseLayer):
         y = tf.matmul(rows, w, transpose_b=p.weight_layout == 'oi')
         if x.shape.rank != 2:
             y = tf.reshape(y, tf.concat([tf.shape(x)[:-1], [tf.shape(y)[-1]]], 0))
-        return y + b if b is not None else y
+        return tf.nn.bias_add(y, b) if b is not None else y
 
     def CrossEntropy(self, logits, labels: tf.Tensor) -> tf.Tensor:
         """Softmax cross-entropy [..] of this layer's output against int `labels` [..]:
