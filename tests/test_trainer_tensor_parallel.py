@@ -64,7 +64,7 @@ def side_by_side(*runs):
     with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
         results = list(pool.map(lambda args: th.run(*args), runs))
     for result in results:
-        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.returncode == 0, th.failure(result)
     return results
 
 

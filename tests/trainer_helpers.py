@@ -197,6 +197,21 @@ def error_line(result: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+def failure(result: subprocess.CompletedProcess) -> str:
+    """What a failed command said that matters: its exit status, every error line and
+    traceback, then the tail (a job's exit can end in pages of restore warnings)."""
+    lines = result.stderr.splitlines()
+    keep, in_traceback = [], False
+    for line in lines:
+        if line.startswith('Traceback'):
+            in_traceback = True
+        if in_traceback or line.startswith('error: ') or 'Error' in line.split(' ')[0]:
+            keep.append(line)
+        if in_traceback and line and not line.startswith((' ', 'Traceback')):
+            in_traceback = False
+    return '\n'.join([f'exit {result.returncode}', *keep[-60:], '--- tail:', *lines[-15:]])
+
+
 def snapshot(directory: str) -> dict:
     """Every file under `directory` with its size and mtime: 'nothing changed' check."""
     out = {}
