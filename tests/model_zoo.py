@@ -76,7 +76,7 @@ def snapshot(variables):
 
 def sgd_step_forward_backward(pipe, x, y, step, lr=0.1):
     """The trainer's step through ForwardBackward, traced once."""
-    @tf.function
+    @tf.function(autograph=False)
     def run():
         with fprop_context.training(step=step):
             loss, grads = pipe.ForwardBackward(pipe.theta, x, loss_fn, y)
@@ -89,7 +89,7 @@ def sgd_step_forward_backward(pipe, x, y, step, lr=0.1):
 
 def sgd_step_tape(model, x, y, step, lr=0.1):
     """A plain tape around FProp; returns outputs too."""
-    @tf.function
+    @tf.function(autograph=False)
     def run():
         with fprop_context.training(step=step):
             with tf.GradientTape() as tape:

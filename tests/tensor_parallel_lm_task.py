@@ -52,7 +52,7 @@ def whole(task, values):
 
 def sgd_step(task, batch):
     """(loss, whole gradients, whole weights after one SGD step) of a training step."""
-    @tf.function
+    @tf.function(autograph=False)
     def step():
         # One theta, also for R=2: the replicas' gradients are summed onto it.
         with fprop_context.training(step=STEP):

@@ -68,7 +68,7 @@ def step(pipe, replica_thetas=False):
     """One SGD step through ForwardBackward (the trainer's form with replica_thetas)."""
     x, y = inputs()
 
-    @tf.function
+    @tf.function(autograph=False)
     def run():
         with fprop_context.training(step=STEP):
             if replica_thetas:

@@ -109,7 +109,7 @@ def test_interleaved_cells_sit_on_device_j_mod_k_and_every_device_works():
         for layer in cell.layers:
             assert all(v.device == cell.device for v in layer.VariablesByPath().values())
 
-    @tf.function
+    @tf.function(autograph=False)
     def step():
         with tfpipe.fprop_context.training(step=1):
             return pipe.ForwardBackward(pipe.theta, x, mz.loss_fn, y)
@@ -125,7 +125,7 @@ def test_zero_bubble_splits_each_backward_into_input_and_weight_tasks():
     x, y = mz.inputs_for(body)
     pipe = build(body, 2, 2, 'zb_h1', 'always')
 
-    @tf.function
+    @tf.function(autograph=False)
     def step():
         with tfpipe.fprop_context.training(step=1):
             return pipe.ForwardBackward(pipe.theta, x, mz.loss_fn, y)

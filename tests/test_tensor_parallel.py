@@ -45,7 +45,7 @@ def train_and_save(pipe, directory):
     optimizer.CreateSlots(variables)
     x, y = inputs()
 
-    @tf.function
+    @tf.function(autograph=False)
     def run():
         with fprop_context.training(step=STEP):
             _, grads = pipe.ForwardBackward(pipe.theta, x, mz.loss_fn, y)
@@ -110,7 +110,7 @@ def test_each_shard_computes_and_sums_on_its_device(recompute, cell_functions):
     x, y = inputs()
     placed = []
 
-    @tf.function
+    @tf.function(autograph=False)
     def run():
         with fprop_context.training(step=STEP):
             loss, grads = pipe.ForwardBackward(pipe.theta, x, mz.loss_fn, y)
@@ -146,7 +146,7 @@ def state_bytes_by_device(pipe):
     x, y = inputs()
     sums = []
 
-    @tf.function
+    @tf.function(autograph=False)
     def run():
         with fprop_context.training(step=STEP):
             _, grads = pipe.ForwardBackward(pipe.theta, x, mz.loss_fn, y)
@@ -201,7 +201,7 @@ def tape_step(pipe):
     """FProp under an outer tape: outputs, loss and gradients as whole weights."""
     x, y = inputs()
 
-    @tf.function
+    @tf.function(autograph=False)
     def run():
         with fprop_context.training(step=STEP):
             with tf.GradientTape() as tape:

@@ -132,7 +132,7 @@ def adafactor_lm_step(t):
     optimizer = adafactor('momentum').Set(epsilon1=1e-20).Instantiate()
     optimizer.CreateSlots(variables)
 
-    @tf.function
+    @tf.function(autograph=False)
     def step():
         with fprop_context.training(step=lmt.STEP):
             loss, grads = task.pipe.ForwardBackward(
@@ -212,7 +212,7 @@ def test_only_vectors_and_scalars_cross_devices_in_the_update():
     optimizer = adafactor('momentum').Instantiate()
     optimizer.CreateSlots(variables)
 
-    @tf.function
+    @tf.function(autograph=False)
     def update():
         grads = {}
         for path, var in variables.items():
