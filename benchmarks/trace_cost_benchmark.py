@@ -13,9 +13,10 @@ fresh processes:
 - the trainer's own step function, built and traced once: the ops of the traced
   step (its graph and every function in its library), the seconds tracing took
   and the seconds of its first call (grappler, placement, the step itself);
-- the trainer binary for --steps steps: the steps/s and the peak bytes of CPU:0
-  of its last progress line (data from the default tfds data dir, where the
-  trainer generates the shipped datasets).
+- the trainer binary for --steps steps (`trainer_defaults_benchmark.run_trainer`):
+  the steps/s from the end of the first step to the last, and the peak bytes of
+  CPU:0 (data from the default tfds data dir, where the trainer generates the
+  shipped datasets).
 Figures are medians over rounds, with the ratio this/against.
 
 Run (from the repository root; about 1 minute per model, tree and round):
@@ -28,28 +29,29 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-_RATE = re.compile(r'([\d.]+) steps/s')
-_PEAK = re.compile(r'peak CPU:0 ([\d.]+) MiB')
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 MODELS = ('image.shapes.AmoebaNetPipe', 'lm.pystdlib.TinyTransformerLM',
           'mt.reverse.TransformerPipe')
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    ap.add_argument('--against', required=True, help='a git revision of this repository')
+    ap.add_argument('--against', help='a git revision of this repository (required)')
     ap.add_argument('--models', default=','.join(MODELS))
     ap.add_argument('--steps', type=int, default=60)
     ap.add_argument('--rounds', type=int, default=2)
     ap.add_argument('--count_ops', default=None, help='internal: a model; prints one JSON line')
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if not (args.against or args.count_ops):
+        ap.error('--against=REV is required')
+    return args
 
 
 def count_ops(model: str) -> None:
@@ -78,30 +80,11 @@ def count_ops(model: str) -> None:
 def run_count(tree: str, model: str) -> dict:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2',
                PYTHONPATH=tree + os.pathsep + os.environ.get('PYTHONPATH', ''))
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), f'--count_ops={model}',
-                          '--against=-'], cwd=tree, env=env, capture_output=True, text=True,
-                         timeout=1800)
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), f'--count_ops={model}'],
+                         cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f'counting {model} from {tree}: {out.stderr[-3000:]}')
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def run_trainer(tree: str, model: str, steps: int) -> dict:
-    """The last steps/s and peak MiB one trainer run from `tree` reports."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='0',
-               PYTHONPATH=tree + os.pathsep + os.environ.get('PYTHONPATH', ''))
-    with tempfile.TemporaryDirectory() as logdir:
-        out = subprocess.run(
-            [sys.executable, '-m', 'trainer', f'--model={model}', f'--logdir={logdir}',
-             '--run_locally=cpu', '--job=trainer', f'--max_steps={steps}'],
-            cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
-    log = out.stdout + out.stderr
-    if out.returncode != 0:
-        raise RuntimeError(f'{model} from {tree}: exit {out.returncode}\n{log[-3000:]}')
-    rates, peaks = _RATE.findall(log), _PEAK.findall(log)
-    if not (rates and peaks):
-        raise RuntimeError(f'{model} from {tree}: no rate or peak in\n{log[-3000:]}')
-    return dict(rate=float(rates[-1]), peak=float(peaks[-1]))
 
 
 def checkout(revision: str, into: str) -> str:
@@ -122,6 +105,8 @@ def main(argv=None) -> None:
     if args.count_ops:
         count_ops(args.count_ops)
         return
+    # Here, not at the top: a --count_ops child imports from the other tree's checkout.
+    from benchmarks.trainer_defaults_benchmark import run_trainer
     models = [m for m in args.models.split(',') if m]
     with tempfile.TemporaryDirectory() as scratch:
         against = checkout(args.against, scratch)
@@ -129,12 +114,14 @@ def main(argv=None) -> None:
             trees = {'this': REPO, 'against': against}
             results = {(t, m): [] for t in trees for m in models}
             counts = {(t, m): [] for t in trees for m in models}
+            data_dir = os.path.expanduser('~/tensorflow_datasets')  # the trainer's default
             for r in range(args.rounds):
                 for m in models:
                     order = list(trees) if r % 2 == 0 else list(trees)[::-1]
                     for t in order:
                         counts[t, m].append(run_count(trees[t], m))
-                        results[t, m].append(run_trainer(trees[t], m, args.steps))
+                        rate, peak = run_trainer(m, args.steps, data_dir, {}, 8, trees[t])
+                        results[t, m].append(dict(rate=rate, peak=peak))
                         print(f'round {r} {m} {t}: {counts[t, m][-1]} {results[t, m][-1]}',
                               flush=True)
         finally:

@@ -49,11 +49,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def run_trainer(model: str, steps: int, data_dir: str, env_update: dict,
-                cpus: int) -> tuple[float, Optional[float]]:
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_trainer(model: str, steps: int, data_dir: str, env_update: dict, cpus: int,
+                repo: str = REPO) -> tuple[float, Optional[float]]:
     """(the trainer's last reported steps/s, its last reported peak MiB or None) for
-    `steps` steps in a fresh logdir, with `env_update` in its environment."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    `steps` steps in a fresh logdir, with `env_update` in its environment; the trainer
+    of the checkout at `repo` (trace_cost_benchmark.py runs another revision's)."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2',
                PYTHONPATH=repo + os.pathsep + os.environ.get('PYTHONPATH', ''))
     env.update(env_update)
