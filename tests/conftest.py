@@ -175,6 +175,12 @@ LONGEST_FIRST = [
     'tests/test_trainer_replicas.py', 'tests/test_trainer.py::test_kill_9',
     'tests/test_trainer.py::test_train_then_evaler', 'own_models', 'ray', 'docs',
     'trainer_bad_input', 'slurm',
+    # Single tests of 12-45 s wall each (2026-11-27): file order ran them last, and the
+    # last two (test_trainer_tensor_parallel's, 22 s each) left one worker alone for 37 s.
+    'tests/test_memory_prediction.py', 'keras_pipeline', 'tests/test_trainer_tensor_parallel.py',
+    'tests/test_trainer_schedules.py', 'tests/test_pipeline_memory.py', 'tests/test_threads.py',
+    'tests/test_tensor_parallel_16.py', 'tests/test_tensor_parallel_lm.py::test_trainer_',
+    'tests/test_inputs_and_tasks.py::test_seq2seq_', 'pipeline_timeline', 'lm_generation',
 ]
 
 
