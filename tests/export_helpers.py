@@ -14,15 +14,15 @@ SAVED_MODEL_CLI = os.path.join(os.path.dirname(sys.executable), 'saved_model_cli
 def run_signature(saved_model: str, signature: str, inputs: dict,
                   tmp_path) -> tuple[subprocess.CompletedProcess, str]:
     """Runs `signature` on `inputs` (numpy arrays by input name) in a process that cannot
-    import tfpipe (tests/serve_without_tfpipe.py); (the process, its outputs' .npz path)."""
+    import tfpipe (tests/serve_without_tfpipe.py, forked from a server that imported
+    TensorFlow alone); (the process, its outputs' .npz path)."""
     in_path = str(tmp_path / f'{signature}_inputs.npz')
     out_path = str(tmp_path / f'{signature}_outputs.npz')
     np.savez(in_path, **inputs)
     env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
     env['TF_CPP_MIN_LOG_LEVEL'] = '2'
-    result = subprocess.run([sys.executable, SERVE_SCRIPT, saved_model, signature, in_path,
-                             out_path], cwd=str(tmp_path), env=env, capture_output=True,
-                            text=True, timeout=180)
+    result = th.run_script_without_tfpipe(SERVE_SCRIPT, [saved_model, signature, in_path,
+                                                         out_path], env, str(tmp_path), 180)
     return result, out_path
 
 

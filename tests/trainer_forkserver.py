@@ -15,6 +15,11 @@ console script) start a real interpreter themselves, and `trainer_helpers.popen`
 command only from a server whose environment has the same variables TensorFlow reads
 when it loads.
 
+A second kind of server, `--without_tfpipe`, imports TensorFlow alone (no tfpipe, so no
+tfpipe defaults in the environment) for the scripts that must show a SavedModel runs where
+tfpipe was never installed (tests/serve_without_tfpipe.py, which then removes the repository
+from sys.path and checks that `import tfpipe` fails, as in a fresh interpreter).
+
 Fork safety: the server forks from its only Python thread before TensorFlow's runtime
 exists; the native threads alive then are numpy's BLAS pool and jemalloc's background
 thread, which both re-initialise in a forked child (pthread_atfork).
@@ -25,7 +30,7 @@ stdout and stderr as file descriptors; the server answers {"pid": ...} once fork
 {"returncode": ...} when the child has exited (a negative signal number if a signal ended
 it, as subprocess reports it). The server exits when its parent (the test worker) is gone.
 
-Run: python -m tests.trainer_forkserver SOCKET_PATH
+Run: python -m tests.trainer_forkserver SOCKET_PATH [--without_tfpipe]
 """
 from __future__ import annotations
 
@@ -57,25 +62,30 @@ def program(args: Sequence[str]) -> Optional[dict]:
     return None
 
 
-def preload() -> None:
-    """Imports what every trainer process imports, leaving TensorFlow's runtime unstarted."""
+def preload(without_tfpipe: bool = False) -> None:
+    """Imports what every trainer process imports (TensorFlow alone `without_tfpipe`),
+    leaving TensorFlow's runtime unstarted."""
     import importlib
     import pkgutil
 
-    import tfpipe  # noqa: F401  first: it sets tfpipe's TensorFlow defaults
-    import tensorflow  # noqa: F401
-    import tensorflow_datasets  # noqa: F401
-    import params
-    import trainer
-    for package in (params, trainer):
-        for module in pkgutil.walk_packages(package.__path__, package.__name__ + '.'):
-            if not module.name.endswith('__main__'):
-                importlib.import_module(module.name)
+    if without_tfpipe:
+        import tensorflow  # noqa: F401
+        assert 'tfpipe' not in sys.modules, 'the preload imported tfpipe'
+    else:
+        import tfpipe  # noqa: F401  first: it sets tfpipe's TensorFlow defaults
+        import tensorflow  # noqa: F401
+        import tensorflow_datasets  # noqa: F401
+        import params
+        import trainer
+        for package in (params, trainer):
+            for module in pkgutil.walk_packages(package.__path__, package.__name__ + '.'):
+                if not module.name.endswith('__main__'):
+                    importlib.import_module(module.name)
     from tensorflow.python.eager import context
     assert context.context()._context_handle is None, 'the preload started TensorFlow'
 
 
-def _child(request: dict, fds: list[int]) -> None:
+def _child(request: dict, fds: list[int], without_tfpipe: bool) -> None:
     """Becomes the requested program: its streams, directory, environment, sys.path[0]
     and argv, then its `__main__` (`python -m MODULE` or `python SCRIPT`); in a session
     of its own, as `trainer_helpers.popen` starts the other processes."""
@@ -89,9 +99,10 @@ def _child(request: dict, fds: list[int]) -> None:
     os.chdir(request['cwd'])
     os.environ.clear()
     os.environ.update(request['env'])
-    from tfpipe import runtime_defaults
-    for name, value in runtime_defaults.DEFAULTS.items():  # what `import tfpipe` sets
-        os.environ.setdefault(name, value)
+    if not without_tfpipe:
+        from tfpipe import runtime_defaults
+        for name, value in runtime_defaults.DEFAULTS.items():  # what `import tfpipe` sets
+            os.environ.setdefault(name, value)
     if 'script' in request:
         script = request['script']
         sys.argv = [script, *request['argv']]
@@ -104,7 +115,7 @@ def _child(request: dict, fds: list[int]) -> None:
     sys.exit(0)
 
 
-def serve(path: str) -> None:
+def serve(path: str, without_tfpipe: bool = False) -> None:
     parent = os.getppid()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path + '.tmp')
@@ -130,7 +141,7 @@ def serve(path: str) -> None:
                     conn.close()
                     for other in children.values():
                         other.close()
-                    _child(request, fds)
+                    _child(request, fds, without_tfpipe)
                 children[pid] = conn
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
                 for fd in fds:
@@ -156,11 +167,12 @@ def serve(path: str) -> None:
 class Server:
     """The server of one test worker: started on first use, stopped by its PID."""
 
-    def __init__(self, directory: str, env: dict, cwd: str):
+    def __init__(self, directory: str, env: dict, cwd: str, without_tfpipe: bool = False):
         self.path = os.path.join(directory, 'trainer.sock')
         self.env = dict(env)
         self.proc = subprocess.Popen([sys.executable, '-m', 'tests.trainer_forkserver',
-                                      self.path], env=self.env, cwd=cwd,
+                                      self.path, *(['--without_tfpipe'] * without_tfpipe)],
+                                     env=self.env, cwd=cwd,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.time() + 300
         while not os.path.exists(self.path):
@@ -282,5 +294,6 @@ if __name__ == '__main__':
     # through serve's `finally`, which kills the trainers still running.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    preload()
-    serve(sys.argv[1])
+    without = sys.argv[2:] == ['--without_tfpipe']
+    preload(without)
+    serve(sys.argv[1], without)

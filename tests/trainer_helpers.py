@@ -104,6 +104,26 @@ def run_command(cmd: Sequence[str], environ: Optional[dict] = None, timeout: flo
     """subprocess.run(cmd, capture_output=True, text=True) through `popen`, with env()
     updated by `environ`."""
     proc = popen(cmd, {**env(), **(environ or {})}, subprocess.PIPE, subprocess.PIPE, cwd)
+    return _finished(proc, timeout)
+
+
+def run_script_without_tfpipe(script: str, args: Sequence[str], environ: dict, cwd: str,
+                              timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS...` with exactly `environ`, forked from this worker's server that
+    imported TensorFlow but never tfpipe (trainer_forkserver, --without_tfpipe), for the
+    scripts that check that what they run needs no tfpipe."""
+    key = ('without_tfpipe',) + tuple(sorted((k, v) for k, v in environ.items()
+                                             if k.startswith(_LOAD_TIME)))
+    if key not in _SERVERS:
+        _SERVERS[key] = trainer_forkserver.Server(tempfile.mkdtemp(prefix='tfpipe-fork-'),
+                                                  environ, REPO, without_tfpipe=True)
+    proc = _SERVERS[key].start({'script': script, 'argv': list(args)}, environ, cwd,
+                               subprocess.PIPE, subprocess.PIPE)
+    return _finished(proc, timeout)
+
+
+def _finished(proc, timeout: float) -> subprocess.CompletedProcess:
+    """`proc`'s outputs and exit status, killed if it outlives `timeout` seconds."""
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
