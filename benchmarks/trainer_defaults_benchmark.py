@@ -32,6 +32,7 @@ import sys
 import tempfile
 from typing import Optional
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _RATE = re.compile(r'([\d.]+) steps/s')
 _PEAK = re.compile(r'peak CPU:0 ([\d.]+) MiB')
 # --variable -> (environment variable, its value on, its value off)
@@ -47,9 +48,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument('--rounds', type=int, default=2)
     ap.add_argument('--num_logical_cpus', type=int, default=4)
     return ap.parse_args(argv)
-
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_trainer(model: str, steps: int, data_dir: str, env_update: dict, cpus: int,

@@ -68,9 +68,13 @@ def forkserver(environ: dict) -> Optional[trainer_forkserver.Server]:
     key = _load_time_environment(environ)
     _ASKED[key] += 1
     if key not in _SERVERS and (key == _load_time_environment(env()) or _ASKED[key] > 1):
-        _SERVERS[key] = trainer_forkserver.Server(tempfile.mkdtemp(prefix='tfpipe-fork-'),
-                                                  environ, REPO)
+        _start_server(key, environ)
     return _SERVERS.get(key)
+
+
+def _start_server(key: tuple, environ: dict, without_tfpipe: bool = False) -> None:
+    _SERVERS[key] = trainer_forkserver.Server(tempfile.mkdtemp(prefix='tfpipe-fork-'),
+                                              environ, REPO, without_tfpipe)
 
 
 def popen(cmd: Sequence[str], environ: dict, stdout=None, stderr=None, cwd: str = REPO):
@@ -115,8 +119,7 @@ def run_script_without_tfpipe(script: str, args: Sequence[str], environ: dict, c
     key = ('without_tfpipe',) + tuple(sorted((k, v) for k, v in environ.items()
                                              if k.startswith(_LOAD_TIME)))
     if key not in _SERVERS:
-        _SERVERS[key] = trainer_forkserver.Server(tempfile.mkdtemp(prefix='tfpipe-fork-'),
-                                                  environ, REPO, without_tfpipe=True)
+        _start_server(key, environ, without_tfpipe=True)
     proc = _SERVERS[key].start({'script': script, 'argv': list(args)}, environ, cwd,
                                subprocess.PIPE, subprocess.PIPE)
     return _finished(proc, timeout)
