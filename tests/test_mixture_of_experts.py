@@ -345,3 +345,29 @@ def test_input_without_a_static_batch_is_refused():
     unknown = tf.function(layer).get_concrete_function
     with pytest.raises(ValueError, match='static input shape'):
         unknown(tf.TensorSpec([None, 4, 6], tf.float32))
+
+
+def test_in_a_bfloat16_sequence_traced_like_a_cell():
+    # As a pipeline cell runs it: apply_layer casts weights and inputs to bfloat16, the
+    # forward is traced without AutoGraph, and the recorded losses join the loss inside
+    # the same trace.
+    seq = layers.Sequential.Params().Set(name='seq', body=[
+        _moe(fprop_dtype=tf.bfloat16, z_loss_weight=1e-3)]).Instantiate()
+    x = tf.random.stateless_normal([2, 8, 6], [9, 9])
+
+    @tf.function(autograph=False)
+    def step(theta):
+        sink = fprop_context.AuxLossSink()
+        with tf.GradientTape() as tape, fprop_context.scope(training=True, step=1,
+                                                            aux_losses=sink):
+            tape.watch(theta)
+            y = seq.FProp(theta, x)
+            aux = sink.total()
+            loss = tf.reduce_mean(tf.cast(y, tf.float32) ** 2) + aux
+        return y, aux, tape.gradient(loss, theta)
+
+    y, aux, grads = step(seq.theta)
+    assert y.dtype == tf.bfloat16 and aux.dtype == tf.float32 and float(aux) > 0
+    for name, grad in grads['moe'].items():
+        assert grad.dtype == tf.float32 and np.all(np.isfinite(grad.numpy())), name
+    assert np.any(grads['moe']['router_w'].numpy() != 0)
