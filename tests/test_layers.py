@@ -128,6 +128,11 @@ CASES = {
     'LayerNorm': (lambda: layers.LayerNorm.Params().Set(name='ln', dim=6), [2, 3, 6], True),
     'VocabLogits': (lambda: layers.VocabLogits.Params().Set(name='logits', input_dim=6,
                                                             vocab_size=9), [2, 3, 6], True),
+    'MoEFeedForward': (lambda: layers.MoEFeedForward.Params().Set(
+        name='moe', model_dim=8, hidden_dim=12, num_experts=4, capacity_factor=1.0),
+        [2, 5, 8], True),
+    'MoEFeedForward-top1-rank2': (lambda: layers.MoEFeedForward.Params().Set(
+        name='moe', model_dim=6, hidden_dim=4, num_experts=3, top_k=1), [7, 6], True),
     'MultiHeadAttention': (lambda: layers.MultiHeadAttention.Params().Set(
         name='mha', model_dim=8, num_heads=2, causal=True, atten_dropout_keep_prob=0.9),
         [2, 5, 8], True),

@@ -14,6 +14,11 @@ A fourth, the **batch-statistics sink**, lets the pipeline collect BatchNorm's
 sufficient statistics from every micro-batch and apply one moving-average update
 per mini-batch (equal to a full-batch BN update) instead of M updates.
 
+A fifth, the **auxiliary-loss sink**, collects losses a layer adds to the training
+loss (a mixture of experts' load-balancing and router z-losses,
+tfpipe/layers/mixture_of_experts.py) without changing what the layer returns, so such
+a layer composes with sequences, residuals and pipeline cells like any other.
+
 The context is thread-local and scoped with `with`, the same way `tf.device` and
 `tf.name_scope` are: values are read while the graph is traced.
 """
@@ -44,12 +49,34 @@ class BatchStatsSink:
         entry[1].append((count, mean, variance))
 
 
+class AuxLossSink:
+    """Collects the auxiliary losses layers compute during one forward pass.
+
+    `record(layer, name, value, weight)` is called by a layer in FProp. Unlike
+    BatchNorm's statistics these must be *differentiated*: whoever runs the forward
+    under a tape adds `total()` to the loss it differentiates, in the same trace (the
+    recorded tensors belong to the graph that computed them). Nothing in the pipeline
+    collects them yet (docs/mixture_of_experts.md).
+    """
+
+    def __init__(self):
+        self.records: list[tuple[str, str, Any, float]] = []  # (layer path, name, value, weight)
+
+    def record(self, layer: Any, name: str, value: Any, weight: float) -> None:
+        self.records.append((layer.path, name, value, weight))
+
+    def total(self) -> Any:
+        """The sum of weight * value over every record (0.0 when none)."""
+        return sum((weight * value for _, _, value, weight in self.records), 0.0)
+
+
 @dataclasses.dataclass(frozen=True)
 class FPropContext:
     training: bool = True
     step: Any = None
     example_offset: int = 0
     batch_stats: Optional[BatchStatsSink] = None
+    aux_losses: Optional[AuxLossSink] = None
 
 
 _local = threading.local()

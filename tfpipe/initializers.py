@@ -36,6 +36,17 @@ def glorot_uniform(shape, dtype, seed):
     return tf.random.stateless_uniform(shape, seed, -limit, limit, dtype=dtype)
 
 
+def stacked_glorot_uniform(shape, dtype, seed):
+    """glorot_uniform of each [in, out] matrix of a stack [n, ..., in, out].
+
+    The leading dimensions count independent matrices (a mixture of experts' stacked
+    weights), not a convolution's receptive field: each expert starts at the scale of
+    a Dense of its own shape, not sqrt(n) smaller.
+    """
+    limit = math.sqrt(6.0 / (shape[-2] + shape[-1]))
+    return tf.random.stateless_uniform(shape, seed, -limit, limit, dtype=dtype)
+
+
 def he_normal(shape, dtype, seed):
     fan_in, _ = _fans(shape)
     return tf.random.stateless_truncated_normal(shape, seed, stddev=math.sqrt(2.0 / fan_in),
@@ -57,8 +68,8 @@ def ones(shape, dtype, seed):
 
 
 _BY_NAME: dict[str, Initializer] = {
-    'glorot_uniform': glorot_uniform, 'he_normal': he_normal, 'gaussian': gaussian,
-    'zeros': zeros, 'ones': ones}
+    'glorot_uniform': glorot_uniform, 'stacked_glorot_uniform': stacked_glorot_uniform,
+    'he_normal': he_normal, 'gaussian': gaussian, 'zeros': zeros, 'ones': ones}
 
 
 def get(name: str) -> Initializer:

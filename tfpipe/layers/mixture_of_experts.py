@@ -1,0 +1,174 @@
+"""A mixture-of-experts feed-forward (GShard): the drop-in for a Transformer block's FFN.
+
+E experts, each a feed-forward model_dim -> hidden_dim -> model_dim of its own, with
+their weights stacked ([E, D, H], [E, H, D]) so that all experts run as one batched
+matmul. A learned router [D, E] picks each token's top-1 or top-2 experts
+(`moe_gating`, in float32 even when the layer computes in bfloat16); tokens are
+dispatched to [E, C, D] expert slots by an einsum with the dispatch mask, the experts
+run, and each token's output is the combine-weighted sum of its slots' outputs. A
+token over capacity gets zeros from a dropped expert; in a Transformer block the
+residual around the feed-forward passes it on unchanged.
+
+Capacity is per call, i.e. per micro-batch in a pipeline: C = ceil(capacity_factor *
+top_k * S / E) with S the call's tokens (batch x time, padding included), and the
+load-balancing statistics are those of the call's tokens too. A pipeline with M
+micro-batches therefore routes M groups of S = B/M tokens, not one of B (megablocks #85
+asks that this be said). Training and evaluation have separate capacity factors,
+picked by `fprop_context.current().training`.
+
+The auxiliary losses (GShard's load balancing, optionally the router z-loss) are
+recorded in `fprop_context.current().aux_losses` rather than returned: FProp keeps the
+one-tensor output every layer has, so the layer fits `apply_layer`, Sequential,
+Residual and a pipeline cell unchanged, and whoever differentiates the forward (one
+place, the cell's forward and recomputing backward) collects the sink's `total()` from
+all MoE layers at once. Without a sink in the context the losses are not collected.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Optional
+
+import tensorflow as tf
+
+from tfpipe import fprop_context
+from tfpipe.base_layer import BaseLayer, LayerMeta
+from tfpipe.layers import activations, moe_gating
+from tfpipe.layers.dense import check_last_dim
+from tfpipe.layers.dropout import stateless_uniform_slice
+
+SECOND_EXPERT_POLICIES = ('all', 'random')
+
+
+def dispatch(x: tf.Tensor, dispatch_mask: tf.Tensor) -> tf.Tensor:
+    """Tokens x [S, D] to expert slots [E, C, D] by the 0/1 mask [S, E, C]; empty slots 0."""
+    return tf.einsum('sd,sec->ecd', x, dispatch_mask)
+
+
+def combine(expert_outputs: tf.Tensor, combine_weights: tf.Tensor) -> tf.Tensor:
+    """Each token's output [S, D]: its slots' outputs [E, C, D] weighted by [S, E, C]."""
+    return tf.einsum('sec,ecd->sd', combine_weights, expert_outputs)
+
+
+class MoEFeedForward(BaseLayer):
+    """GShard's mixture-of-experts feed-forward over [..., model_dim] (see module)."""
+
+    @classmethod
+    def Params(cls):
+        p = super().Params()
+        p.Define('model_dim', 0, 'Width of the input and output.')
+        p.Define('hidden_dim', 0, 'Hidden width of each expert.')
+        p.Define('num_experts', 0, 'Number of experts E.')
+        p.Define('top_k', 2, 'Experts per token: 2 (GShard) or 1 (Switch Transformer).')
+        p.Define('capacity_factor', 2.0, 'Training capacity per expert, per call (micro-batch): '
+                 'C = ceil(capacity_factor * top_k * tokens / num_experts); > 0.')
+        p.Define('eval_capacity_factor', 2.0, 'capacity_factor in evaluation; > 0.')
+        p.Define('second_expert_policy', 'all', "Top-2 only: 'all' dispatches every token to "
+                 "its second expert; 'random' (GShard) keeps it with probability min(1, g2 / "
+                 'second_expert_threshold) in training (all of them in evaluation).')
+        p.Define('second_expert_threshold', 0.5, "The 'random' policy's threshold.")
+        p.Define('aux_loss_weight', 0.01, 'Weight of the load-balancing loss in the training '
+                 'loss (GShard, Switch: 1e-2).')
+        p.Define('z_loss_weight', 0.0, 'Weight of the router z-loss (ST-MoE: 1e-3); 0: off.')
+        p.Define('activation', 'relu', f'Activation of the experts\' hidden layer, one of '
+                 f'{activations.NAMES}.')
+        return p
+
+    def __init__(self, params, parent=None):
+        super().__init__(params, parent)
+        p = self.params
+        for name in ('model_dim', 'hidden_dim', 'num_experts'):
+            if p.Get(name) < 1:
+                raise ValueError(f'{self.path}: {name}={p.Get(name)} must be >= 1; set it in '
+                                 'the MoEFeedForward params')
+        if p.top_k not in (1, 2):
+            raise ValueError(f'{self.path}: top_k={p.top_k}: set top_k=2 (GShard) or 1 (Switch)')
+        if p.top_k > p.num_experts:
+            raise ValueError(f'{self.path}: top_k={p.top_k} is above num_experts='
+                             f'{p.num_experts}: set top_k <= num_experts or add experts')
+        for name in ('capacity_factor', 'eval_capacity_factor'):
+            if not p.Get(name) > 0:
+                raise ValueError(f'{self.path}: {name}={p.Get(name)} must be > 0 (1.0 fits '
+                                 'perfectly balanced routing; 2.0 is usual)')
+        if p.second_expert_policy not in SECOND_EXPERT_POLICIES:
+            raise ValueError(f'{self.path}: second_expert_policy={p.second_expert_policy!r}: '
+                             f'use one of {SECOND_EXPERT_POLICIES}')
+        self._act = activations.get(p.activation, self.path)
+        self._key = zlib.crc32(f'{self._seed}/{self.path}'.encode())
+        e, d, h = p.num_experts, p.model_dim, p.hidden_dim
+        self.CreateVariable('router_w', [d, e])
+        self.CreateVariable('wi', [e, d, h], 'stacked_glorot_uniform')
+        self.CreateVariable('bi', [e, h], 'zeros')
+        self.CreateVariable('wo', [e, h, d], 'stacked_glorot_uniform')
+        self.CreateVariable('bo', [e, d], 'zeros')
+
+    def FProp(self, theta, inputs, paddings: Optional[tf.Tensor] = None):
+        """inputs [..., model_dim] -> the experts' output of the same shape.
+
+        paddings (inputs' shape without the last dimension; 1 = padding, 0 = a real
+        token; None: no padding): padding tokens are never routed, take no slot and
+        count in no statistic; their output is zeros. For a packed activation pass
+        `tf.cast(segment_ids == 0, dtype)`.
+        """
+        p = self.params
+        check_last_dim(self, inputs, p.model_dim, 'model_dim')
+        shape = inputs.shape
+        if not shape.is_fully_defined() or shape.rank < 2:
+            raise ValueError(f'{self.path}: the expert capacity needs a static input shape '
+                             f'[batch, ..., model_dim], got {shape}; give the input a fixed '
+                             'batch and length')
+        tokens = math.prod(shape[:-1])
+        x = tf.reshape(inputs, [tokens, p.model_dim])
+        real = tf.ones([tokens]) if paddings is None else 1.0 - tf.reshape(
+            tf.cast(paddings, tf.float32), [tokens])
+        gating = self._Route(theta, x, real, tokens // shape[0])
+        slots = dispatch(x, tf.cast(gating.dispatch, x.dtype))
+        hidden = self._act(tf.einsum('ecd,edh->ech', slots, theta['wi']) + theta['bi'][:, None])
+        outputs = tf.einsum('ech,ehd->ecd', hidden, theta['wo']) + theta['bo'][:, None]
+        sink = fprop_context.current().aux_losses
+        if sink is not None:
+            sink.record(self, 'load_balancing_loss', gating.load_balancing_loss,
+                        p.aux_loss_weight)
+            if p.z_loss_weight:
+                sink.record(self, 'z_loss', gating.z_loss, p.z_loss_weight)
+        return tf.reshape(combine(outputs, tf.cast(gating.combine, x.dtype)), shape)
+
+    def _Route(self, theta, x: tf.Tensor, real: tf.Tensor,
+               per_example: int) -> moe_gating.Gating:
+        """The gating of the tokens x [S, D] (real [S]: 1 for a non-padding token;
+        per_example tokens to an example, for the 'random' policy's draw)."""
+        p = self.params
+        dtype = moe_gating.router_dtype(x.dtype)
+        logits = tf.matmul(tf.cast(x, dtype), tf.cast(theta['router_w'], dtype))
+        ctx = fprop_context.current()
+        factor = p.capacity_factor if ctx.training else p.eval_capacity_factor
+        tokens = x.shape[0]
+        capacity = moe_gating.expert_capacity(factor, tokens, p.num_experts, p.top_k)
+        uniform = None
+        if p.top_k == 2 and p.second_expert_policy == 'random' and ctx.training:
+            if ctx.step is None:
+                raise ValueError(
+                    f"{self.path}: second_expert_policy='random' in training needs the global "
+                    'step to draw: wrap the call in `with tfpipe.fprop_context.training('
+                    'step=global_step):`')
+            # Per token of the mini-batch, like Dropout's masks: the same draw whatever
+            # the micro-batching, and again in a recomputed forward.
+            uniform = stateless_uniform_slice(self._key, ctx.step,
+                                              ctx.example_offset * per_example, tokens)
+        return moe_gating.top_k_gating(logits, tf.cast(real, dtype), p.top_k, capacity,
+                                       uniform, p.second_expert_threshold)
+
+    @classmethod
+    def FPropMeta(cls, p, x_shape):
+        """Router, dispatch, experts (over all C slots) and combine at the training capacity."""
+        x_shape = tf.TensorShape(x_shape)
+        tokens = math.prod(x_shape[:-1].as_list())
+        e, d, h = p.num_experts, p.model_dim, p.hidden_dim
+        c = moe_gating.expert_capacity(p.capacity_factor, tokens, e, p.top_k)
+        flops = 2 * tokens * d * e + 2 * (2 * tokens * e * c * d) + 2 * 2 * e * c * d * h
+        return LayerMeta(flops, x_shape)
+
+    @classmethod
+    def NumParams(cls, p):
+        e, d, h = p.num_experts, p.model_dim, p.hidden_dim
+        return d * e + e * (d * h + h + h * d + d)
