@@ -100,3 +100,21 @@ def test_the_cache_lives_under_tfpipe_cache_dir(monkeypatch, tmp_path):
     monkeypatch.delenv(peak_flops.CACHE_ENV)
     monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path / 'xdg'))
     assert peak_flops.cache_path() == str(tmp_path / 'xdg' / 'tfpipe' / 'peak_flops.json')
+
+
+def test_a_given_peak_wins_over_the_probe_and_a_bad_one_is_refused(tmp_path, monkeypatch):
+    import tfpipe
+    from trainer import throughput, train_job
+    monkeypatch.setenv(peak_flops.CACHE_ENV, str(tmp_path))
+    body = [layers.Dense.Params().Set(name=f'fc{i}', input_dim=8, output_dim=8)
+            for i in range(4)]
+    pipe = tfpipe.PipeliningLayer.Params().Set(name='pipe', body=body, balance=[2, 2],
+                                               num_micro_batches=2).Instantiate()
+    x = tf.zeros([6, 8])
+    got = throughput.measure_for(pipe, x, 'examples', 6, 5e9, 'CPU', 2)
+    assert got.peak == 5e9
+    assert got.step_flops == flops.step_flops(body, [2, 2], 'always', tf.TensorShape([6, 8]))
+    assert not (tmp_path / 'peak_flops.json').exists()  # nothing probed
+    with pytest.raises(ValueError, match=r'trainer.peak_flops=0 must be a positive number '
+                                         r'of FLOP/s'):
+        train_job.RuntimeOptions(peak_flops=0)
