@@ -13,6 +13,11 @@ import pytest
 os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '1')
 import tensorflow as tf  # noqa: E402  (after the variable: TensorFlow reads it once)
 
+# Every trainer the tests start reports MFU over the host's peak, probed once per machine
+# (tfpipe/tuning/peak_flops.py): one cache for the whole suite, not one per test's HOME.
+os.environ.setdefault('TFPIPE_CACHE_DIR', os.path.join(
+    os.environ.get('TMPDIR', '/tmp'), f'tfpipe-tests-cache-{os.getuid()}'))
+
 NUM_LOGICAL_CPUS = 8
 
 _cpus = tf.config.list_physical_devices('CPU')

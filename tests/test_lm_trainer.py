@@ -4,9 +4,11 @@ One trainer run (lm.pystdlib.TinyTransformerLM, 150 steps on the standard librar
 with its evaler on dev and decoder on test in the same process: the session fixture
 lm_trained) is shared by every test here and by tests/test_export_lm.py.
 """
+import glob
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -41,6 +43,29 @@ def test_dev_perplexity_falls_below_the_unigram_perplexity(trained):
     assert got['log_pplx'] < unigram - 0.3, (got, unigram)
     np.testing.assert_allclose(got['perplexity'], math.exp(got['log_pplx']), rtol=1e-5)
     assert 0 < got['accuracy'] < 1
+
+
+def test_progress_lines_and_summaries_give_tokens_per_second_and_mfu(lm_trained):
+    """Tokens are the batch's positions; recompute 'always' runs 4 forwards' worth for
+    MFU's 3, so HFU is 4/3 of MFU whatever the machine's peak."""
+    params = model_registry.get_params(MODEL)
+    tokens = params.input.train.batch_size * params.input.train.max_length
+    line = next(l for l in lm_trained.stderr.splitlines() if f'step {STEPS}/{STEPS}' in l)
+    found = re.search(r'([0-9.]+) steps/s  ([0-9.]+) tokens/s  MFU ([0-9.]+)%  HFU ([0-9.]+)%',
+                      line)
+    assert found, line
+    steps_per_sec, tokens_per_sec, mfu, hfu = map(float, found.groups())
+    np.testing.assert_allclose(tokens_per_sec, steps_per_sec * tokens, rtol=0.01)
+    np.testing.assert_allclose(hfu, mfu * 4 / 3, rtol=0.01, atol=0.1)
+    scalars = {}
+    for path in glob.glob(os.path.join(lm_trained.logdir, 'train', 'events.out.tfevents.*')):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append(float(tf.make_ndarray(value.tensor)))
+    assert {'tokens_per_sec', 'mfu', 'hfu'} <= set(scalars)
+    np.testing.assert_allclose(np.array(scalars['hfu']) / np.array(scalars['mfu']), 4 / 3,
+                               rtol=1e-5)
+    assert all(0 < m < 1 for m in scalars['mfu'])
 
 
 def test_decoder_continues_test_prompts_greedy_and_sampled(trained):

@@ -2,6 +2,7 @@
 import glob
 import json
 import os
+import re
 import signal
 import time
 
@@ -17,6 +18,8 @@ def test_train_then_evaler_and_decoder(tmp_path, data_dir, trained_4_steps):
     assert 'step 4/4' in stderr and 'steps/s' in stderr and 'ETA' in stderr
     first = next(line for line in stderr.splitlines() if 'step 1/4' in line)
     assert 'first step' in first and 'steps/s' not in first  # tracing is not a step rate
+    last = next(line for line in stderr.splitlines() if 'step 4/4' in line)
+    assert re.search(r'steps/s  [0-9.]+ examples/s  MFU [0-9.]+%  HFU [0-9.]+%', last), last
     logdir = trained_4_steps.copy_to(tmp_path / 'run')
     train_dir = os.path.join(logdir, 'train')
     assert checkpoints.step_of(checkpoints.latest(train_dir)) == 4

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from tests import trainer_helpers as th
 from tfpipe import checkpoints
-from trainer import logdir_access, train_job
+from trainer import logdir_access, throughput, train_job
 
 # --- 18: one live job per job dir ------------------------------------------------------
 
@@ -299,7 +299,7 @@ def test_a_failed_write_keeps_the_old_file(small_disk):
 
 
 def test_rate_and_eta_exclude_the_first_step():
-    progress = train_job.Progress(max_steps=102, start_time=1000.0)
+    progress = throughput.Progress(max_steps=102, start_time=1000.0)
     progress.step_done(1, 1060.0)  # the first step traces: 60 s
     assert progress.rate_and_eta(1, 1060.0) == (None, None)
     assert progress.first_step_seconds == 60.0

@@ -54,6 +54,7 @@ from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
 from tfpipe.tasks import classifier
 from tfpipe.tuning import timeline
 from trainer import batch_split, experiment
+from trainer.throughput import Progress, Throughput, measure_for
 
 
 @gin.configurable('trainer')
@@ -74,17 +75,21 @@ class RuntimeOptions:
     # trainer gives up on a worker that accepts connections but does not answer. None:
     # derived from the measured steps (Trainer.step_timeout).
     step_timeout_seconds: Optional[float] = None
+    # FLOP/s of the devices one trainer process steps on, the denominator of MFU. None:
+    # measured once per machine and cached (tfpipe/tuning/peak_flops.py).
+    peak_flops: Optional[float] = None
 
     def __post_init__(self):
         for name in ('max_steps', 'save_interval_steps', 'summary_interval_steps',
                      'save_max_to_keep', 'pipeline_trace_step'):
             _check_positive_int(f'trainer.{name}', getattr(self, name), allow_none=True)
         for name in ('eval_poll_max_seconds', 'eval_idle_timeout_seconds',
-                     'step_timeout_seconds'):
+                     'step_timeout_seconds', 'peak_flops'):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or
                                       not isinstance(value, (int, float)) or value <= 0):
-                raise ValueError(f'trainer.{name}={value!r} must be a positive number of seconds')
+                unit = 'FLOP/s, e.g. 312e12' if name == 'peak_flops' else 'seconds'
+                raise ValueError(f'trainer.{name}={value!r} must be a positive number of {unit}')
 
 
 # Errors of a save that point at a lost peer (checkpoint I/O runs on the trainer, but the
@@ -215,6 +220,8 @@ class Trainer:
         self._step_timeout = options.step_timeout_seconds
         self._step_seconds: collections.deque = collections.deque(maxlen=STEP_TIMEOUT_WINDOW)
         self._recorder: Optional[Recorder] = None
+        self._peak_flops = options.peak_flops
+        self._throughput: Optional[Throughput] = None  # known from the first batch
 
     def _resume_split(self) -> batch_split.Split:
         """This run's replicas x micro-batches: the latest checkpoint's global count kept."""
@@ -411,6 +418,7 @@ class Trainer:
                 break
             if self.heartbeat is None:
                 self._log_input_bytes()
+                self._throughput = self._measure_throughput(batch)
             begin = time.monotonic()
             try:
                 if step + 1 == self.trace_step:
@@ -463,7 +471,18 @@ class Trainer:
                      self.batch_size, self.iterator.batch_bytes,
                      self.iterator.batch_bytes // len(share) * self.batch_size)
 
-    def _report(self, writer, progress: 'Progress', step: int, loss: float, norm: float,
+    def _measure_throughput(self, batch) -> Throughput:
+        """What one step of this process processes, its FLOPs and the peak they run at."""
+        unit, per_example = self.task.ThroughputUnit(batch)
+        used = {d for cells in self.task.pipe.replica_cells for cell in cells
+                for d in cell.shard_devices}
+        kind = tf.DeviceSpec.from_string(next(iter(used))).device_type or 'CPU'
+        # The rate counts the global batch (every client's share); the FLOPs this
+        # process's share, over this process's devices' peak: the same MFU.
+        return measure_for(self.task.pipe, self.task.PipelineInputs(batch), unit,
+                           per_example * self.batch_size, self._peak_flops, kind, len(used))
+
+    def _report(self, writer, progress: Progress, step: int, loss: float, norm: float,
                 lr: float) -> None:
         steps_per_sec, eta = progress.rate_and_eta(step, time.time())
         with writer.as_default(step=step):
@@ -473,6 +492,9 @@ class Trainer:
             if steps_per_sec is not None:
                 tf.summary.scalar('steps_per_sec', steps_per_sec)
                 tf.summary.scalar('examples_per_sec', steps_per_sec * self.batch_size)
+                for name, value in self._throughput.scalars(steps_per_sec).items():
+                    if name != 'examples_per_sec':
+                        tf.summary.scalar(name, value)
             peaks = memory_stats.peak_bytes(d.name for d in tf.config.list_logical_devices())
             for device, peak in peaks.items():
                 tf.summary.scalar(f'peak_bytes/{device}', peak)
@@ -483,8 +505,8 @@ class Trainer:
             logging.info('%s  first step %.1fs (includes tracing; rate and ETA from the next '
                          'steps)', head, progress.first_step_seconds)
         else:
-            logging.info('%s  %.2f steps/s  %.1f examples/s  ETA %dm%02ds', head,
-                         steps_per_sec, steps_per_sec * self.batch_size, eta // 60, eta % 60)
+            logging.info('%s  %.2f steps/s  %s  ETA %dm%02ds', head, steps_per_sec,
+                         self._throughput.line(steps_per_sec), eta // 60, eta % 60)
 
     def _write_timeline(self, step: int, stamps, writer) -> None:
         line = timeline.Timeline.from_stamps(self._recorder, stamps)
@@ -564,35 +586,3 @@ def _reason(error: Exception) -> str:
 def train_dir_of(logdir: str) -> str:
     """Where the trainer writes checkpoints; the evaler and decoder read them there."""
     return os.path.join(logdir, 'train')
-
-
-class Progress:
-    """Steps/s and ETA of one run, measured without the run's first step.
-
-    The first step traces and compiles the step function: seconds here, minutes
-    on big models. Counting it would make the first reports' rate too low and
-    their ETA too long by that much, so rates start at the end of the first step.
-    """
-
-    def __init__(self, max_steps: int, start_time: float):
-        self.max_steps = max_steps
-        self.first_step_seconds: Optional[float] = None
-        self._start = start_time
-        self._mark: Optional[tuple[int, float]] = None  # rates are measured from here
-
-    def step_done(self, step: int, now: float) -> None:
-        if self._mark is None:
-            self._mark = (step, now)
-            self.first_step_seconds = now - self._start
-
-    def rate_and_eta(self, step: int, now: float) -> tuple[Optional[float], Optional[float]]:
-        """Steps/s since the last report (or the first step) and the seconds left at that rate.
-
-        (None, None) when only the first step has run.
-        """
-        mark_step, mark_time = self._mark
-        if step == mark_step:
-            return None, None
-        rate = (step - mark_step) / max(now - mark_time, 1e-9)
-        self._mark = (step, now)
-        return rate, (self.max_steps - step) / rate

@@ -144,6 +144,10 @@ class BaseTask(BaseLayer):
 
     # -- Shared --------------------------------------------------------------------------
 
+    def ThroughputUnit(self, batch: dict) -> tuple[str, int]:
+        """What the trainer's rate counts, and how many of it one example holds."""
+        return 'examples', 1
+
     def ExampleWeights(self, batch: dict) -> tf.Tensor:
         """float32 [B]: the input's 'weight' (0 marks an eval batch's padding), else ones."""
         if 'weight' in batch:

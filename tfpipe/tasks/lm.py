@@ -93,6 +93,11 @@ class LanguageModel(BaseTask):
         return {'x': batch['inputs'], 'segment_ids': batch['segment_ids'],
                 'positions': batch['positions']}
 
+    def ThroughputUnit(self, batch):
+        """Tokens: every position of the packed rows, padding included (the step
+        computes on every one), as Megatron counts them."""
+        return 'tokens', int(batch['inputs'].shape[1])
+
     def PipelineTargets(self, batch):
         return {'targets': batch['targets'], 'segment_ids': batch['segment_ids']}
 

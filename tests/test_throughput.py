@@ -1,0 +1,120 @@
+"""Model and hardware FLOPs per step, the cached peak, and the progress line's figures."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import tensorflow as tf
+
+from tfpipe import inputs, layers
+from tfpipe.bodies import transformer_lm_body
+from tfpipe.tuning import flops, peak_flops
+from trainer.throughput import Throughput
+
+B, T, V = 4, 32, inputs.BYTE_VOCAB_SIZE
+D, H, L = 64, 256, 3
+
+
+def _lm_shapes():
+    ids = tf.TensorShape([B, T])
+    return {'x': ids, 'segment_ids': ids, 'positions': ids}
+
+
+def test_a_transformer_lm_step_is_palms_6n_plus_12lhqt_per_token():
+    """PaLM appendix B: 6N + 12 L H Q T per token, N the parameters that multiply
+    (blocks and the tied softmax; a lookup multiplies nothing), H Q = d."""
+    body = transformer_lm_body(V, T, D, H, num_heads=4, num_blocks=L)
+    step = flops.step_flops(body, balance=[len(body)], recompute='never',
+                            input_shapes=_lm_shapes())
+    block_weights = 4 * D * D + 2 * D * H
+    palm = (6 * (L * block_weights + D * V) + 12 * L * D * T) * B * T
+    # FPropMeta also counts LayerNorms, residual adds and lookups: 1.3% at width 64,
+    # about 0.1% at GPT-2's 768.
+    assert palm <= step.model <= 1.02 * palm
+    assert step.hardware == step.model
+
+
+@pytest.mark.parametrize('recompute, balance, recomputed_cells', [
+    ('always', [3, 3], [0, 1]), ('except_last', [3, 3], [0]), ('never', [3, 3], []),
+    ('except_last', [2, 4], [0])])
+def test_hardware_flops_add_one_forward_of_each_recomputing_cell(recompute, balance,
+                                                                 recomputed_cells):
+    widths = [8, 16, 32, 16, 8, 4, 2]
+    body = [layers.Dense.Params().Set(name=f'fc{i}', input_dim=widths[i],
+                                      output_dim=widths[i + 1]) for i in range(6)]
+    step = flops.step_flops(body, balance, recompute, tf.TensorShape([10, 8]))
+    forward = [2 * 10 * widths[i] * widths[i + 1] for i in range(6)]
+    assert step.model == 3 * sum(forward)
+    starts = [0, balance[0]]
+    again = sum(sum(forward[starts[k]:starts[k] + balance[k]]) for k in recomputed_cells)
+    assert step.hardware == step.model + again
+
+
+def test_a_layer_without_its_flops_is_named():
+    class Opaque(layers.Dense):
+        @classmethod
+        def FPropMeta(cls, p, x_shape):
+            return super(layers.Dense, cls).FPropMeta(p, x_shape)
+
+    body = [Opaque.Params().Set(name='opaque', input_dim=4, output_dim=4)]
+    with pytest.raises(NotImplementedError, match='Opaque'):
+        flops.step_flops(body, [1], 'always', tf.TensorShape([2, 4]))
+
+
+def test_the_progress_line_gives_the_rate_in_its_unit_and_both_utilisations():
+    step = flops.StepFlops(model=1e9, hardware=4e9 / 3)
+    lm = Throughput('tokens', 2048, step, peak=1e10)
+    assert lm.line(2.0) == '4096 tokens/s  MFU 20.0%  HFU 26.7%'
+    assert lm.scalars(2.0) == pytest.approx({'tokens_per_sec': 4096, 'mfu': 0.2,
+                                             'hfu': 0.2 + 0.2 / 3})
+    unknown = Throughput('examples', 16, None, None)
+    assert unknown.line(0.5) == '8.0 examples/s'
+    assert unknown.scalars(0.5) == {'examples_per_sec': 8.0}
+
+
+def test_the_peak_is_measured_once_and_then_read_from_the_cache(tmp_path):
+    path = str(tmp_path / 'peak_flops.json')
+    first, measured = peak_flops.cached_peak('CPU', tf.float32, path)
+    assert measured and first > 1e8  # any CPU that runs TensorFlow does 0.1 GFLOP/s
+    again, measured = peak_flops.cached_peak('CPU', tf.float32, path)
+    assert (again, measured) == (first, False)
+    with open(path) as f:
+        assert list(json.load(f)) == [peak_flops.machine_key('CPU', tf.float32)]
+
+
+def test_a_cached_peak_is_per_dtype_and_a_corrupt_cache_is_measured_again(tmp_path):
+    path = tmp_path / 'peak_flops.json'
+    key = peak_flops.machine_key('CPU', tf.float32)
+    path.write_text(json.dumps({key: 1e15}))
+    assert peak_flops.cached_peak('CPU', tf.float32, str(path)) == (1e15, False)
+    assert peak_flops.machine_key('CPU', tf.bfloat16) != key
+    path.write_text('{"half a file')
+    peak, measured = peak_flops.cached_peak('CPU', tf.float32, str(path))
+    assert measured and peak < 1e15
+    assert json.loads(path.read_text())[key] == peak
+
+
+def test_the_cache_lives_under_tfpipe_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv(peak_flops.CACHE_ENV, str(tmp_path))
+    assert peak_flops.cache_path() == str(tmp_path / 'peak_flops.json')
+    monkeypatch.delenv(peak_flops.CACHE_ENV)
+    monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path / 'xdg'))
+    assert peak_flops.cache_path() == str(tmp_path / 'xdg' / 'tfpipe' / 'peak_flops.json')
+
+
+def test_a_given_peak_wins_over_the_probe_and_a_bad_one_is_refused(tmp_path, monkeypatch):
+    import tfpipe
+    from trainer import throughput, train_job
+    monkeypatch.setenv(peak_flops.CACHE_ENV, str(tmp_path))
+    body = [layers.Dense.Params().Set(name=f'fc{i}', input_dim=8, output_dim=8)
+            for i in range(4)]
+    pipe = tfpipe.PipeliningLayer.Params().Set(name='pipe', body=body, balance=[2, 2],
+                                               num_micro_batches=2).Instantiate()
+    x = tf.zeros([6, 8])
+    got = throughput.measure_for(pipe, x, 'examples', 6, 5e9, 'CPU', 2)
+    assert got.peak == 5e9
+    assert got.step_flops == flops.step_flops(body, [2, 2], 'always', tf.TensorShape([6, 8]))
+    assert not (tmp_path / 'peak_flops.json').exists()  # nothing probed
+    with pytest.raises(ValueError, match=r'trainer.peak_flops=0 must be a positive number '
+                                         r'of FLOP/s'):
+        train_job.RuntimeOptions(peak_flops=0)
