@@ -180,3 +180,23 @@ def test_registered_models_build_and_take_their_inputs(model):
     for split in ('train', 'dev', 'test'):
         task.CheckInput(params.input.Get(split))
     assert task.pipe.ties and len(task.pipe.cells) == 2
+
+
+@pytest.mark.parametrize('model, blocks, width, params_millions', [
+    ('lm.pystdlib.GPT2SmallShapedLM', 12, 768, 85.45), ('lm.pystdlib.GPT2MediumShapedLM', 24,
+                                                        1024, 302.84)])
+def test_the_gpt2_shaped_models_have_gpt2s_shapes(model, blocks, width, params_millions):
+    """From params alone (tracing the 85M model takes tens of seconds): the shape, the
+    parameter count (the tied softmax once) and K=4 cells that cover the body."""
+    import model_registry
+    p = model_registry.get_params(model).task.pipeline
+    block_params = [lp for lp in p.body if lp.cls is layers.PackedTransformerBlock]
+    assert len(block_params) == blocks
+    assert {(lp.model_dim, lp.hidden_dim, lp.num_heads) for lp in block_params} == {
+        (width, 4 * width, width // 64)}
+    tied = sum(lp.cls.NumParams(lp) for lp in p.body if lp.name == 'logits') - width  # - bias
+    count = sum(lp.cls.NumParams(lp) for lp in p.body) - tied
+    assert abs(count / 1e6 - params_millions) < 0.1, count
+    assert len(p.balance) == 4 and sum(p.balance) == len(p.body)
+    assert [sum(lp.cls is layers.PackedTransformerBlock for lp in p.body[start:stop])
+            for start, stop in partition.cell_ranges(p.balance)] == [blocks // 4] * 4

@@ -72,26 +72,43 @@ def test_the_progress_line_gives_the_rate_in_its_unit_and_both_utilisations():
     assert unknown.scalars(0.5) == {'examples_per_sec': 8.0}
 
 
-def test_the_peak_is_measured_once_and_then_read_from_the_cache(tmp_path):
+def test_the_peak_is_measured_once_and_then_read_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(peak_flops, 'host_load', lambda: 0.1)
     path = str(tmp_path / 'peak_flops.json')
-    first, measured = peak_flops.cached_peak('CPU', tf.float32, path)
-    assert measured and first > 1e8  # any CPU that runs TensorFlow does 0.1 GFLOP/s
-    again, measured = peak_flops.cached_peak('CPU', tf.float32, path)
-    assert (again, measured) == (first, False)
+    first = peak_flops.cached_peak('CPU', tf.float32, path)
+    assert first.measured_now and first.flops > 1e8  # any CPU running TensorFlow does that
+    again = peak_flops.cached_peak('CPU', tf.float32, path)
+    assert (again.flops, again.measured_now, again.load) == (first.flops, False, 0.1)
     with open(path) as f:
-        assert list(json.load(f)) == [peak_flops.machine_key('CPU', tf.float32)]
+        assert json.load(f) == {peak_flops.machine_key('CPU', tf.float32): {
+            'flops': first.flops, 'load': 0.1}}
+
+
+def test_a_peak_probed_on_a_busy_host_is_probed_again_when_it_is_quieter(tmp_path,
+                                                                         monkeypatch):
+    path = tmp_path / 'peak_flops.json'
+    key = peak_flops.machine_key('CPU', tf.float32)
+    path.write_text(json.dumps({key: {'flops': 1.0, 'load': 6.0}}))  # 1 FLOP/s, busy
+    monkeypatch.setattr(peak_flops, 'host_load', lambda: 4.0)  # not half as busy
+    assert peak_flops.cached_peak('CPU', tf.float32, str(path)) == peak_flops.Peak(
+        1.0, False, 6.0)
+    monkeypatch.setattr(peak_flops, 'host_load', lambda: 2.5)
+    quieter = peak_flops.cached_peak('CPU', tf.float32, str(path))
+    assert quieter.measured_now and quieter.flops > 1e8 and quieter.load == 2.5
+    # A quiet entry is kept whatever the load now, and the highest figure wins.
+    path.write_text(json.dumps({key: {'flops': 1e15, 'load': 0.2}}))
+    monkeypatch.setattr(peak_flops, 'host_load', lambda: 0.0)
+    assert peak_flops.cached_peak('CPU', tf.float32, str(path)).flops == 1e15
 
 
 def test_a_cached_peak_is_per_dtype_and_a_corrupt_cache_is_measured_again(tmp_path):
     path = tmp_path / 'peak_flops.json'
     key = peak_flops.machine_key('CPU', tf.float32)
-    path.write_text(json.dumps({key: 1e15}))
-    assert peak_flops.cached_peak('CPU', tf.float32, str(path)) == (1e15, False)
     assert peak_flops.machine_key('CPU', tf.bfloat16) != key
     path.write_text('{"half a file')
-    peak, measured = peak_flops.cached_peak('CPU', tf.float32, str(path))
-    assert measured and peak < 1e15
-    assert json.loads(path.read_text())[key] == peak
+    peak = peak_flops.cached_peak('CPU', tf.float32, str(path))
+    assert peak.measured_now
+    assert json.loads(path.read_text())[key]['flops'] == peak.flops
 
 
 def test_the_cache_lives_under_tfpipe_cache_dir(monkeypatch, tmp_path):

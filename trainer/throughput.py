@@ -3,7 +3,7 @@
 '0.9 examples/s' tells nobody whether a step is good. Model FLOPs utilisation
 (tfpipe/tuning/flops.py: PaLM's definition, recompute not counted) over the
 machine's peak (tfpipe/tuning/peak_flops.py: measured once per machine and
-cached, or --peak_flops) does, and hardware FLOPs utilisation (recompute
+cached, or trainer.peak_flops) does, and hardware FLOPs utilisation (recompute
 counted) beside it says how much of the gap recompute takes.
 """
 from __future__ import annotations
@@ -84,7 +84,7 @@ def measure_for(pipe: Any, pipeline_inputs: Any, unit: str, per_step: int,
                 peak: Optional[float], device_type: str, devices_used: int) -> Throughput:
     """The Throughput of a run whose step feeds `pipeline_inputs` to `pipe`.
 
-    `peak` (FLOP/s, --peak_flops) wins; else one device's cached or measured peak
+    `peak` (FLOP/s, trainer.peak_flops) wins; else one device's cached or measured peak
     times the devices this process steps on (a CPU host counts once, however many
     logical CPUs it is split into). Logs once where the peak came from, so a
     reader of the MFU knows its denominator.
@@ -96,14 +96,15 @@ def measure_for(pipe: Any, pipeline_inputs: Any, unit: str, per_step: int,
         logging.info('no MFU in the progress lines: %s', e)
         return Throughput(unit, per_step, None, None)
     if peak:
-        logging.info('MFU over --peak_flops=%.4g FLOP/s', peak)
+        logging.info('MFU over trainer.peak_flops=%.4g FLOP/s', peak)
     else:
-        one, measured = peak_flops.cached_peak(device_type)
-        peak = one * (1 if device_type == 'CPU' else devices_used)
-        logging.info('MFU over a peak of %.4g FLOP/s (%s %s matmuls, %s in %s; give '
-                     '--peak_flops to use a known figure instead)', peak,
-                     'measured now:' if measured else 'cached:', device_type,
-                     f'{devices_used} devices' if device_type != 'CPU' else 'the host',
+        probed = peak_flops.cached_peak(device_type)
+        peak = probed.flops * (1 if device_type == 'CPU' else devices_used)
+        logging.info('MFU over a peak of %.4g FLOP/s: %s matmul probe of %s, %s at a load of '
+                     '%.2f per core (cache: %s; trainer.peak_flops=F gives a known figure)',
+                     peak, device_type, 'the host' if device_type == 'CPU'
+                     else f'one device times {devices_used}',
+                     'measured now' if probed.measured_now else 'cached', probed.load,
                      peak_flops.cache_path())
     logging.info('one step: %.4g model FLOPs, %.4g hardware FLOPs (recompute %r)',
                  step.model, step.hardware, pipe.params.recompute)

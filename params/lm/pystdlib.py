@@ -63,3 +63,36 @@ class TinyTransformerLM(TransformerLM):
         p.eval.Set(samples_per_summary=256, decoder_samples_per_summary=4)
         p.decoder.Set(prompt_length=16, num_new_tokens=16)
         return p
+
+
+@RegisterSingleTaskModel
+class GPT2SmallShapedLM(TransformerLM):
+    """GPT-2 small's shape (12 blocks of width 768, 12 heads, feed-forward 3072) over
+    bytes: 85.4M parameters (GPT-2's 124M less most of its 50k-token embedding), rows of 256
+    bytes, batch 8 as K=4 cells of 3 blocks, M=4, recompute always. The size tfpipe
+    exists for: about 1.4 GB of weights and Adam slots, a step of about 1.1 TFLOP. Its
+    default is a short run (20 steps, minutes on 2 cores), to measure and to try
+    layouts on; raise --max_steps to train it."""
+
+    BATCH_SIZE = 8
+    SEQUENCE_LENGTH = 256
+    SIZES = (768, 3072, 12, 12)
+    BALANCE = [5, 3, 3, 6]  # embedding, positions and 3 blocks; 3; 3; 3 and the head
+    MAX_STEPS = 20
+
+    def Task(self):
+        p = super().Task()
+        p.train.Set(learning_rate=0.001, save_interval_steps=10, summary_interval_steps=2)
+        p.train.lr_schedule.warmup_steps = 10
+        p.eval.Set(samples_per_summary=64, decoder_samples_per_summary=2)
+        p.decoder.Set(prompt_length=32, num_new_tokens=32)
+        return p
+
+
+@RegisterSingleTaskModel
+class GPT2MediumShapedLM(GPT2SmallShapedLM):
+    """GPT-2 medium's shape (24 blocks of width 1024, 16 heads, feed-forward 4096) over
+    bytes: 303M parameters, K=4 cells of 6 blocks; otherwise as GPT2SmallShapedLM."""
+
+    SIZES = (1024, 4096, 16, 24)
+    BALANCE = [8, 6, 6, 9]

@@ -7,14 +7,16 @@ square matmuls of MATMUL_SIZE, the shape oneDNN and cuBLAS run fastest, as many
 at once as the host has cores (the trainer's logical CPUs run single-threaded
 ops side by side, so one matmul would measure one core), the best of several
 calls. The figure is cached per machine (host name, processor, cores,
-TensorFlow version, device type, dtype) in `cache_path()`, so every later run on
-the same machine divides by the same number; a probe taken on a loaded machine
-is low, so the cache keeps the highest of all probes. On GPUs and TPUs with a
+TensorFlow version, device type, dtype) in `cache_path()`, so later runs on the
+same machine divide by the same number. A probe taken on a loaded machine is low:
+the cache keeps the highest figure and probes again when the host is quieter
+(`cached_peak`). On GPUs and TPUs with a
 known peak, give it instead (the trainer's --peak_flops): a datasheet figure is
 the usual MFU denominator there. GPU probing is untested here (no GPU).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -28,6 +30,7 @@ from absl import logging
 MATMUL_SIZE = 1024
 CALLS = 5  # the first call traces and warms the caches; the best of the rest counts
 CACHE_ENV = 'TFPIPE_CACHE_DIR'
+QUIET_LOAD = 0.25  # load average per core under which a probe is not repeated
 
 
 def cache_path() -> str:
@@ -101,27 +104,59 @@ def _write(path: str, data: dict) -> None:
     os.replace(tmp, path)  # atomic: two trainers starting at once never see half a file
 
 
-def cached_peak(device_type: str = 'CPU', dtype: tf.DType = tf.float32,
-                path: Optional[str] = None) -> tuple[float, bool]:
-    """(peak FLOP/s of one device of `device_type`, whether it was measured just now).
+@dataclasses.dataclass(frozen=True)
+class Peak:
+    """A device's peak FLOP/s; `measured_now` when this call probed; `load`: the host's
+    load average per core when the cached figure was probed."""
 
-    A CPU's device is the whole host (its logical devices share the cores); a
-    GPU's is one GPU.
+    flops: float
+    measured_now: bool
+    load: float
+
+
+def host_load() -> float:
+    """The 1-minute load average per core: 1.0 means every core busy."""
+    try:
+        return os.getloadavg()[0] / _cores()
+    except OSError:  # not available here: taken as quiet
+        return 0.0
+
+
+def cached_peak(device_type: str = 'CPU', dtype: tf.DType = tf.float32,
+                path: Optional[str] = None) -> Peak:
+    """The peak FLOP/s of one device of `device_type` (a CPU's device is the whole host,
+    its logical devices sharing the cores; a GPU's is one GPU), from the cache or probed.
+
+    A probe on a busy host reads low, and a low peak would overstate every MFU after
+    it, so the cache records the load each figure was probed at and probes again when
+    the host is at most half as loaded (QUIET_LOAD and under counts as quiet): a few
+    runs on a shared machine converge on the quiet figure. The cache keeps the highest.
     """
     path = path or cache_path()
     key = machine_key(device_type, dtype)
-    cached = _read(path)
-    if isinstance(cached.get(key), (int, float)) and cached[key] > 0:
-        return float(cached[key]), False
+    load = host_load()
+    entry = _entry(_read(path), key)
+    if entry is not None and (entry['load'] <= QUIET_LOAD or load > entry['load'] / 2):
+        return Peak(entry['flops'], False, entry['load'])
     if device_type == 'CPU':
-        peak = measure('/CPU:0', dtype, parallel=_cores())
+        flops = measure('/CPU:0', dtype, parallel=_cores())
     else:
-        peak = measure(f'/{device_type}:0', dtype)
+        flops = measure(f'/{device_type}:0', dtype)
     cached = _read(path)  # another process may have written meanwhile
-    cached[key] = max(peak, float(cached.get(key) or 0))
+    entry = _entry(cached, key) or {'flops': 0.0, 'load': load}
+    cached[key] = {'flops': max(flops, entry['flops']), 'load': min(load, entry['load'])}
     try:
         _write(path, cached)
     except OSError as e:  # a read-only home: the figure is still right for this run
         logging.warning('could not cache the peak FLOP/s in %s (%s): set $%s to a writable '
                         'directory, or the next run measures it again', path, e, CACHE_ENV)
-    return cached[key], True
+    return Peak(cached[key]['flops'], True, cached[key]['load'])
+
+
+def _entry(cached: dict, key: str) -> Optional[dict]:
+    """The cached {'flops', 'load'} of `key`, or None if absent or malformed."""
+    entry = cached.get(key)
+    if (isinstance(entry, dict) and isinstance(entry.get('flops'), (int, float))
+            and entry['flops'] > 0 and isinstance(entry.get('load'), (int, float))):
+        return {'flops': float(entry['flops']), 'load': float(entry['load'])}
+    return None
