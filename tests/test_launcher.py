@@ -8,7 +8,8 @@ start-up on this machine:
   they agree on and the launcher exits 0; the losses of every step and the checkpoint
   equal the one-process R=2 run's at that step.
 - `restarted`: --max_restarts=1; client 1 SIGKILLed mid-run is restarted with every
-  client from the last checkpoint; killed again with no restart left, the chief exits
+  client from the last checkpoint (the first clients, the chief too, are gone before the
+  new ones start); killed again with no restart left, the chief exits
   naming the lost task and the launcher exits 1 naming client 1. Its last checkpoint
   equals the reference's at that step.
 - `single`: R=1, its client SIGKILLed: restarted although no client is left running.
@@ -98,6 +99,15 @@ class LauncherRun:
         self.proc.wait()
 
 
+def alive(pid: int) -> bool:
+    """Whether `pid` runs; a zombie (ended, not yet reaped by whoever adopted it) does not."""
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
+    except FileNotFoundError:
+        return False
+
+
 SAVED = r'^\[client 0\] .*saved .*ckpt-\d+$'
 
 
@@ -114,6 +124,7 @@ def restart_scenario(run: LauncherRun) -> LauncherRun:
     run.killed_at = time.time()
     run.wait_for(r'^\[launcher\] client 1: pid \d+', 2)
     run.restarted_at = time.time()
+    run.first_generation_alive = [pid for pid in run.client_pids()[:2] if alive(pid)]
     run.wait_for(SAVED, len(re.findall(SAVED, run.output, re.M)) + 2)  # training again
     os.kill(run.client_pids()[3], signal.SIGKILL)
     run.killed_again_at = time.time()
@@ -232,6 +243,7 @@ def test_a_killed_client_restarts_every_client_from_the_last_checkpoint(runs):
     out = run.output
     pids = run.client_pids()
     assert len(pids) == 4 and len(set(pids)) == 4, out[-4000:]
+    assert run.first_generation_alive == [], out[-4000:]  # the chief too, not only client 1
     assert re.search(rf'^\[launcher\] client 1 \(pid {pids[1]}, 127\.0\.0\.1:\d+\) was killed '
                      r'by SIGKILL: stopped every client; restarting all 2 from the last '
                      r'checkpoint .*\(restart 1 of --max_restarts=1\)$', out, re.M), out[-4000:]
