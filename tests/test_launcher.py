@@ -16,6 +16,8 @@ start-up on this machine:
 - `refused`: bad input that only the clients can see (num_replicas=3 for 2 clients):
   exit 2 with one error line, no restart although --max_restarts=1.
 
+Runs that need no reference run alone: SIGTERM during the clients' start-up.
+
 The reference saves every step, so it holds the state of whichever step a run ended
 at. TF_ENABLE_ONEDNN_OPTS=0 everywhere: oneDNN's kernels round R=2 differently from
 one process (docs/clients.md). Every process is stopped by its PID in teardown.
@@ -106,6 +108,14 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
     except FileNotFoundError:
         return False
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """The PIDs among `pids` still running after up to `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while any(map(alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [pid for pid in pids if alive(pid)]
 
 
 SAVED = r'^\[client 0\] .*saved .*ckpt-\d+$'
@@ -282,6 +292,25 @@ def test_bad_input_the_clients_find_exits_2_with_one_line_and_no_restart(runs):
                     errors[0]), errors
     assert len(run.client_pids()) == 2, run.output[-4000:]  # no second start
     assert not os.path.exists(run.logdir)
+
+
+# -- Stops that are not a lost client: one launcher run each, no reference needed --------
+
+def test_sigterm_during_start_up_stops_every_client_and_exits_0(tmp_path, data_dir):
+    run = LauncherRun(tmp_path, 'start_up', data_dir, '--local_clients=2')
+    try:
+        run.wait_for(r'^\[launcher\] client 1: pid \d+')  # both started, neither trains yet
+        run.proc.send_signal(signal.SIGTERM)
+        run.finish(timeout=120)
+        out = run.output
+        assert run.code == 0, out[-4000:]
+        assert 'Traceback' not in out and not re.search(r'^(\[\w+ ?\d*\] )?error', out, re.M), \
+            out[-4000:]
+        assert re.search(r'^\[launcher\] client 1 \(pid \d+, 127\.0\.0\.1:\d+\) was killed by '
+                         r'SIGTERM before it trained: nothing to save$', out, re.M), out[-4000:]
+        assert wait_gone(run.client_pids(), 0) == []
+    finally:
+        run.stop()
 
 
 # -- Bad input the launcher itself refuses: one line, exit 2, nothing started or written ----

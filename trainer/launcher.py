@@ -235,10 +235,13 @@ class Client:
             self.proc.kill()
         self.finish()
 
-    def describe(self) -> str:
+    def describe(self, last_error: bool = True) -> str:
+        """Task, PID and address; once ended, how (and the last error line it printed)."""
         text = f'client {self.task} (pid {self.proc.pid}, {self.address})'
         if self.code is None:
             return text
+        if not last_error:
+            return f'{text} {_exit_text(self.code)}' if self.code < 0 else text
         last = f': {self.errors[-1]}' if self.errors else ''
         return f'{text} {_exit_text(self.code)}{last}'
 
@@ -390,9 +393,17 @@ class Launcher:
         self._kill(clients)
 
     def _status(self, clients: list[Client]) -> int:
-        """0 when every client exited 0; else the first failure (128 + N for signal N)."""
+        """0 when every client exited 0; else the first failure (128 + N for signal N).
+
+        A client ended by the SIGINT/SIGTERM the launcher forwarded had not installed its
+        handler, which saves and exits 0: it was still starting (or done), so it stopped
+        cleanly with nothing to save.
+        """
+        stopped = [c for c in clients if c.code is not None and -c.code in self._signals]
+        for client in stopped:
+            self.log(f'{client.describe(last_error=False)} before it trained: nothing to save')
         for client in clients:
-            if client.code != 0:
+            if client.code != 0 and client not in stopped:
                 print(f'error: {client.describe()}', file=sys.stderr, flush=True)
                 return 128 - client.code if client.code < 0 else client.code
         return 0
