@@ -16,7 +16,8 @@ start-up on this machine:
 - `refused`: bad input that only the clients can see (num_replicas=3 for 2 clients):
   exit 2 with one error line, no restart although --max_restarts=1.
 
-Runs that need no reference run alone: SIGTERM during the clients' start-up.
+Runs that need no reference run alone: SIGTERM during the clients' start-up and a
+NaN (not restarted).
 
 The reference saves every step, so it holds the state of whichever step a run ended
 at. TF_ENABLE_ONEDNN_OPTS=0 everywhere: oneDNN's kernels round R=2 differently from
@@ -309,6 +310,22 @@ def test_sigterm_during_start_up_stops_every_client_and_exits_0(tmp_path, data_d
         assert re.search(r'^\[launcher\] client 1 \(pid \d+, 127\.0\.0\.1:\d+\) was killed by '
                          r'SIGTERM before it trained: nothing to save$', out, re.M), out[-4000:]
         assert wait_gone(run.client_pids(), 0) == []
+    finally:
+        run.stop()
+
+
+def test_a_nan_is_not_restarted_and_exits_1_naming_it(tmp_path, data_dir):
+    run = LauncherRun(tmp_path, 'nan', data_dir, '--local_clients=1', '--max_restarts=1',
+                      th.overrides(**{'task.train.learning_rate': 1e30}))
+    try:
+        run.finish()
+        out = run.output
+        assert run.code == 1, out[-4000:]
+        assert len(run.client_pids()) == 1, out[-4000:]  # no restart
+        last = out.splitlines()[-1]
+        assert re.match(r'error: client 0 \(pid \d+, 127\.0\.0\.1:\d+\) stopped training: '
+                        r'(loss is \S+ and gradient norm \S+ at step \d+|the weights after '
+                        r'step \d+ are not finite); not restarted', last), out[-4000:]
     finally:
         run.stop()
 

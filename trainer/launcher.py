@@ -13,7 +13,9 @@ Why a supervisor and not R hand-written commands: a lost client stops the others
 from the chief's last checkpoint. The launcher does that restart (`--max_restarts`),
 forwards SIGINT/SIGTERM (the clients' coordinated save) and gives each client its
 own share of the host: CPU cores (pinned, so R clients do not each size their
-thread pools for the whole host) or GPUs (CUDA_VISIBLE_DEVICES).
+thread pools for the whole host) or GPUs (CUDA_VISIBLE_DEVICES). A NaN is not a
+lost client: training again from the last checkpoint would reach it again, so it
+stops every client unrestarted.
 
 The launcher imports no TensorFlow: it starts in a fraction of a second and holds
 none of TensorFlow's memory for the whole run.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -46,6 +49,10 @@ PORT_ATTEMPTS = 3
 LOST_PEER_SECONDS = 60.0
 POLL_SECONDS = 0.05
 HOST = '127.0.0.1'
+# The line a client prints when training met a NaN or Inf (trainer/train_job.py,
+# Trainer._non_finite); group 1 names the value and the step.
+NON_FINITE = re.compile(r'error: (.*\bstep \d+\b.*?): training stopped; the last good '
+                        r'checkpoint in ')
 
 
 class LaunchError(ValueError):
@@ -307,6 +314,16 @@ class Launcher:
             if lost.code == EXIT_BAD_INPUT:  # bad input: a restart would refuse it again
                 self._kill(clients)
                 return EXIT_BAD_INPUT
+            non_finite = self._non_finite(lost)
+            if non_finite:  # deterministic: a restart would reach it again
+                self._kill(clients)
+                print(f'error: {lost.describe(last_error=False)} stopped training: '
+                      f'{non_finite}; not restarted (the same steps from the last checkpoint '
+                      'would reach it again), every client stopped: lower '
+                      'task.train.learning_rate or set task.train.clip_gradient_norm_to_value, '
+                      f'then rerun the command to resume from the last checkpoint in '
+                      f'{self.logdir}', file=sys.stderr, flush=True)
+                return 1
             if restarts < self.max_restarts:
                 restarts += 1
                 self._kill(clients)
@@ -368,6 +385,14 @@ class Launcher:
                     client.finish()
                 return None
             time.sleep(POLL_SECONDS)
+
+    @staticmethod
+    def _non_finite(client: Client) -> Optional[str]:
+        """The NaN or Inf, and its step, that the client stopped on; None: not that."""
+        if client.code != 1:
+            return None
+        found = [m.group(1) for m in map(NON_FINITE.match, client.errors) if m]
+        return found[-1] if found else None
 
     @staticmethod
     def _port_taken(client: Client) -> bool:
