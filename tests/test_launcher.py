@@ -16,8 +16,8 @@ start-up on this machine:
 - `refused`: bad input that only the clients can see (num_replicas=3 for 2 clients):
   exit 2 with one error line, no restart although --max_restarts=1.
 
-Runs that need no reference run alone: SIGTERM during the clients' start-up and a
-NaN (not restarted).
+Runs that need no reference run alone: SIGTERM during the clients' start-up, a
+killed launcher (its clients die with it) and a NaN (not restarted).
 
 The reference saves every step, so it holds the state of whichever step a run ended
 at. TF_ENABLE_ONEDNN_OPTS=0 everywhere: oneDNN's kernels round R=2 differently from
@@ -312,6 +312,32 @@ def test_sigterm_during_start_up_stops_every_client_and_exits_0(tmp_path, data_d
         assert wait_gone(run.client_pids(), 0) == []
     finally:
         run.stop()
+
+
+@pytest.mark.skipif(not sys.platform.startswith('linux'), reason='a Linux parent-death signal')
+def test_the_clients_of_a_killed_launcher_die_with_it(tmp_path, data_dir):
+    """The clients are frozen (SIGSTOP) first: a client busy in a long step prints nothing
+    for minutes, and one printing would die of the broken pipe to its dead launcher, which
+    is not what is tested; a frozen client dies only of the parent-death signal."""
+    run = LauncherRun(tmp_path, 'orphaned', data_dir, '--local_clients=2')
+    try:
+        run.wait_for(SAVED)  # training: each client past its start-up
+        pids = run.client_pids()
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        run.proc.kill()
+        run.finish()
+        assert wait_gone(pids, 10) == [], run.output[-4000:]
+    finally:
+        run.stop()
+
+
+def test_a_client_entry_started_by_hand_exits_2_with_one_line():
+    result = subprocess.run([sys.executable, '-m', 'trainer.launched_client', f'--model={MODEL}'],
+                            env=env(), cwd=th.REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.startswith('error: TFPIPE_LAUNCHER_PID is not set: '), result.stderr
+    assert result.stderr.count('\n') == 1, result.stderr
 
 
 def test_a_nan_is_not_restarted_and_exits_1_naming_it(tmp_path, data_dir):

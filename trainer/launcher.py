@@ -15,7 +15,8 @@ forwards SIGINT/SIGTERM (the clients' coordinated save) and gives each client it
 own share of the host: CPU cores (pinned, so R clients do not each size their
 thread pools for the whole host) or GPUs (CUDA_VISIBLE_DEVICES). A NaN is not a
 lost client: training again from the last checkpoint would reach it again, so it
-stops every client unrestarted.
+stops every client unrestarted. The clients die with the launcher
+(trainer/launched_client.py).
 
 The launcher imports no TensorFlow: it starts in a fraction of a second and holds
 none of TensorFlow's memory for the whole run.
@@ -35,7 +36,7 @@ from typing import IO, Mapping, Optional, Sequence
 
 from absl import flags
 
-from trainer import logdir_access
+from trainer import launched_client, logdir_access
 
 EXIT_BAD_INPUT = 2
 # The flags the launcher consumes or sets for each client; every other flag given is forwarded.
@@ -351,6 +352,7 @@ class Launcher:
             environ = dict(self.environ)
             if share.gpus is not None:
                 environ['CUDA_VISIBLE_DEVICES'] = ','.join(share.gpus)
+            environ[launched_client.LAUNCHER_PID] = str(os.getpid())
             command = [*self.command, '--job=trainer', f'--task={task}',
                        f'--cluster_spec={spec}']
             clients.append(Client(task, addresses[task], command, environ, share, self))
@@ -442,6 +444,6 @@ def run(flag_values: flags.FlagValues, environ: Mapping[str, str]) -> int:
     except ValueError as e:  # LaunchError, or logdir_access's one-line refusals
         print(f'error: {e}', file=sys.stderr)
         return EXIT_BAD_INPUT
-    command = [sys.executable, '-m', 'trainer', *forwarded_flags(flag_values)]
+    command = [sys.executable, '-m', 'trainer.launched_client', *forwarded_flags(flag_values)]
     return Launcher(command, shares, flag_values.max_restarts, environ,
                     flag_values.logdir).run()
