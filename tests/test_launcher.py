@@ -8,12 +8,16 @@ start-up on this machine:
   they agree on and the launcher exits 0; the losses of every step and the checkpoint
   equal the one-process R=2 run's at that step.
 - `restarted`: --max_restarts=1; client 1 SIGKILLed mid-run is restarted with every
-  client from the last checkpoint; killed again with no restart left, the chief exits
+  client from the last checkpoint (the first clients, the chief too, are gone before the
+  new ones start); killed again with no restart left, the chief exits
   naming the lost task and the launcher exits 1 naming client 1. Its last checkpoint
   equals the reference's at that step.
 - `single`: R=1, its client SIGKILLed: restarted although no client is left running.
 - `refused`: bad input that only the clients can see (num_replicas=3 for 2 clients):
   exit 2 with one error line, no restart although --max_restarts=1.
+
+Runs that need no reference run alone: SIGTERM during the clients' start-up, a
+killed launcher (its clients die with it) and a NaN (not restarted).
 
 The reference saves every step, so it holds the state of whichever step a run ended
 at. TF_ENABLE_ONEDNN_OPTS=0 everywhere: oneDNN's kernels round R=2 differently from
@@ -98,6 +102,23 @@ class LauncherRun:
         self.proc.wait()
 
 
+def alive(pid: int) -> bool:
+    """Whether `pid` runs; a zombie (ended, not yet reaped by whoever adopted it) does not."""
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """The PIDs among `pids` still running after up to `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while any(map(alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [pid for pid in pids if alive(pid)]
+
+
 SAVED = r'^\[client 0\] .*saved .*ckpt-\d+$'
 
 
@@ -114,6 +135,7 @@ def restart_scenario(run: LauncherRun) -> LauncherRun:
     run.killed_at = time.time()
     run.wait_for(r'^\[launcher\] client 1: pid \d+', 2)
     run.restarted_at = time.time()
+    run.first_generation_alive = [pid for pid in run.client_pids()[:2] if alive(pid)]
     run.wait_for(SAVED, len(re.findall(SAVED, run.output, re.M)) + 2)  # training again
     os.kill(run.client_pids()[3], signal.SIGKILL)
     run.killed_again_at = time.time()
@@ -232,6 +254,7 @@ def test_a_killed_client_restarts_every_client_from_the_last_checkpoint(runs):
     out = run.output
     pids = run.client_pids()
     assert len(pids) == 4 and len(set(pids)) == 4, out[-4000:]
+    assert run.first_generation_alive == [], out[-4000:]  # the chief too, not only client 1
     assert re.search(rf'^\[launcher\] client 1 \(pid {pids[1]}, 127\.0\.0\.1:\d+\) was killed '
                      r'by SIGKILL: stopped every client; restarting all 2 from the last '
                      r'checkpoint .*\(restart 1 of --max_restarts=1\)$', out, re.M), out[-4000:]
@@ -270,6 +293,67 @@ def test_bad_input_the_clients_find_exits_2_with_one_line_and_no_restart(runs):
                     errors[0]), errors
     assert len(run.client_pids()) == 2, run.output[-4000:]  # no second start
     assert not os.path.exists(run.logdir)
+
+
+# -- Stops that are not a lost client: one launcher run each, no reference needed --------
+
+def test_sigterm_during_start_up_stops_every_client_and_exits_0(tmp_path, data_dir):
+    run = LauncherRun(tmp_path, 'start_up', data_dir, '--local_clients=2')
+    try:
+        run.wait_for(r'^\[launcher\] client 1: pid \d+')  # both started, neither trains yet
+        run.proc.send_signal(signal.SIGTERM)
+        run.finish(timeout=120)
+        out = run.output
+        assert run.code == 0, out[-4000:]
+        assert 'Traceback' not in out and not re.search(r'^(\[\w+ ?\d*\] )?error', out, re.M), \
+            out[-4000:]
+        assert re.search(r'^\[launcher\] client 1 \(pid \d+, 127\.0\.0\.1:\d+\) was killed by '
+                         r'SIGTERM before it trained: nothing to save$', out, re.M), out[-4000:]
+        assert wait_gone(run.client_pids(), 0) == []
+    finally:
+        run.stop()
+
+
+@pytest.mark.skipif(not sys.platform.startswith('linux'), reason='a Linux parent-death signal')
+def test_the_clients_of_a_killed_launcher_die_with_it(tmp_path, data_dir):
+    """The clients are frozen (SIGSTOP) first: a client busy in a long step prints nothing
+    for minutes, and one printing would die of the broken pipe to its dead launcher, which
+    is not what is tested; a frozen client dies only of the parent-death signal."""
+    run = LauncherRun(tmp_path, 'orphaned', data_dir, '--local_clients=2')
+    try:
+        run.wait_for(SAVED)  # training: each client past its start-up
+        pids = run.client_pids()
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        run.proc.kill()
+        run.finish()
+        assert wait_gone(pids, 10) == [], run.output[-4000:]
+    finally:
+        run.stop()
+
+
+def test_a_client_entry_started_by_hand_exits_2_with_one_line():
+    result = subprocess.run([sys.executable, '-m', 'trainer.launched_client', f'--model={MODEL}'],
+                            env=env(), cwd=th.REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.startswith('error: TFPIPE_LAUNCHER_PID is not set: '), result.stderr
+    assert result.stderr.count('\n') == 1, result.stderr
+
+
+def test_a_nan_is_not_restarted_and_exits_1_naming_it(tmp_path, data_dir):
+    run = LauncherRun(tmp_path, 'nan', data_dir, '--local_clients=1', '--max_restarts=1',
+                      th.overrides(**{'task.train.learning_rate': 1e30}))
+    try:
+        run.finish()
+        out = run.output
+        assert run.code == 1, out[-4000:]
+        assert len(run.client_pids()) == 1, out[-4000:]  # no restart
+        last = out.splitlines()[-1]
+        assert re.match(r'error: client 0 \(pid \d+, 127\.0\.0\.1:\d+\) stopped training: '
+                        r'(loss is \S+ and gradient norm \S+ at step \d+|the weights after '
+                        r'step \d+ are not finite); not restarted', last), out[-4000:]
+    finally:
+        run.stop()
 
 
 # -- Bad input the launcher itself refuses: one line, exit 2, nothing started or written ----

@@ -187,6 +187,11 @@ def _without_slurm(environ: dict) -> dict:
     (_step(SLURM_PROCID='1', SLURMD_NODENAME='n2', SLURM_STEP_NUM_TASKS='4',
            SLURM_STEP_NODELIST='n[1-2]', SLURM_STEP_TASKS_PER_NODE='2(x2)'),
      'task 1 runs on node n2 as local task 0, but SlurmClusterResolver'),
+    # Slurm orders n9 before n10, Python's sort does not: task 0, on n9, would be told n10.
+    (_step(SLURMD_NODENAME='n9', SLURM_STEP_NODELIST='n[9-10]',
+           SLURM_STEP_TASKS_PER_NODE='1(x2)'),
+     'task 0 runs on node n9 as local task 0, but SlurmClusterResolver, which numbers tasks '
+     'node by node in sorted name order, puts it at n10:23000'),
     (_step(SLURM_STEP_GPUS='0,1,2'), 'SLURM_STEP_GPUS=0,1,2 cannot be shared evenly by the 2 '
                                      'task(s)'),
     (_step(), '--port_base=65535: the 2 task(s) on a node take ports'),

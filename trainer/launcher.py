@@ -13,7 +13,10 @@ Why a supervisor and not R hand-written commands: a lost client stops the others
 from the chief's last checkpoint. The launcher does that restart (`--max_restarts`),
 forwards SIGINT/SIGTERM (the clients' coordinated save) and gives each client its
 own share of the host: CPU cores (pinned, so R clients do not each size their
-thread pools for the whole host) or GPUs (CUDA_VISIBLE_DEVICES).
+thread pools for the whole host) or GPUs (CUDA_VISIBLE_DEVICES). A NaN is not a
+lost client: training again from the last checkpoint would reach it again, so it
+stops every client unrestarted. The clients die with the launcher
+(trainer/launched_client.py).
 
 The launcher imports no TensorFlow: it starts in a fraction of a second and holds
 none of TensorFlow's memory for the whole run.
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -32,7 +36,7 @@ from typing import IO, Mapping, Optional, Sequence
 
 from absl import flags
 
-from trainer import logdir_access
+from trainer import launched_client, logdir_access
 
 EXIT_BAD_INPUT = 2
 # The flags the launcher consumes or sets for each client; every other flag given is forwarded.
@@ -46,6 +50,10 @@ PORT_ATTEMPTS = 3
 LOST_PEER_SECONDS = 60.0
 POLL_SECONDS = 0.05
 HOST = '127.0.0.1'
+# The line a client prints when training met a NaN or Inf (trainer/train_job.py,
+# Trainer._non_finite); group 1 names the value and the step.
+NON_FINITE = re.compile(r'error: (.*\bstep \d+\b.*?): training stopped; the last good '
+                        r'checkpoint in ')
 
 
 class LaunchError(ValueError):
@@ -235,10 +243,13 @@ class Client:
             self.proc.kill()
         self.finish()
 
-    def describe(self) -> str:
+    def describe(self, last_error: bool = True) -> str:
+        """Task, PID and address; once ended, how (and the last error line it printed)."""
         text = f'client {self.task} (pid {self.proc.pid}, {self.address})'
         if self.code is None:
             return text
+        if not last_error:
+            return f'{text} {_exit_text(self.code)}' if self.code < 0 else text
         last = f': {self.errors[-1]}' if self.errors else ''
         return f'{text} {_exit_text(self.code)}{last}'
 
@@ -304,6 +315,16 @@ class Launcher:
             if lost.code == EXIT_BAD_INPUT:  # bad input: a restart would refuse it again
                 self._kill(clients)
                 return EXIT_BAD_INPUT
+            non_finite = self._non_finite(lost)
+            if non_finite:  # deterministic: a restart would reach it again
+                self._kill(clients)
+                print(f'error: {lost.describe(last_error=False)} stopped training: '
+                      f'{non_finite}; not restarted (the same steps from the last checkpoint '
+                      'would reach it again), every client stopped: lower '
+                      'task.train.learning_rate or set task.train.clip_gradient_norm_to_value, '
+                      f'then rerun the command to resume from the last checkpoint in '
+                      f'{self.logdir}', file=sys.stderr, flush=True)
+                return 1
             if restarts < self.max_restarts:
                 restarts += 1
                 self._kill(clients)
@@ -331,6 +352,7 @@ class Launcher:
             environ = dict(self.environ)
             if share.gpus is not None:
                 environ['CUDA_VISIBLE_DEVICES'] = ','.join(share.gpus)
+            environ[launched_client.LAUNCHER_PID] = str(os.getpid())
             command = [*self.command, '--job=trainer', f'--task={task}',
                        f'--cluster_spec={spec}']
             clients.append(Client(task, addresses[task], command, environ, share, self))
@@ -367,6 +389,14 @@ class Launcher:
             time.sleep(POLL_SECONDS)
 
     @staticmethod
+    def _non_finite(client: Client) -> Optional[str]:
+        """The NaN or Inf, and its step, that the client stopped on; None: not that."""
+        if client.code != 1:
+            return None
+        found = [m.group(1) for m in map(NON_FINITE.match, client.errors) if m]
+        return found[-1] if found else None
+
+    @staticmethod
     def _port_taken(client: Client) -> bool:
         port = client.address.rpartition(':')[2]
         return client.code == EXIT_BAD_INPUT and any(
@@ -390,9 +420,17 @@ class Launcher:
         self._kill(clients)
 
     def _status(self, clients: list[Client]) -> int:
-        """0 when every client exited 0; else the first failure (128 + N for signal N)."""
+        """0 when every client exited 0; else the first failure (128 + N for signal N).
+
+        A client ended by the SIGINT/SIGTERM the launcher forwarded had not installed its
+        handler, which saves and exits 0: it was still starting (or done), so it stopped
+        cleanly with nothing to save.
+        """
+        stopped = [c for c in clients if c.code is not None and -c.code in self._signals]
+        for client in stopped:
+            self.log(f'{client.describe(last_error=False)} before it trained: nothing to save')
         for client in clients:
-            if client.code != 0:
+            if client.code != 0 and client not in stopped:
                 print(f'error: {client.describe()}', file=sys.stderr, flush=True)
                 return 128 - client.code if client.code < 0 else client.code
         return 0
@@ -406,6 +444,6 @@ def run(flag_values: flags.FlagValues, environ: Mapping[str, str]) -> int:
     except ValueError as e:  # LaunchError, or logdir_access's one-line refusals
         print(f'error: {e}', file=sys.stderr)
         return EXIT_BAD_INPUT
-    command = [sys.executable, '-m', 'trainer', *forwarded_flags(flag_values)]
+    command = [sys.executable, '-m', 'trainer.launched_client', *forwarded_flags(flag_values)]
     return Launcher(command, shares, flag_values.max_restarts, environ,
                     flag_values.logdir).run()
