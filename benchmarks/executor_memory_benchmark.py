@@ -20,8 +20,9 @@ The peak depends on which ops the two inter-op threads run at once, so it moves
 from run to run (M=4 301-347 MiB on one tree at load 3-10): compare trees over
 several alternating runs. `--trace` also records the measured step with the
 profiler and prints the buffers (1 MiB and more) allocated during the step and
-alive at its peak, with their ops: how the 2026-11-26 night regression in
-benchmarks/README.md was found (the profiler's own work shifts the timing a little).
+alive at its peak, with their ops: how the regression in benchmarks/README.md,
+"Dense input gradient and executor memory", was found (the profiler's own work
+shifts the timing a little).
 
 Run (from the repository root; about 2 minutes):
     PYTHONPATH=. python benchmarks/executor_memory_benchmark.py

@@ -76,8 +76,9 @@ def input_gradient(dy: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
     with BatchMatMulV2's dx, as fast as dw, the next layer's dw often started while
     this one still waited, and two or three weight gradients were alive at once
     (8 x Dense(2048), K=2: +12 MiB at M=1, +13 to +45 MiB at M=4; allocations
-    traced with the profiler, benchmarks/README.md "2026-11-26 night"). The products
-    and sums are the same ones; only the order of the loops differs.
+    traced with the profiler, benchmarks/README.md, "Dense input gradient and
+    executor memory"). The products and sums are the same ones; only the order
+    of the loops differs.
     """
     return tf.transpose(tf.matmul(w, dy, transpose_b=True))
 
