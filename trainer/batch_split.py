@@ -96,6 +96,13 @@ def resume(params: Params, replicas: int, saved_split: Optional[Split],
     """
     pipeline = params.task.pipeline
     if saved_split is None or saved_split.replicas == replicas:
+        if saved_split is not None and saved_split.micro_batches != pipeline.num_micro_batches:
+            logging.info('resuming a checkpoint of %d replicas x %d micro-batches with %d '
+                         'micro-batches per replica (the checkpoint ran %d): %d per global '
+                         'batch instead of %d, as task.pipeline.num_micro_batches says',
+                         replicas, saved_split.micro_batches, pipeline.num_micro_batches,
+                         saved_split.micro_batches, replicas * pipeline.num_micro_batches,
+                         saved_split.global_micro_batches)
         return Split(replicas, pipeline.num_micro_batches)
     total = saved_split.global_micro_batches
     if total % replicas:
