@@ -64,10 +64,15 @@ def saved(train_dir: str) -> Optional[Split]:
     if path is None:
         return None
     checkpoints.check_readable(path)
-    reader = tf.train.load_checkpoint(path)
-    if not reader.has_tensor(_REPLICAS_KEY):
+    if not recorded(path):
         return None
+    reader = tf.train.load_checkpoint(path)
     return Split(int(reader.get_tensor(_REPLICAS_KEY)), int(reader.get_tensor(_MICRO_KEY)))
+
+
+def recorded(path: str) -> bool:
+    """Whether the checkpoint `path` holds a SplitRecord (all since splits were recorded)."""
+    return tf.train.load_checkpoint(path).has_tensor(_REPLICAS_KEY)
 
 
 def from_chief(peers: across_clients.Peers, split: Optional[Split]) -> Optional[Split]:
