@@ -1,7 +1,9 @@
 """Optimizer states sharded across trainer clients (real processes on loopback).
 
-Two clients with task.train.shard_optimizer_states=True (Adam, SmallConvPipe, K=2) each
-hold half of every slot. They must train as one process with R=2 unsharded replicas
+Two clients with task.train.shard_optimizer_states=True (Adam, K=2) each hold half of
+every slot. The model is SmallConvPipe with odd-sized conv0 variables
+(tests/odd_sizes_model.py): the second client's part of them is one element short,
+padded for the all-gather that collects the whole slots for the chief's checkpoint. They must train as one process with R=2 unsharded replicas
 does: loss at every step, and the chief's checkpoints (weights and WHOLE Adam slots,
 under the same keys) within 1e-5. The sharded run is done in two halves, so its second
 half restores the chief's checkpoint into sharded clients (the non-chief, given an
@@ -21,6 +23,7 @@ import tensorflow as tf
 from tests import trainer_helpers as th
 from tests.test_clients import free_port
 
+MODEL = 'tests.odd_sizes_model.SmallConvOddPipe'
 STEPS = 4
 EXACT = {'TF_ENABLE_ONEDNN_OPTS': '0'}
 SHARDED = {'task.train.shard_optimizer_states': True}
@@ -37,7 +40,7 @@ def _start_clients(processes: th.Processes, logdirs, data_dir: str, *flags: str)
     procs = []
     for task, logdir in enumerate(logdirs):
         cmd = ['--num_logical_cpus=2' if a.startswith('--num_logical_cpus=') else a
-               for a in th.command(th.FAST, logdir, data_dir, *flags)]
+               for a in th.command(MODEL, logdir, data_dir, *flags)]
         procs.append(processes.start([*cmd, f'--task={task}', f'--cluster_spec={spec}'],
                                      environ=EXACT))
     return procs
@@ -58,7 +61,7 @@ def runs(tmp_path_factory, data_dir, processes):
     d = {name: str(root / name) for name in ('chief', 'other', 'reference', 'unsharded')}
     first = _start_clients(processes, [d['chief'], d['other']], data_dir,
                            *_flags(STEPS // 2, **SHARDED))
-    reference = processes.start(th.command(th.FAST, d['reference'], data_dir, *_flags(
+    reference = processes.start(th.command(MODEL, d['reference'], data_dir, *_flags(
         STEPS, **{'task.pipeline.num_replicas': 2})), environ=EXACT)
     d['first_stderr'] = _finish(first)
     assert not os.path.exists(d['other'])
@@ -66,7 +69,7 @@ def runs(tmp_path_factory, data_dir, processes):
     os.makedirs(d['other'])  # empty: the non-chief has no access to the chief's logdir
     second = _start_clients(processes, [d['chief'], d['other']], data_dir,
                             *_flags(STEPS, **SHARDED))
-    unsharded = processes.start(th.command(th.FAST, d['unsharded'], data_dir, *_flags(
+    unsharded = processes.start(th.command(MODEL, d['unsharded'], data_dir, *_flags(
         STEPS, **{'task.pipeline.num_micro_batches': 4})), environ=EXACT)
     d['second_stderr'] = _finish([*second, unsharded, reference])
     return d

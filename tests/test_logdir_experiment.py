@@ -187,6 +187,42 @@ def test_an_explicit_horizon_shorter_than_the_run_warns():
         lr_schedules.Cosine.Params().Instantiate()  # outside the trainer: set it
 
 
+def test_a_longer_resume_of_a_followed_horizon_names_the_rates_jump():
+    """SmallConvPipe's cosine followed max_steps=100 to rate 0; resumed at step 100 with
+    max_steps=200 it is a new cosine, 0.0074 at step 101. An explicit horizon, an equal
+    max_steps and a step inside the warm-up (both horizons give the ramp) stay quiet."""
+    train = experiment.load_params(th.FAST).task.train
+    cosine, rate = train.lr_schedule, train.learning_rate
+    assert lr_schedules.resumed_horizon_change(cosine, 100, cosine, 200, rate, 100) == (
+        'resuming at step 100 with max_steps=200 (the checkpoints were trained with '
+        'max_steps=100): lr_schedule Cosine total_steps follows max_steps, so the learning '
+        'rate jumps from 0 at step 100 to 0.00741 at step 101 (the old schedule: 0); to keep '
+        'the old schedule, set task.train.lr_schedule.total_steps=100')
+    fixed = cosine.Copy().Set(total_steps=100)
+    for args in ((fixed, 100, fixed, 200, rate, 100), (cosine, 100, cosine, 100, rate, 100),
+                 (cosine, 100, cosine, 200, rate, 10), (cosine, 100, cosine, 200, rate, 0)):
+        assert lr_schedules.resumed_horizon_change(*args) is None, args
+    constant = lr_schedules.Constant.Params()
+    assert lr_schedules.resumed_horizon_change(constant, 2, constant, 4, rate, 2) is None
+
+
+def test_the_trainer_warns_once_when_a_longer_resume_moves_the_cosine(tmp_path, data_dir):
+    no_warmup = th.overrides(**{'task.train.lr_schedule.warmup_steps': 0})
+    logdir = str(tmp_path / 'run')
+    result = th.run(th.FAST, logdir, data_dir, *th.fast_flags(2, 2), no_warmup)
+    assert result.returncode == 0, th.failure(result)
+    result = th.run(th.FAST, logdir, data_dir, *th.fast_flags(4, 2), no_warmup)
+    assert result.returncode == 0, th.failure(result)
+    lines = [line for line in result.stderr.splitlines() if 'resuming at step 2' in line]
+    assert len(lines) == 1 and lines[0].startswith('W'), result.stderr[-3000:]
+    # 0.01 * (1 + cos(pi * 3/4)) / 2 at step 3 of the 4-step cosine; 0 at step 2 of 2.
+    assert lines[0].endswith(
+        'resuming at step 2 with max_steps=4 (the checkpoints were trained with max_steps=2): '
+        'lr_schedule Cosine total_steps follows max_steps, so the learning rate jumps from 0 '
+        'at step 2 to 0.00146 at step 3 (the old schedule: 0); to keep the old schedule, set '
+        'task.train.lr_schedule.total_steps=2'), lines[0]
+
+
 def test_the_trainer_says_once_that_the_horizon_follows_max_steps(trained_2_steps):
     # Two steps end inside SmallConvPipe's 50 warm-up steps: the schedule stays valid.
     lines = [line for line in trained_2_steps.stderr.splitlines()

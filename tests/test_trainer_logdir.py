@@ -174,6 +174,42 @@ def test_params_txt_keeps_describing_the_checkpoints_after_a_dead_attempt(tmp_pa
         assert 'task.train.learning_rate : 1e+30\n' in f.read()
 
 
+_UNRESTORED = 'could not be found in the restored object'
+
+
+def test_a_resume_warns_only_of_saved_values_that_nothing_restores(tmp_path, data_dir,
+                                                                    trained_2_steps):
+    """The checkpoint's batch split record is read, never restored into the run; TensorFlow
+    printed 3 warning lines about its 'unrestored values' at every resume. A value that
+    nothing restores (here `stray`, written beside the run's own) still gets them."""
+    clean = trained_2_steps.copy_to(tmp_path / 'clean')
+    result = th.run(th.FAST, clean, data_dir, *th.fast_flags(3, 3))
+    assert result.returncode == 0, th.failure(result)
+    assert 'at step 2' in result.stderr  # resumed
+    assert 'unrestored values' not in result.stderr and _UNRESTORED not in result.stderr, [
+        line for line in result.stderr.splitlines() if 'restored' in line]
+
+    import model_registry
+    from trainer import batch_split
+    logdir = trained_2_steps.copy_to(tmp_path / 'stray')
+    train_dir = os.path.join(logdir, 'train')
+    params = model_registry.get_params(th.FAST)
+    params.input.train.data_dir = data_dir
+    trainer = train_job.Trainer(params, train_dir, train_job.RuntimeOptions(max_steps=3))
+    trainer.restore_latest()
+    stray = tf.Module()
+    stray.value = tf.Variable(1.0)
+    tf.train.CheckpointManager(checkpoints.make(
+        trainer.task.VariablesByPath(), step=trainer.global_step, optimizer=trainer.optimizer,
+        iterator=trainer.iterator, batch_split=batch_split.SplitRecord(trainer.split),
+        stray=stray), train_dir, max_to_keep=5).save(checkpoint_number=3)
+    result = th.run(th.FAST, logdir, data_dir, *th.fast_flags(3, 3))
+    assert result.returncode == 0, th.failure(result)
+    unrestored = [line for line in result.stderr.splitlines() if _UNRESTORED in line]
+    assert unrestored and all(line.endswith('(root).stray.value') for line in unrestored), (
+        unrestored)
+
+
 # --- 10: a training input that ends ------------------------------------------------------
 
 

@@ -19,7 +19,7 @@ import tensorflow as tf
 from tfpipe.hyperparams import InstantiableParams, Params
 
 __all__ = ['BaseSchedule', 'Constant', 'LinearWarmupRsqrtDecay', 'Cosine', 'Horizon',
-           'follow_max_steps']
+           'follow_max_steps', 'resumed_horizon_change']
 
 StepLike = Union[int, tf.Tensor]
 
@@ -194,3 +194,35 @@ def follow_max_steps(params: Params, max_steps: int) -> Horizon:
                                f'final value; set task.train.lr_schedule.{name}=None to follow '
                                'max_steps', True)
     return Horizon(params, f'lr_schedule {cls}: {name}={set_to} (max_steps={max_steps})', False)
+
+
+def resumed_horizon_change(old: Params, old_max_steps: int, new: Params, new_max_steps: int,
+                           learning_rate: float, step: int) -> Optional[str]:
+    """A warning when resuming at `step` moves a horizon that follows max_steps; else None.
+
+    `old` and `new` are the lr_schedule params of the checkpoints' run and of this one.
+    A cosine that followed max_steps=100 has decayed to its final rate at step 100;
+    resumed with max_steps=200 it is a new, longer cosine whose rate at step 101 is
+    halfway up again, a jump that the loss shows and nothing else explains.
+    Lingvo users expect a longer run to continue the schedule it trained with, or to be
+    told: the warning names both runs' max_steps, the jump, and the param that keeps
+    the old schedule.
+    """
+    name = getattr(new.cls, 'HORIZON', None)
+    if (step < 1 or name is None or old.cls is not new.cls or old.Get(name) is not None
+            or new.Get(name) is not None or old_max_steps == new_max_steps):
+        return None
+    before = follow_max_steps(old, old_max_steps).params
+    after = follow_max_steps(new, new_max_steps).params
+    old_schedule, new_schedule = before.Instantiate(), after.Instantiate()
+    next_old = learning_rate * float(old_schedule.Value(step + 1))
+    next_new = learning_rate * float(new_schedule.Value(step + 1))
+    if math.isclose(next_old, next_new, rel_tol=1e-6, abs_tol=1e-12):
+        return None  # inside a warm-up both horizons share
+    last = learning_rate * float(old_schedule.Value(step))
+    return (f'resuming at step {step} with max_steps={new_max_steps} (the checkpoints were '
+            f'trained with max_steps={old_max_steps}): lr_schedule {new.cls.__name__} '
+            f'{name} follows max_steps, so the learning rate jumps from {last:.3g} at step '
+            f'{step} to {next_new:.3g} at step {step + 1} (the old schedule: {next_old:.3g}); '
+            f'to keep the old schedule, set task.train.lr_schedule.{name}='
+            f'{before.Get(name)}')

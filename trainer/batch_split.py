@@ -64,10 +64,15 @@ def saved(train_dir: str) -> Optional[Split]:
     if path is None:
         return None
     checkpoints.check_readable(path)
-    reader = tf.train.load_checkpoint(path)
-    if not reader.has_tensor(_REPLICAS_KEY):
+    if not recorded(path):
         return None
+    reader = tf.train.load_checkpoint(path)
     return Split(int(reader.get_tensor(_REPLICAS_KEY)), int(reader.get_tensor(_MICRO_KEY)))
+
+
+def recorded(path: str) -> bool:
+    """Whether the checkpoint `path` holds a SplitRecord (all since splits were recorded)."""
+    return tf.train.load_checkpoint(path).has_tensor(_REPLICAS_KEY)
 
 
 def from_chief(peers: across_clients.Peers, split: Optional[Split]) -> Optional[Split]:
@@ -96,6 +101,13 @@ def resume(params: Params, replicas: int, saved_split: Optional[Split],
     """
     pipeline = params.task.pipeline
     if saved_split is None or saved_split.replicas == replicas:
+        if saved_split is not None and saved_split.micro_batches != pipeline.num_micro_batches:
+            logging.info('resuming a checkpoint of %d replicas x %d micro-batches with %d '
+                         'micro-batches per replica (the checkpoint ran %d): %d per global '
+                         'batch instead of %d, as task.pipeline.num_micro_batches says',
+                         replicas, saved_split.micro_batches, pipeline.num_micro_batches,
+                         saved_split.micro_batches, replicas * pipeline.num_micro_batches,
+                         saved_split.global_micro_batches)
         return Split(replicas, pipeline.num_micro_batches)
     total = saved_split.global_micro_batches
     if total % replicas:

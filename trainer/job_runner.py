@@ -14,6 +14,7 @@ from typing import Optional
 
 from absl import logging
 
+from tfpipe import lr_schedules
 from tfpipe.hyperparams import Params
 from trainer import eval_jobs, experiment, logdir_access, train_job
 
@@ -49,7 +50,14 @@ def build_jobs(params: Params, options: train_job.RuntimeOptions, jobs: list[str
     for job in jobs:
         if job == 'trainer':
             trainer = train_job.Trainer(params, train_dir, options, peers)
-            trainer.restore_latest()
+            step = trainer.restore_latest()
+            if saved is not None:  # the checkpoints' params: did the schedule move?
+                jump = lr_schedules.resumed_horizon_change(
+                    saved.task.train.lr_schedule, saved.task.train.max_steps,
+                    params.task.train.lr_schedule, trainer.max_steps,
+                    params.task.train.learning_rate, step)
+                if jump:
+                    logging.warning(jump)
             built.append((job, trainer))
             continue
         kind, split = job.split('_', 1)

@@ -1,4 +1,4 @@
-"""tfpipe trainer binary.
+r"""tfpipe trainer binary.
 
     python -m trainer --model=image.shapes.AmoebaNetPipe --logdir=/tmp/shapes --run_locally=cpu
     python -m trainer --model=image.shapes.AmoebaNetPipe --logdir=/tmp/shapes --job=evaler_dev
@@ -428,8 +428,38 @@ _STORAGE_ERRORS = {errno.ENOSPC: 'free some space or point --logdir elsewhere',
                    errno.EACCES: 'make --logdir writable for this user or choose another'}
 
 
+# absl's help flags, by the modules whose flags each prints: None is every module.
+_HELP_FLAGS = {'help': ('trainer.',), '?': ('trainer.',), 'helpshort': ('trainer.',),
+               'helpfull': None}
+
+
+def _help_text(argv: Sequence[str]) -> str | None:
+    """The usage and flags a help flag in `argv` asks for; None without one.
+
+    Answered here, not by absl: absl exits 1 after printing help (a script that
+    checks `--helpfull` would see a failure), prints its own usage line instead of
+    this module's, and `trainer.run` parses flags without absl.app, which knows no
+    help flags at all.
+    """
+    for arg in argv:
+        if arg == '--':
+            break
+        modules = _HELP_FLAGS.get(arg.lstrip('-'), False) if arg.startswith('-') else False
+        if modules is not False:
+            shown = [module for module in FLAGS.flags_by_module_dict()
+                     if modules is None or module.startswith(modules)]
+            more = '' if modules is None else '\n\n(--helpfull lists every flag)'
+            return (f'{__doc__.strip()}\n\nflags:\n' +
+                    '\n'.join(FLAGS.module_help(m).strip('\n') for m in shown) + more)
+    return None
+
+
 def run() -> None:
     """Console-script entry point (tfpipe-trainer) and `python -m trainer`."""
+    help_text = _help_text(sys.argv[1:])
+    if help_text is not None:
+        print(help_text)
+        sys.exit(0)
     app.run(_main_with_errors)
 
 
@@ -451,6 +481,10 @@ def run_in_process(argv: Sequence[str]) -> int:
               file=sys.stderr)
         return EXIT_BAD_INPUT
     _ran_in_process = True  # TensorFlow's defaults were set by importing tfpipe (above)
+    help_text = _help_text(argv)
+    if help_text is not None:
+        print(help_text)
+        return 0
     try:
         rest = FLAGS(['trainer', *argv])
     except flags.Error as e:

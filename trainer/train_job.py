@@ -207,6 +207,11 @@ class Trainer:
         # Saved with every checkpoint, never restored: a resumed run reads it (batch_split).
         saved = checkpoints.make(self.task.VariablesByPath(), **restored,
                                  batch_split=batch_split.SplitRecord(self.split))
+        # Restoring, a spare record takes the checkpoint's (TensorFlow warns of saved values
+        # that nothing restores): this run's record keeps this run's split.
+        spare = batch_split.SplitRecord(self.split)
+        self._checkpoint_with_record = checkpoints.make(self.task.VariablesByPath(), **restored,
+                                                        batch_split=spare)
         self.manager = tf.train.CheckpointManager(
             saved, train_dir, checkpoint_name='ckpt',
             max_to_keep=options.save_max_to_keep or tp.save_max_to_keep)
@@ -263,7 +268,8 @@ class Trainer:
         path = checkpoints.latest(self.train_dir)
         if path is not None and path != self._restored:
             checkpoints.check_readable(path)
-            checkpoints.restore(self.checkpoint, path)
+            checkpoints.restore(self._checkpoint_with_record if batch_split.recorded(path)
+                                else self.checkpoint, path)
             self._sync_replicas()
             self._restored = path
             logging.info('restored %s at step %d', path, int(self.global_step.numpy()))
