@@ -107,7 +107,7 @@ def call_peaks(allocator: str, call: Callable[[], Any], repeats: int) -> list[in
 
 
 def measure_update(optimizer: Params, variables: dict[str, tf.Variable],
-                   clip_norm: Optional[float], repeats: int = 4) -> Optional[float]:
+                   clip_norm: Optional[float], repeats: int = 8) -> Optional[float]:
     """Peak bytes of the trainer's update of `variables` (global-norm clipping at
     `clip_norm`, then `optimizer`'s Apply, in one tf.function) above its inputs: the
     most of `repeats` updates after a warm-up, since how many temporaries are alive at
