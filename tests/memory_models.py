@@ -6,6 +6,9 @@ Registered like a user's own package (docs/own_models_and_data.md): data from an
 
 - `WideConvNet`: a wide plain conv net on its own 32x32 RGB images, shuffled
   whole (the shuffle buffer holds the split).
+- `WideMLP`: a user's wide MLP on the same images, trained with Adam, whose
+  update (not a backward) sets the peak: 10.5M weights against activations of a
+  few MiB.
 - `LongDocumentLM`: a byte LM whose training text has one long document among
   short ones (`LONG_DOCUMENT_BYTES`): packing it holds the whole document's
   token pairs at once.
@@ -88,6 +91,28 @@ class WideConvNet(SingleTaskModelParams):
                                                   num_micro_batches=2)
         p.train.Set(max_steps=100, learning_rate=0.003)
         p.train.optimizer = optimizers.Adam.Params()
+        return p
+
+
+@model_registry.RegisterSingleTaskModel
+class WideMLP(WideConvNet):
+    """3072 -> 2048 -> 2048 -> 10 on the flattened images, batch 64, K=2, M=2, Adam."""
+
+    def _Input(self, split, training):
+        return super()._Input(split, training).Set(batch_size=64)
+
+    def Task(self):
+        p = super().Task()
+        pixels = IMAGE_SIZE * IMAGE_SIZE * 3
+        p.pipeline.body = [
+            layers.Flatten.Params().Set(name='flatten'),
+            layers.Dense.Params().Set(name='fc0', input_dim=pixels, output_dim=2048,
+                                      activation='relu'),
+            layers.Dense.Params().Set(name='fc1', input_dim=2048, output_dim=2048,
+                                      activation='relu'),
+            layers.Dense.Params().Set(name='logits', input_dim=2048, output_dim=NUM_CLASSES),
+        ]
+        p.pipeline.balance = [2, 2]
         return p
 
 

@@ -1,4 +1,6 @@
 """memory_model.py: the predicted bytes per device, from layer profiles."""
+import dataclasses
+
 import pytest
 
 from tfpipe.tuning import memory_model
@@ -87,6 +89,17 @@ def test_host_peak_is_the_input_filling_its_buffers_when_that_holds_more_than_a_
     host = memory_model.host_peak(memory, [10.0], 1, input_bytes=20.0, input_peak=30.0)
     assert host.peak == host.training == 180.0
     assert host.refill_bound == 190.0
+
+
+def test_an_update_above_the_steps_activations_sets_the_peak_and_the_refill_bound():
+    memory = [memory_model.CellMemory('d0', static=100.0, stash=10.0, working=50.0)]
+    host = dataclasses.replace(
+        memory_model.host_peak(memory, [10.0], 1, input_bytes=20.0, input_peak=30.0),
+        update=300.0)
+    # A step: 100 + 20 + 60 = 180; the update: state 100 + input 20 + its 300.
+    assert (host.training, host.updating, host.peak) == (180.0, 420.0, 420.0)
+    # The input refilling during the update: never a bound below the peak.
+    assert host.refill_bound == 100.0 + 30.0 + 300.0
 
 
 def test_cell_memory_divides_sharded_slots_and_keeps_two_copies_of_the_weights():

@@ -1,4 +1,7 @@
 """The planner's third axis: T devices per cell (tensor parallelism) beside K and M."""
+import json
+import os
+
 import pytest
 
 from tests import trainer_helpers
@@ -117,6 +120,9 @@ def test_search_tries_t_within_the_devices_and_the_budget_picks_it():
     # The recommendation sets T, and says so; a plan without T > 1 does not name it.
     assert best.overrides()['task.pipeline.tensor_parallel'] == 4 and 'T=4' in best.describe()
     assert 'tensor_parallel' not in planner.search(layers_, 64, 4, device)[0].params_override()
+    # For a model that has T, a T=1 plan sets it too (the model's own T may be 2).
+    plain = planner.search(layers_, 64, 4, device, set_tensor_parallel=True)[0]
+    assert plain.overrides()['task.pipeline.tensor_parallel'] == 1
     assert ' T ' in planner.format_table(configs).splitlines()[0]
 
 
@@ -139,6 +145,28 @@ def test_a_configuration_of_t_devices_per_cell_is_measured_by_the_trainer(data_d
     assert run.balance == [2, 3] and len(run.timelines) == 1 and run.step_seconds[0] > 0
     # Both cells' tasks ran on their home devices (shard 0 of each T=2 group).
     assert len({e.label.device for e in run.timelines[0].events}) == 2
+
+
+def test_inspect_pipeline_of_a_t2_model_keeps_every_candidate_within_the_devices(
+        tmp_path, data_dir):
+    """TensorParallelMLP at T=2 on 4 logical CPUs: every configuration measured (T=1 ones
+    too, which must not run on the model's T=2) and the recommendation fit K x T <= 4."""
+    from trainer import experiment
+    logdir = str(tmp_path / 'plan')
+    out = trainer_helpers.run('image.shapes.TensorParallelMLP', logdir, data_dir,
+                              '--mode=inspect_pipeline', '--num_devices=4',
+                              trainer_helpers.overrides(**{'task.pipeline.tensor_parallel': 2}))
+    assert out.returncode == 0, trainer_helpers.failure(out)
+    with open(os.path.join(logdir, 'inspect_pipeline.json')) as f:
+        report = json.load(f)
+    measured = [m['config'] for m in report['measured']]
+    assert any(c['tensor_parallel'] == 1 and c['num_cells'] > 2 for c in report['configs'])
+    assert all(c['num_cells'] * c['tensor_parallel'] <= 4 for c in measured)
+    # The recommendation applied to the T=2 model runs its own T, whatever that is.
+    pasted = experiment.load_params('image.shapes.TensorParallelMLP',
+                                    'task.pipeline.tensor_parallel=2,'
+                                    + report['params_override'])
+    assert pasted.task.pipeline.tensor_parallel == report['best']['tensor_parallel']
 
 
 def test_the_best_split_configuration_is_among_those_measured():

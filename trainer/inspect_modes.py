@@ -154,12 +154,19 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
         tf.config.threading.get_intra_op_parallelism_threads()))
     host = memory_model.host_peak(cells, held, parallelism, input_measurement.resident,
                                   input_measurement.peak)
-    phase = 'the input filling its buffers' if host.filling > host.training else 'a step'
+    # The update runs once every gradient is summed, its temporaries beside the state only:
+    # with Adam on wide weights they, not a backward, set the peak (issue 40).
+    variables = {path: v for path, v in pipe.ReplicaVariablesByPath()[0].items() if v.trainable}
+    update = working_memory.measure_update(params.task.train.optimizer, variables,
+                                           params.task.train.clip_gradient_norm_to_value or None)
+    host = dataclasses.replace(host, update=update or 0.0)
+    phase = max((host.training, 'a step'), (host.filling, 'the input filling its buffers'),
+                (host.updating, 'the optimizer\'s update'))[1]
     print(f'  host allocator (every logical CPU, and the input pipeline\'s '
           f'{mib(input_measurement.resident)} of buffers, {mib(input_measurement.peak)} '
           f'while it fills them; {parallelism:g} backward tasks at once): peak '
           f'{mib(host.peak)} (at {phase}: model state {mib(host.state)}, activations '
-          f'{mib(host.activations)})')
+          f'{mib(host.activations)}, update temporaries {mib(host.update)})')
     print(f'  host allocator if the input refills its buffers while a step runs (its next '
           f'epoch, a long document later in the stream): up to {mib(host.refill_bound)}')
 

@@ -25,12 +25,13 @@ PLAN_GIN_FILE = 'inspect_pipeline.gin'
 
 
 def configured_pipeline(task) -> planner.Config:
-    """The model's own pipeline (its balance as partitioned) as a configuration to measure."""
+    """The model's own pipeline (its balance as partitioned) as a configuration to measure
+    (setting T when the model's is not 1: calibration measures it at T=1)."""
     pipe = task.pipe
+    t = (pipe.params.tensor_parallel or 1) if 'tensor_parallel' in pipe.params else 1
     return planner.Config(len(pipe.balance), list(pipe.balance), pipe.params.num_micro_batches,
-                          pipe.params.recompute, pipe.params.schedule,
-                          tensor_parallel=(pipe.params.tensor_parallel or 1)
-                          if 'tensor_parallel' in pipe.params else 1)
+                          pipe.params.recompute, pipe.params.schedule, tensor_parallel=t,
+                          set_tensor_parallel=t != 1)
 
 
 def warm_up(trainer, batch, record: bool) -> None:
@@ -149,10 +150,14 @@ def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[f
     replicas = params.task.pipeline.num_replicas
     degrees = tensor_split.tensor_parallel_degrees(params.task.pipeline,
                                                    num_devices // replicas)
+    configured = configured_pipeline(task)
     with StepMeasurer(params, capacity=planning.CANDIDATES) as measure:
-        plan = planning.plan(profiles, batch_size, num_devices, device,
-                             configured_pipeline(task), None if device_profile else measure,
-                             replicas, tensor_parallel=degrees)
+        # When the model splits layers or runs T != 1, every candidate sets T: one of T=1
+        # must not run (nor be recommended) on the model's own T.
+        plan = planning.plan(profiles, batch_size, num_devices, device, configured,
+                             None if device_profile else measure, replicas,
+                             tensor_parallel=degrees,
+                             set_tensor_parallel=degrees != [1] or configured.set_tensor_parallel)
     best = plan.best
     print(f'{len(profiles)} layers profiled on {task.pipe.devices[0]}, batch {batch_size}; '
           f'{len(plan.configs)} configurations simulated for up to {num_devices} devices'

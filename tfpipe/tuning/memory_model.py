@@ -157,9 +157,9 @@ class HostPeak:
     activations     every cell's held micro-batches and the working sets of the
                     backward tasks that run at once;
     update          the optimizer update's temporaries above the state, once every
-                    gradient is summed (measured for Keras' optimizers, whose Adam
-                    holds two to four of a weight's size; 0 for tfpipe's own, whose
-                    temporaries this model leaves out).
+                    gradient is summed (measured: working_memory.measure_update for
+                    tfpipe's optimizers, keras_memory for Keras'; Adam's hold about
+                    three times the weights at once, more than a wide MLP's backward).
     """
 
     state: float
@@ -195,8 +195,9 @@ class HostPeak:
     def refill_bound(self) -> float:
         """The peak if the input fills its buffers again while a step runs: its next
         epoch (the shuffle buffer refills) or a long document read later in the stream
-        (tf.data's threads read ahead during steps)."""
-        return self.state + max(self.input_peak, self.input_resident) + self.activations
+        (tf.data's threads read ahead during steps), or the update."""
+        return (self.state + max(self.input_peak, self.input_resident)
+                + max(self.activations, self.update))
 
 
 def host_peak(memory: Sequence[CellMemory], held: Sequence[float], parallelism: float,

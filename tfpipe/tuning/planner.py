@@ -52,15 +52,18 @@ class Config:
     peak_bytes: list[float] = dataclasses.field(default_factory=list)
     fits: bool = True
     tensor_parallel: int = 1
+    set_tensor_parallel: bool = False
 
     def overrides(self, prefix: str = 'task.pipeline') -> dict[str, Any]:
-        """The model params this configuration sets, by path (T only when it splits
-        layers, so a plan without tensor parallelism applies to any model)."""
+        """The model params this configuration sets, by path. T when it is not 1 or
+        `set_tensor_parallel` (the model has T, and its own may not be 1: a T=1 plan
+        that left it out would run K cells of the model's T devices each); otherwise
+        not, so a plan without tensor parallelism applies to any model."""
         balance = None if self.balance is None else list(self.balance)
         out = {f'{prefix}.num_cells': self.num_cells, f'{prefix}.balance': balance,
                f'{prefix}.num_micro_batches': self.num_micro_batches,
                f'{prefix}.recompute': self.recompute, f'{prefix}.schedule': self.schedule}
-        if self.tensor_parallel != 1:
+        if self.tensor_parallel != 1 or self.set_tensor_parallel:
             out[f'{prefix}.tensor_parallel'] = self.tensor_parallel
         return out
 
@@ -134,7 +137,8 @@ def search(profiles: Sequence[LayerProfile], batch_size: int, num_devices: int,
            schedules: Sequence[str] = tuple(SCHEDULES),
            calibration: Calibration = Calibration(),
            cells: Optional[Sequence[int]] = None,
-           tensor_parallel: Sequence[int] = (1,)) -> list[Config]:
+           tensor_parallel: Sequence[int] = (1,),
+           set_tensor_parallel: bool = False) -> list[Config]:
     """Every configuration of K cells of T devices each with K*T <= num_devices, sorted:
     fitting ones first, then by time.
 
@@ -145,7 +149,8 @@ def search(profiles: Sequence[LayerProfile], batch_size: int, num_devices: int,
     tensor_parallel_degrees` says which the model allows); a cell of T devices
     computes the split share of its layers at 1/T, holds 1/T of their weights and
     slots on each device, and all-reduces activations among its T devices
-    (`calibration.cell_costs`).
+    (`calibration.cell_costs`). `set_tensor_parallel`: every configuration's overrides
+    set T, even at 1 (for a model that has T: `Config.overrides`).
     """
     results = []
     for t in tensor_parallel:
@@ -161,7 +166,8 @@ def search(profiles: Sequence[LayerProfile], batch_size: int, num_devices: int,
                         fits = device.memory is None or max(peak) <= device.memory
                         results.append(Config(k, balance, m, policy, name,
                                               float(r.step_time) + calibration.step_overhead,
-                                              float(r.bubble), peak, fits, t))
+                                              float(r.bubble), peak, fits, t,
+                                              set_tensor_parallel))
     # Ties (equal to the microsecond) go to fewer devices, fewer micro-batches, less memory.
     results.sort(key=lambda c: (not c.fits, round(c.step_time, 6), c.devices, c.num_cells,
                                 c.num_micro_batches, max(c.peak_bytes)))
