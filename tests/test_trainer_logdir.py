@@ -174,6 +174,25 @@ def test_params_txt_keeps_describing_the_checkpoints_after_a_dead_attempt(tmp_pa
         assert 'task.train.learning_rate : 1e+30\n' in f.read()
 
 
+def test_params_txt_records_the_max_steps_gin_set_and_an_evaler_stops_there(tmp_path,
+                                                                             data_dir):
+    """gin's trainer.max_steps=4 used to leave params.txt at the model's max_steps, so an
+    evaler on the logdir waited for a step no trainer would run."""
+    logdir = str(tmp_path / 'run')
+    result = th.run(th.FAST, logdir, data_dir, '--job=trainer',
+                    '--gin_bindings=trainer.max_steps=4',
+                    '--gin_bindings=trainer.save_interval_steps=2')
+    assert result.returncode == 0, th.failure(result)
+    for name in ('params.txt', 'params-attempt.txt'):
+        with open(os.path.join(logdir, 'train', name)) as f:
+            text = f.read()
+        assert 'task.train.max_steps : 4\n' in text, name
+        assert 'task.train.save_interval_steps : 2\n' in text, name
+    result = th.run(th.FAST, logdir, data_dir, '--job=evaler_dev', timeout=240)
+    assert result.returncode == 0, th.failure(result)
+    assert os.path.exists(os.path.join(logdir, 'eval_dev'))
+
+
 # --- 10: a training input that ends ------------------------------------------------------
 
 

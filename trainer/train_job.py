@@ -76,8 +76,7 @@ class RuntimeOptions:
     step_timeout_seconds: Optional[float] = None
 
     def __post_init__(self):
-        for name in ('max_steps', 'save_interval_steps', 'summary_interval_steps',
-                     'save_max_to_keep', 'pipeline_trace_step'):
+        for name in (*TASK_TRAIN_OPTIONS, 'pipeline_trace_step'):
             _check_positive_int(f'trainer.{name}', getattr(self, name), allow_none=True)
         for name in ('eval_poll_max_seconds', 'eval_idle_timeout_seconds',
                      'step_timeout_seconds'):
@@ -85,6 +84,22 @@ class RuntimeOptions:
             if value is not None and (isinstance(value, bool) or
                                       not isinstance(value, (int, float)) or value <= 0):
                 raise ValueError(f'trainer.{name}={value!r} must be a positive number of seconds')
+
+    def apply_to(self, params: Params) -> None:
+        """Sets the task.train values these options stand for (e.g. max_steps) in `params`.
+
+        What the trainer runs is what it records: train/params.txt, which an evaler or
+        decoder on the logdir reads for the step to stop at, and the trainer clients'
+        start-up fingerprint then hold these values, not the model's defaults.
+        """
+        for name in TASK_TRAIN_OPTIONS:
+            if getattr(self, name) is not None:
+                params.task.train.Set(**{name: getattr(self, name)})
+
+
+# The options that stand for the task.train value of the same name (RuntimeOptions.apply_to).
+TASK_TRAIN_OPTIONS = ('max_steps', 'save_interval_steps', 'summary_interval_steps',
+                      'save_max_to_keep')
 
 
 # Errors of a save that point at a lost peer (checkpoint I/O runs on the trainer, but the
@@ -148,13 +163,13 @@ class Trainer:
 
     def __init__(self, params: Params, train_dir: str, options: RuntimeOptions,
                  peers: Optional[across_clients.Peers] = None):
+        options.apply_to(params)  # the params it saves with its checkpoints say what it ran
         tp = params.task.train
-        for name in ('max_steps', 'save_interval_steps', 'summary_interval_steps',
-                     'save_max_to_keep'):
+        for name in TASK_TRAIN_OPTIONS:
             _check_positive_int(f'task.train.{name}', getattr(tp, name))
-        self.max_steps = options.max_steps or tp.max_steps
-        self.save_interval = options.save_interval_steps or tp.save_interval_steps
-        self.summary_interval = options.summary_interval_steps or tp.summary_interval_steps
+        self.max_steps = tp.max_steps
+        self.save_interval = tp.save_interval_steps
+        self.summary_interval = tp.summary_interval_steps
         self.train_dir = train_dir
         self.params = params
         self.peers = peers
@@ -204,7 +219,7 @@ class Trainer:
                                  batch_split=batch_split.SplitRecord(self.split))
         self.manager = tf.train.CheckpointManager(
             saved, train_dir, checkpoint_name='ckpt',
-            max_to_keep=options.save_max_to_keep or tp.save_max_to_keep)
+            max_to_keep=tp.save_max_to_keep)
         self._stop_signal: Optional[int] = None
         self._peer_stopping = False  # across clients: some client got SIGINT/SIGTERM (agreed)
         self._restored: Optional[str] = None
