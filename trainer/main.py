@@ -277,7 +277,9 @@ def _run_client(client_cluster) -> int:
     params, options = _load_params_and_options()
     clients.check_num_replicas(params.task.pipeline.num_replicas, client_cluster.count)
     params.task.pipeline.num_replicas = 1  # this process holds one replica of R
-    agreed = client_agreement.fingerprint(FLAGS.model, params, client_cluster)
+    options.apply_to(params)  # the fingerprint holds what the trainer will run
+    agreed = client_agreement.fingerprint(FLAGS.model, params, client_cluster,
+                                          options.loop_settings())
     peers = clients.start(client_cluster, FLAGS.cluster_wait_seconds)
     client_agreement.check(client_cluster, agreed, FLAGS.cluster_wait_seconds)
     if peers.is_chief:

@@ -96,6 +96,15 @@ class RuntimeOptions:
             if getattr(self, name) is not None:
                 params.task.train.Set(**{name: getattr(self, name)})
 
+    def loop_settings(self) -> dict[str, str]:
+        """Every other option as 'trainer.<name>': its text, for the clients' fingerprint.
+
+        All fields, not a chosen few: a trace step or any option added later may decide
+        which collectives a step runs, and clients that differ in one deadlock.
+        """
+        return {f'trainer.{field.name}': repr(getattr(self, field.name))
+                for field in dataclasses.fields(self) if field.name not in TASK_TRAIN_OPTIONS}
+
 
 # The options that stand for the task.train value of the same name (RuntimeOptions.apply_to).
 TASK_TRAIN_OPTIONS = ('max_steps', 'save_interval_steps', 'summary_interval_steps',
