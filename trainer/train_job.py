@@ -34,9 +34,7 @@ import math
 import os
 import re
 import shutil
-import signal
 import statistics
-import threading
 import time
 from typing import Optional, Sequence
 
@@ -53,7 +51,8 @@ from tfpipe.pipeline.recorder import Recorder
 from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
 from tfpipe.tasks import classifier
 from tfpipe.tuning import timeline
-from trainer import batch_split, experiment
+from trainer import batch_split, experiment, stop_signals
+from trainer.progress import Progress
 
 
 @gin.configurable('trainer')
@@ -155,6 +154,9 @@ def guarded_update(loss: tf.Tensor, replica_grads: Sequence[dict], clip_norm: Op
     return norm
 
 
+# Trainer.signal_grace: how long a client that got SIGINT/SIGTERM may stay blocked.
+SIGNAL_GRACE_FACTOR = 3.0
+MIN_SIGNAL_GRACE = 10.0
 # The derived step deadline (Trainer.step_timeout): a multiple of the median of the last
 # STEP_TIMEOUT_WINDOW steps, never below MIN_STEP_TIMEOUT seconds.
 STEP_TIMEOUT_FACTOR = 20.0
@@ -238,6 +240,7 @@ class Trainer:
         self.heartbeat: Optional[tuple[int, float]] = None
         self._step_timeout = options.step_timeout_seconds
         self._step_seconds: collections.deque = collections.deque(maxlen=STEP_TIMEOUT_WINDOW)
+        self._save_seconds = 0.0  # the longest save of this run
         self._recorder: Optional[Recorder] = None
 
     def _resume_split(self) -> batch_split.Split:
@@ -391,28 +394,31 @@ class Trainer:
         return tf.reduce_all([tf.reduce_all(tf.math.is_finite(v))
                               for v in self.variables.values()])
 
-    def _install_signal_handlers(self) -> dict:
-        """SIGINT/SIGTERM stop at a step with a checkpoint; none off the main thread.
-
-        Python takes handlers on the main thread only. A trainer run from another
-        thread (trainer.run in a Ray Train worker) leaves signals to the process's owner.
-        """
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-
-        def handler(signum, frame):
-            del frame
-            self._stop_signal = signum
-        return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-
     def run(self) -> int:
-        """Trains to max_steps; returns the final step. SIGINT/SIGTERM save and return."""
-        previous = self._install_signal_handlers()
-        try:
+        """Trains to max_steps; returns the final step. SIGINT/SIGTERM save and return; a
+        trainer client blocked in collectives its peers do not join exits 1 instead."""
+        deadline = None if self.peers is None else stop_signals.Deadline(
+            acted=lambda: self._peer_stopping, grace=self.signal_grace,
+            progress=lambda: self.heartbeat and self.heartbeat[1], message=self._blocked_message)
+        with stop_signals.StopSignals(self._record_signal, deadline):
             return self._loop()
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+
+    def _record_signal(self, signum: int) -> None:
+        self._stop_signal = signum
+
+    def signal_grace(self) -> float:
+        """SIGNAL_GRACE_FACTOR x the longest recent step (one after the chief's save waits for
+        it) or save, at least MIN_SIGNAL_GRACE: a healthy client that got a signal finishes
+        a step or save within that, so one that does not waits for peers that will not come."""
+        return max(MIN_SIGNAL_GRACE,
+                   SIGNAL_GRACE_FACTOR * max([*self._step_seconds, self._save_seconds]))
+
+    def _blocked_message(self, name: str, seconds: float) -> str:
+        return (f'{name}: trainer client {self.peers.index} has been blocked for {seconds:.0f} '
+                f's after step {self.heartbeat[0] if self.heartbeat else 0}, in its input or in '
+                'collectives its peers do not join (one is stuck, or runs another step or '
+                'save), so the clients cannot agree on a step to save: stopped without '
+                "saving; restart every client, which resumes from the chief's last checkpoint")
 
     def _loop(self) -> int:
         if self.peers is not None:
@@ -487,7 +493,7 @@ class Trainer:
                      self.batch_size, self.iterator.batch_bytes,
                      self.iterator.batch_bytes // len(share) * self.batch_size)
 
-    def _report(self, writer, progress: 'Progress', step: int, loss: float, norm: float,
+    def _report(self, writer, progress: Progress, step: int, loss: float, norm: float,
                 lr: float) -> None:
         steps_per_sec, eta = progress.rate_and_eta(step, time.time())
         with writer.as_default(step=step):
@@ -538,6 +544,7 @@ class Trainer:
         Only the chief saves: every client holds the same values (but for sharded
         optimizer states, whose parts every client sends it here).
         """
+        begin = time.monotonic()
         gathered = self._gather_slots()
         if not self._is_chief:
             return
@@ -558,6 +565,7 @@ class Trainer:
                 f'space there and restart, which resumes from '
                 f'{os.path.basename(last) if last else "step 0"}') from None
         logging.info('saved %s', path)
+        self._save_seconds = max(self._save_seconds, time.monotonic() - begin)
         if self.heartbeat is not None:
             self.heartbeat = (self.heartbeat[0], time.monotonic())  # a slow save is progress
         if not self._saved_this_run:
@@ -588,35 +596,3 @@ def _reason(error: Exception) -> str:
 def train_dir_of(logdir: str) -> str:
     """Where the trainer writes checkpoints; the evaler and decoder read them there."""
     return os.path.join(logdir, 'train')
-
-
-class Progress:
-    """Steps/s and ETA of one run, measured without the run's first step.
-
-    The first step traces and compiles the step function: seconds here, minutes
-    on big models. Counting it would make the first reports' rate too low and
-    their ETA too long by that much, so rates start at the end of the first step.
-    """
-
-    def __init__(self, max_steps: int, start_time: float):
-        self.max_steps = max_steps
-        self.first_step_seconds: Optional[float] = None
-        self._start = start_time
-        self._mark: Optional[tuple[int, float]] = None  # rates are measured from here
-
-    def step_done(self, step: int, now: float) -> None:
-        if self._mark is None:
-            self._mark = (step, now)
-            self.first_step_seconds = now - self._start
-
-    def rate_and_eta(self, step: int, now: float) -> tuple[Optional[float], Optional[float]]:
-        """Steps/s since the last report (or the first step) and the seconds left at that rate.
-
-        (None, None) when only the first step has run.
-        """
-        mark_step, mark_time = self._mark
-        if step == mark_step:
-            return None, None
-        rate = (step - mark_step) / max(now - mark_time, 1e-9)
-        self._mark = (step, now)
-        return rate, (self.max_steps - step) / rate
