@@ -94,12 +94,12 @@ def child(args) -> None:
                  *thread_flags(args.child)])
     main._configure_devices()  # noqa: SLF001 - exactly the trainer's device and thread setup
     import tensorflow as tf
-    from trainer import experiment, train_job
+    from trainer import experiment, runtime_options, train_job
     tf.get_logger().setLevel('ERROR')
     params = experiment.load_params(MODEL)
     params.input.train.data_dir = args.data_dir
     trainer = train_job.Trainer(params, tempfile.mkdtemp(prefix='threads_bench_'),
-                                train_job.RuntimeOptions())
+                                runtime_options.RuntimeOptions())
     t0 = time.perf_counter()
 
     def run(steps: int) -> None:

@@ -60,12 +60,12 @@ def count_ops(model: str) -> None:
     import tfpipe
     tfpipe.configure_logical_cpus(8)  # the trainer's --num_logical_cpus default
     import model_registry
-    from trainer import train_job
+    from trainer import runtime_options, train_job
 
     params = model_registry.get_params(model)
     batch = next(iter(params.input.train.Instantiate().Dataset()))
     with tempfile.TemporaryDirectory() as train_dir:
-        trainer = train_job.Trainer(params, train_dir, train_job.RuntimeOptions())
+        trainer = train_job.Trainer(params, train_dir, runtime_options.RuntimeOptions())
         step = trainer._step  # pylint: disable=protected-access
         start = time.perf_counter()
         graph = step.get_concrete_function(batch).graph

@@ -11,10 +11,14 @@ by the gradient's own scale, so a cross-client sum off by a factor (halved, or n
 summed) would still give the one-process weights; with momentum SGD every update is
 linear in the gradient, and the momentum slot is optimizer state that a restart must
 restore (tests/test_launcher.py compares it).
+
+`SmallConvNoisePipe` trains on noise images from `noise_shapes`, whose input can be made
+to hang in one client (STUCK_INPUT): a peer that is stuck but still answers.
 """
 from model_registry import RegisterSingleTaskModel
 from params.image.shapes import SmallConvPipe
-from tfpipe import layers, lr_schedules, optimizers
+from tfpipe import inputs, layers, lr_schedules, optimizers
+from tfpipe.datasets import shapes
 
 
 @RegisterSingleTaskModel
@@ -33,3 +37,36 @@ class SmallConvBNPipe(SmallConvPipe):
         p.train.optimizer = optimizers.SGD.Params().Set(momentum=0.9)
         p.train.lr_schedule = lr_schedules.Constant.Params()
         return p
+
+
+# In a client whose environment sets it to 'N:PATH', the training input yields N examples
+# and then waits forever to open PATH, a named pipe no one writes (a read hung on a stuck
+# disk): that client still answers its peers, so they wait in the next step's collectives.
+STUCK_INPUT = 'TFPIPE_TEST_STUCK_INPUT'
+
+
+def noise_shapes(split: str):
+    """tfpipe_shapes-sized noise images labelled by index; see STUCK_INPUT."""
+    import os
+    import tensorflow as tf
+    size, channels, classes = shapes.IMAGE_SIZE, shapes.NUM_CHANNELS, len(shapes.CLASS_NAMES)
+
+    def example(i):
+        noise = tf.random.stateless_uniform([size, size, channels], seed=tf.stack([i, i]))
+        return {'image': noise, 'label': tf.cast(i % classes, tf.int32)}
+    examples = tf.data.Dataset.range(512).map(example)
+    if not os.environ.get(STUCK_INPUT):
+        return examples
+    count, path = os.environ[STUCK_INPUT].split(':', 1)
+    never = tf.data.TFRecordDataset(path).map(lambda _: example(tf.constant(0, tf.int64)))
+    return examples.take(int(count)).concatenate(never)
+
+
+@RegisterSingleTaskModel
+class SmallConvNoisePipe(SmallConvPipe):
+    """SmallConvPipe trained on `noise_shapes`, in order (no shuffle buffer reads ahead)."""
+
+    def Train(self):
+        return inputs.DatasetInput.Params().Set(
+            examples_fn='tests.clients_model.noise_shapes', split='train',
+            batch_size=self.BATCH_SIZE, repeat=True)

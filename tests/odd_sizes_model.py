@@ -9,7 +9,6 @@ even size, so two clients never exercise that padding; conv0's 7 filters make it
 """
 from model_registry import RegisterSingleTaskModel
 from params.image.shapes import SmallConvPipe
-from tfpipe import layers
 
 
 @RegisterSingleTaskModel

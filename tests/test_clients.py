@@ -31,8 +31,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def client_command(logdir: str, data_dir: str, spec: str, task: int, *flags: str) -> list[str]:
-    cmd = th.command(MODEL, logdir, data_dir, *flags, f'--task={task}',
+def client_command(logdir: str, data_dir: str, spec: str, task: int, *flags: str,
+                   model: str = MODEL) -> list[str]:
+    cmd = th.command(model, logdir, data_dir, *flags, f'--task={task}',
                      f'--cluster_spec={spec}')
     return [f'--num_logical_cpus={CLIENT_CPUS}' if a.startswith('--num_logical_cpus=') else a
             for a in cmd]
@@ -287,3 +288,33 @@ def test_a_client_replica_holds_one_replica_and_only_trains():
     x, _ = mz.inputs_for(mz.mlp_body())
     with pytest.raises(ValueError, match='a trainer client trains with ForwardBackward only'):
         pipe.FProp(pipe.theta, x)
+
+
+def test_sigterm_ends_clients_blocked_by_a_stuck_peer_within_their_grace(
+        tmp_path, data_dir, processes):
+    """Client 1's input hangs after 4 steps' examples while it still answers its peer, so
+    client 0 waits in step 5's collectives: no watchdog names a peer, and both used to
+    ignore SIGTERM until the step deadline (600 s this early). Now each leaves with one
+    line, exit 1, keeping the chief's last checkpoint."""
+    from tests import clients_model
+    chief, other = str(tmp_path / 'chief'), str(tmp_path / 'other')
+    never_written = str(tmp_path / 'never_written')
+    os.mkfifo(never_written)
+    spec = spec_of(2)
+    model = 'tests.clients_model.SmallConvNoisePipe'
+    procs = [processes.start(
+        client_command(logdir, data_dir, spec, task, *th.fast_flags(100000, 2), model=model),
+        {clients_model.STUCK_INPUT: f'{4 * 16}:{never_written}'} if task == 1 else {})
+        for task, logdir in enumerate([chief, other])]
+    th.wait_for_checkpoint(procs[0], _train(chief), 4)
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+    for task, proc in enumerate(procs):
+        _, err = proc.communicate(timeout=120)
+        lines = [line for line in err.splitlines() if line.startswith('error: ')]
+        assert proc.returncode == 1 and len(lines) == 1, err[-3000:]
+        assert lines[0].startswith(f'error: SIGTERM: trainer client {task} has been blocked '
+                                   'for'), lines[0]
+        assert 'after step 4, in its input or in collectives' in lines[0], lines[0]
+    assert _saved(chief) == 4
+    th.model_values(checkpoints.latest(_train(chief)))  # loadable: nothing partial is listed

@@ -180,11 +180,11 @@ def test_lost_worker_error_names_the_task():
 
 def test_the_default_step_deadline_follows_the_measured_steps(tmp_path, data_dir):
     from tests import trainer_helpers
-    from trainer import experiment, train_job
+    from trainer import experiment, runtime_options, train_job
     params = experiment.load_params(trainer_helpers.FAST)
     params.input.train.data_dir = data_dir
     trainer = train_job.Trainer(params, str(tmp_path / 'a'),
-                                train_job.RuntimeOptions(max_steps=3))
+                                runtime_options.RuntimeOptions(max_steps=3))
     assert trainer.step_timeout() == train_job.UNMEASURED_STEP_TIMEOUT  # nothing measured
     trainer.run()
     assert len(trainer._step_seconds) == 2  # the steps after the first (which traces)
@@ -194,7 +194,7 @@ def test_the_default_step_deadline_follows_the_measured_steps(tmp_path, data_dir
     trainer._step_seconds.extend([5.0] * 30)
     assert trainer.step_timeout() == 20 * 5.0
     explicit = train_job.Trainer(params, str(tmp_path / 'b'),
-                                 train_job.RuntimeOptions(step_timeout_seconds=30))
+                                 runtime_options.RuntimeOptions(step_timeout_seconds=30))
     explicit._step_seconds.extend([5.0] * 10)
     assert explicit.step_timeout() == 30  # a gin value wins
     # The watchdog asks for the current deadline at each look.

@@ -11,7 +11,7 @@ import tensorflow as tf
 
 import model_registry
 from tfpipe import checkpoints, inputs
-from trainer import train_job
+from trainer import runtime_options, train_job
 
 BATCHES_PER_EPOCH = 16  # tfpipe_shapes validation: 1024 examples, batch 64
 
@@ -67,7 +67,7 @@ def test_a_non_repeating_input_ends_after_one_pass(data_dir):
 def test_the_trainers_checkpoint_holds_the_input_position_not_its_buffer(data_dir, tmp_path):
     params = model_registry.get_params('image.shapes.SmallConvPipe')
     params.input.train.Set(data_dir=data_dir, shuffle_buffer=4096)
-    options = train_job.RuntimeOptions(max_steps=2, save_interval_steps=2)
+    options = runtime_options.RuntimeOptions(max_steps=2, save_interval_steps=2)
     trainer = train_job.Trainer(params, str(tmp_path), options)
     assert trainer.run() == 2
     path = checkpoints.latest(str(tmp_path))

@@ -115,14 +115,14 @@ def test_params_file_override_round_trips_a_dumped_tree(tmp_path):
 
 
 def test_gin_sets_model_params_and_runtime_knobs(tmp_path):
-    from trainer import train_job
+    from trainer import runtime_options
     config = tmp_path / 'my.gin'
     config.write_text("trainer.save_interval_steps = 7\n"
                       "model.overrides = {'task.train.learning_rate': 0.25}\n")
     try:
         params = experiment.load_params(th.FAST, gin_files=[str(config)],
                                         gin_bindings=['trainer.summary_interval_steps = 3'])
-        options = train_job.RuntimeOptions()
+        options = runtime_options.RuntimeOptions()
     finally:
         gin.clear_config()
     assert params.task.train.learning_rate == 0.25

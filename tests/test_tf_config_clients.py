@@ -8,8 +8,9 @@ and R=1 differ by kernel rounding that Adam amplifies, docs/clients.md):
 - chief + worker and worker-only 2-client runs equal the one-process R=2 run
   (loss at every step, weights and BatchNorm statistics within 1e-5);
 - an evaluator task evaluates the chief's checkpoints;
-- clients that disagree (learning rate, micro-batches, model, max_steps, two
-  clients both task 0) all exit 2 with one line before anything is written;
+- clients that disagree (learning rate, micro-batches, model, max_steps, a gin
+  trainer.* option or trace step, two clients both task 0) all exit 2 with one line
+  before anything is written;
 - a --job=worker server (the explicit single-client form) says what it waits
   for and that its port is open on every interface, which /proc/net confirms.
 
@@ -108,13 +109,15 @@ def test_every_client_says_which_port_it_exposes_to_every_interface(runs):
 # -- Clients that disagree: all refuse with one line, exit 2, nothing written --------------
 
 def _pair(processes, root: str, data_dir: str, name: str, flags0, flags1,
-          spec0=None, spec1=None, models=(MODEL, MODEL), wait: float = 60):
-    """Starts two clients of their own spec (default: trainer=A,B with tasks 0 and 1)."""
+          spec0=None, spec1=None, models=(MODEL, MODEL), wait: float = 60, base=None):
+    """Starts two clients of their own spec (default: trainer=A,B with tasks 0 and 1), each
+    with `base` flags (default: 2 steps, a save every 2) and then its own."""
     both = addresses(2)
     spec0 = spec0 or [f'--cluster_spec=trainer={",".join(both)}', '--task=0']
     spec1 = spec1 or [f'--cluster_spec=trainer={",".join(both)}', '--task=1']
+    base = th.fast_flags(2, 2) if base is None else base
     return [processes.start(command(os.path.join(root, f'{name}{i}'), data_dir,
-                                    *th.fast_flags(2, 2), f'--cluster_wait_seconds={wait}',
+                                    *base, f'--cluster_wait_seconds={wait}',
                                     *extra, *spec, model=model))
             for i, (extra, spec, model) in enumerate([(flags0, spec0, models[0]),
                                                        (flags1, spec1, models[1])])]
@@ -144,6 +147,11 @@ def test_clients_that_disagree_all_refuse_before_writing(tmp_path, data_dir, pro
                          spec1=[f'--cluster_spec=trainer={b},{a}', '--task=0'], wait=20),
                    'did not all join the start-up check within 20 s'),
     }
+    _all_refuse(cases, root)
+
+
+def _all_refuse(cases: dict, root: str) -> None:
+    """Every client of every case exits 2 with one error line holding its case's message."""
     for name, (procs, message) in cases.items():
         for proc in procs:
             _, err = proc.communicate(timeout=300)
@@ -151,6 +159,25 @@ def test_clients_that_disagree_all_refuse_before_writing(tmp_path, data_dir, pro
             assert proc.returncode == 2 and len(lines) == 1, (name, err[-3000:])
             assert message in lines[0], (name, lines[0])
     assert os.listdir(root) == []  # no client wrote its logdir
+
+
+def test_clients_that_differ_in_a_trainer_option_all_refuse(tmp_path, data_dir, processes):
+    """Gin's trainer.* and --pipeline_trace_step decide which collectives a step or a save
+    runs: clients that differ in one used to deadlock (or one ended early), not refuse."""
+    root = str(tmp_path)
+    gin = '--gin_bindings=trainer.{}'.format
+    sharded = th.overrides(**{'task.train.shard_optimizer_states': True})
+    cases = {
+        'max_steps': (_pair(processes, root, data_dir, 'steps', [], [gin('max_steps=5')],
+                            base=['--job=trainer', gin('save_interval_steps=2')]),
+                      "client 1's task.train.max_steps=5 differs from the chief's"),
+        'trace': (_pair(processes, root, data_dir, 'trace', ['--pipeline_trace_step=2'], []),
+                  "client 1's trainer.pipeline_trace_step=None differs from the chief's 2"),
+        'save': (_pair(processes, root, data_dir, 'save', [sharded],
+                       [sharded, gin('save_interval_steps=1')]),
+                 "client 1's task.train.save_interval_steps=1 differs from the chief's 2"),
+    }
+    _all_refuse(cases, root)
 
 
 @pytest.mark.parametrize('fingerprints, message', [
@@ -172,13 +199,37 @@ def test_disagreements_are_named(fingerprints, message):
 def test_agreeing_fingerprints_leave_out_data_dirs():
     from trainer import experiment
     params = experiment.load_params(MODEL, '', '', [], [])
-    mine = client_agreement.fingerprint(MODEL, params, clients.ClientCluster(('a:1', 'b:2'), 0))
+    mine = client_agreement.fingerprint(MODEL, params, clients.ClientCluster(('a:1', 'b:2'), 0),
+                                        {})
     elsewhere = params.Copy()
     elsewhere.input.train.data_dir = '/elsewhere'
     other = client_agreement.fingerprint(MODEL, elsewhere,
-                                         clients.ClientCluster(('a:1', 'b:2'), 1))
+                                         clients.ClientCluster(('a:1', 'b:2'), 1), {})
     assert client_agreement.disagreement([mine, other]) is None
     assert 'task.train.learning_rate' in mine['params']
+
+
+def _fingerprint_with(task: int, **options) -> dict:
+    """Client `task`'s fingerprint as trainer/main.py builds it, with these trainer options."""
+    from trainer import experiment, runtime_options
+    params = experiment.load_params(MODEL, '', '', [], [])
+    chosen = runtime_options.RuntimeOptions(**options)
+    chosen.apply_to(params)
+    return client_agreement.fingerprint(
+        MODEL, params, clients.ClientCluster(('a:1', 'b:2'), task), chosen.loop_settings())
+
+
+def test_every_trainer_option_is_in_the_fingerprint():
+    """Each field of RuntimeOptions, those of today and any added later, as the trainer
+    will run it: a task.train value it sets is compared as that param."""
+    import dataclasses
+    from trainer import runtime_options
+    for field in dataclasses.fields(runtime_options.RuntimeOptions):
+        key = (f'task.train.{field.name}' if field.name in runtime_options.TASK_TRAIN_OPTIONS
+               else f'trainer.{field.name}')
+        problem = client_agreement.disagreement([_fingerprint_with(0),
+                                                 _fingerprint_with(1, **{field.name: 97})])
+        assert problem is not None and f"client 1's {key}=97 differs" in problem, field.name
 
 
 # -- Reading TF_CONFIG ---------------------------------------------------------------------

@@ -121,7 +121,7 @@ def test_the_cache_lives_under_tfpipe_cache_dir(monkeypatch, tmp_path):
 
 def test_a_given_peak_wins_over_the_probe_and_a_bad_one_is_refused(tmp_path, monkeypatch):
     import tfpipe
-    from trainer import throughput, train_job
+    from trainer import runtime_options, throughput
     monkeypatch.setenv(peak_flops.CACHE_ENV, str(tmp_path))
     body = [layers.Dense.Params().Set(name=f'fc{i}', input_dim=8, output_dim=8)
             for i in range(4)]
@@ -134,4 +134,4 @@ def test_a_given_peak_wins_over_the_probe_and_a_bad_one_is_refused(tmp_path, mon
     assert not (tmp_path / 'peak_flops.json').exists()  # nothing probed
     with pytest.raises(ValueError, match=r'trainer.peak_flops=0 must be a positive number '
                                          r'of FLOP/s'):
-        train_job.RuntimeOptions(peak_flops=0)
+        runtime_options.RuntimeOptions(peak_flops=0)

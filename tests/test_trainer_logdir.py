@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from tests import trainer_helpers as th
 from tfpipe import checkpoints
-from trainer import logdir_access, throughput, train_job
+from trainer import logdir_access, runtime_options, throughput, train_job
 
 # --- 18: one live job per job dir ------------------------------------------------------
 
@@ -195,7 +195,7 @@ def test_a_resume_warns_only_of_saved_values_that_nothing_restores(tmp_path, dat
     train_dir = os.path.join(logdir, 'train')
     params = model_registry.get_params(th.FAST)
     params.input.train.data_dir = data_dir
-    trainer = train_job.Trainer(params, train_dir, train_job.RuntimeOptions(max_steps=3))
+    trainer = train_job.Trainer(params, train_dir, runtime_options.RuntimeOptions(max_steps=3))
     trainer.restore_latest()
     stray = tf.Module()
     stray.value = tf.Variable(1.0)
@@ -208,6 +208,25 @@ def test_a_resume_warns_only_of_saved_values_that_nothing_restores(tmp_path, dat
     unrestored = [line for line in result.stderr.splitlines() if _UNRESTORED in line]
     assert unrestored and all(line.endswith('(root).stray.value') for line in unrestored), (
         unrestored)
+
+
+def test_params_txt_records_the_max_steps_gin_set_and_an_evaler_stops_there(tmp_path,
+                                                                             data_dir):
+    """gin's trainer.max_steps=4 used to leave params.txt at the model's max_steps, so an
+    evaler on the logdir waited for a step no trainer would run."""
+    logdir = str(tmp_path / 'run')
+    result = th.run(th.FAST, logdir, data_dir, '--job=trainer',
+                    '--gin_bindings=trainer.max_steps=4',
+                    '--gin_bindings=trainer.save_interval_steps=2')
+    assert result.returncode == 0, th.failure(result)
+    for name in ('params.txt', 'params-attempt.txt'):
+        with open(os.path.join(logdir, 'train', name)) as f:
+            text = f.read()
+        assert 'task.train.max_steps : 4\n' in text, name
+        assert 'task.train.save_interval_steps : 2\n' in text, name
+    result = th.run(th.FAST, logdir, data_dir, '--job=evaler_dev', timeout=240)
+    assert result.returncode == 0, th.failure(result)
+    assert os.path.exists(os.path.join(logdir, 'eval_dev'))
 
 
 # --- 10: a training input that ends ------------------------------------------------------
@@ -254,7 +273,7 @@ def test_full_disk_during_a_save_is_one_line_and_leaves_no_partial_checkpoint(sm
         if input_params is not None:
             input_params.data_dir = data_dir
     train_dir = os.path.join(small_disk, 'train')
-    trainer = train_job.Trainer(params, train_dir, train_job.RuntimeOptions(
+    trainer = train_job.Trainer(params, train_dir, runtime_options.RuntimeOptions(
         max_steps=2, save_interval_steps=2))
     assert trainer.run() == 2
     _fill(small_disk)
@@ -307,7 +326,7 @@ def test_a_save_that_loses_a_worker_is_not_reported_as_a_full_disk(tmp_path, dat
         if input_params is not None:
             input_params.data_dir = data_dir
     train_dir = str(tmp_path / 'train')
-    trainer = train_job.Trainer(params, train_dir, train_job.RuntimeOptions(
+    trainer = train_job.Trainer(params, train_dir, runtime_options.RuntimeOptions(
         max_steps=1, save_interval_steps=1))
     assert trainer.run() == 1
 

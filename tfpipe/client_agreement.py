@@ -4,9 +4,12 @@ Each client of a run (tfpipe/clients.py) loads its params from its own flags,
 so nothing stops two of them from disagreeing: one with learning rate 0.4 and
 one with 0.004 used to train to the end and the chief saved the mix; another
 --model or num_micro_batches ended in a TensorFlow traceback; another
---max_steps left one client waiting for a step its peer never ran. So before
-the chief claims its logdir every client all-gathers a fingerprint (the model
-name, the params as text, the cluster as it sees it, its task index) over the
+--max_steps left one client waiting for a step its peer never ran, and another
+trace step or save interval (gin's trainer.*) left both deadlocked in collectives
+of different functions. So before the chief claims its logdir every client
+all-gathers a fingerprint (the model name, the params as text with the trainer's
+options applied, every other option of its training loop, the cluster as it sees
+it, its task index) over the
 collective runtime the step uses anyway, compares all of them with the chief's,
 and, if any differ, every client refuses with the same line naming what
 differs (exit 2). The gather has a deadline: two clients that both believe
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from absl import logging
 
@@ -31,16 +34,19 @@ _LENGTHS_KEY, _BYTES_KEY = 1 << 30, (1 << 30) + 1
 MAX_KEYS_SHOWN = 3
 
 
-def fingerprint(model: str, params, clients) -> dict:
+def fingerprint(model: str, params, clients, settings: Mapping[str, str]) -> dict:
     """What must be equal on every client, plus this client's task index.
 
-    `data_dir` keys are left out: each host may keep its own copy of the
-    datasets (--tfds_data_dir).
+    `params` as the trainer will run them and `settings` the rest of what decides
+    which collectives its steps and saves run (the trainer's options, e.g.
+    'trainer.pipeline_trace_step'), compared key by key like params. `data_dir`
+    keys are left out: each host may keep its own copy of the datasets
+    (--tfds_data_dir).
     """
     lines = (line.partition(' : ') for line in params.ToText().splitlines())
+    compared = {key: value for key, _, value in lines if key and not key.endswith('.data_dir')}
     return {'model': model, 'cluster': list(clients.addresses), 'task': clients.task_index,
-            'params': {key: value for key, _, value in lines
-                       if key and not key.endswith('.data_dir')}}
+            'params': {**compared, **settings}}
 
 
 def check(clients, mine: dict, timeout_seconds: float) -> None:
@@ -87,8 +93,8 @@ def disagreement(fingerprints: Sequence[dict]) -> Optional[str]:
     if not problems:
         return None
     return ('the trainer clients disagree, so none starts: ' + '; '.join(problems) +
-            ': give every client the same --model, --max_steps, overrides and cluster spec '
-            '(only the task index differs)')
+            ': give every client the same --model, --max_steps, --pipeline_trace_step, '
+            'overrides, gin files and bindings and cluster spec (only the task index differs)')
 
 
 def _differences(task: int, fp: dict, chief: dict) -> list[str]:

@@ -192,10 +192,10 @@ def _one_step(params: Params, batch) -> tuple[tuple[float, dict, dict], list[int
     """
     from tfpipe import fprop_context
     from tfpipe.base_layer import flatten_by_path
-    from trainer import train_job
+    from trainer import runtime_options, train_job
 
     with tempfile.TemporaryDirectory() as train_dir:
-        trainer = train_job.Trainer(params, train_dir, train_job.RuntimeOptions())
+        trainer = train_job.Trainer(params, train_dir, runtime_options.RuntimeOptions())
         task, step = trainer.task, trainer.global_step
 
         @tf.function(autograph=False)  # as the trainer's step (train_job.Trainer._step)

@@ -16,7 +16,7 @@ from absl import logging
 
 from tfpipe import lr_schedules
 from tfpipe.hyperparams import Params
-from trainer import eval_jobs, experiment, logdir_access, train_job
+from trainer import eval_jobs, experiment, logdir_access, runtime_options, train_job
 
 
 class BuiltJobs(list):
@@ -27,7 +27,7 @@ class BuiltJobs(list):
         self.trainer_done = threading.Event()
 
 
-def build_jobs(params: Params, options: train_job.RuntimeOptions, jobs: list[str],
+def build_jobs(params: Params, options: runtime_options.RuntimeOptions, jobs: list[str],
                logdir: str, model: str, default_jobs: bool, peers=None) -> BuiltJobs:
     """Builds (and so validates) every job before anything is written to the logdir.
 

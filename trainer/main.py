@@ -277,7 +277,9 @@ def _run_client(client_cluster) -> int:
     params, options = _load_params_and_options()
     clients.check_num_replicas(params.task.pipeline.num_replicas, client_cluster.count)
     params.task.pipeline.num_replicas = 1  # this process holds one replica of R
-    agreed = client_agreement.fingerprint(FLAGS.model, params, client_cluster)
+    options.apply_to(params)  # the fingerprint holds what the trainer will run
+    agreed = client_agreement.fingerprint(FLAGS.model, params, client_cluster,
+                                          options.loop_settings())
     peers = clients.start(client_cluster, FLAGS.cluster_wait_seconds)
     client_agreement.check(client_cluster, agreed, FLAGS.cluster_wait_seconds)
     if peers.is_chief:
@@ -351,11 +353,11 @@ def _load_params_and_options(from_logdir: bool = False):
     """
     import tensorflow_datasets as tfds
     tfds.disable_progress_bar()
-    from trainer import experiment, train_job
+    from trainer import experiment, runtime_options
     params = experiment.load_params(FLAGS.model, FLAGS.params_override,
                                     FLAGS.params_file_override, FLAGS.gin_file,
                                     FLAGS.gin_bindings)
-    options = train_job.RuntimeOptions()
+    options = runtime_options.RuntimeOptions()
     if FLAGS.max_steps is not None:
         params.task.train.max_steps = FLAGS.max_steps
         options.max_steps = FLAGS.max_steps

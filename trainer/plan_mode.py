@@ -82,7 +82,7 @@ class StepMeasurer:
         self._runs: collections.OrderedDict[str, _Run] = collections.OrderedDict()
 
     def _run(self, config: planner.Config) -> _Run:
-        from trainer import train_job
+        from trainer import runtime_options, train_job
 
         key = config.params_override()
         if key in self._runs:
@@ -92,7 +92,7 @@ class StepMeasurer:
         params.input.train.batch_size //= params.task.pipeline.num_replicas
         params.task.pipeline.Set(num_replicas=1, virtual_stages=1)
         train_dir = tempfile.TemporaryDirectory()
-        trainer = train_job.Trainer(params, train_dir.name, train_job.RuntimeOptions())
+        trainer = train_job.Trainer(params, train_dir.name, runtime_options.RuntimeOptions())
         run = _Run(trainer, next(trainer.iterator), train_dir)
         warm_up(trainer, run.batch, record=False)
         self._runs[key] = run

@@ -28,19 +28,15 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import glob
 import math
 import os
 import re
 import shutil
-import signal
 import statistics
-import threading
 import time
 from typing import Optional, Sequence
 
-import gin
 import tensorflow as tf
 from absl import logging
 
@@ -53,56 +49,15 @@ from tfpipe.pipeline.recorder import Recorder
 from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
 from tfpipe.tasks import classifier
 from tfpipe.tuning import timeline
-from trainer import batch_split, experiment
+from trainer import batch_split, experiment, stop_signals
+from trainer.runtime_options import TASK_TRAIN_OPTIONS, RuntimeOptions, check_positive_int
 from trainer.throughput import Progress, Throughput, measure_for
-
-
-@gin.configurable('trainer')
-@dataclasses.dataclass
-class RuntimeOptions:
-    """Knobs of the training loop that are not part of the model (gin: `trainer.*`).
-
-    None means "take the model's task.train value".
-    """
-    max_steps: Optional[int] = None
-    save_interval_steps: Optional[int] = None
-    summary_interval_steps: Optional[int] = None
-    save_max_to_keep: Optional[int] = None
-    eval_poll_max_seconds: float = 30.0
-    eval_idle_timeout_seconds: Optional[float] = None  # None: evalers wait for the last step
-    pipeline_trace_step: Optional[int] = None  # record the timeline of this step (1 = first)
-    # Across processes: how long a step (or a save) may go without finishing before the
-    # trainer gives up on a worker that accepts connections but does not answer. None:
-    # derived from the measured steps (Trainer.step_timeout).
-    step_timeout_seconds: Optional[float] = None
-    # FLOP/s of the devices one trainer process steps on, the denominator of MFU. None:
-    # measured once per machine and cached (tfpipe/tuning/peak_flops.py).
-    peak_flops: Optional[float] = None
-
-    def __post_init__(self):
-        for name in ('max_steps', 'save_interval_steps', 'summary_interval_steps',
-                     'save_max_to_keep', 'pipeline_trace_step'):
-            _check_positive_int(f'trainer.{name}', getattr(self, name), allow_none=True)
-        for name in ('eval_poll_max_seconds', 'eval_idle_timeout_seconds',
-                     'step_timeout_seconds', 'peak_flops'):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or
-                                      not isinstance(value, (int, float)) or value <= 0):
-                unit = 'FLOP/s, e.g. 312e12' if name == 'peak_flops' else 'seconds'
-                raise ValueError(f'trainer.{name}={value!r} must be a positive number of {unit}')
 
 
 # Errors of a save that point at a lost peer (checkpoint I/O runs on the trainer, but the
 # values come from the workers), not at the trainer's disk.
 _LOST_PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
                      tf.errors.CancelledError)
-
-
-def _check_positive_int(name: str, value, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f'{name}={value!r} must be an int >= 1')
 
 
 def guarded_update(loss: tf.Tensor, replica_grads: Sequence[dict], clip_norm: Optional[float],
@@ -136,6 +91,9 @@ def guarded_update(loss: tf.Tensor, replica_grads: Sequence[dict], clip_norm: Op
     return norm
 
 
+# Trainer.signal_grace: how long a client that got SIGINT/SIGTERM may stay blocked.
+SIGNAL_GRACE_FACTOR = 3.0
+MIN_SIGNAL_GRACE = 10.0
 # The derived step deadline (Trainer.step_timeout): a multiple of the median of the last
 # STEP_TIMEOUT_WINDOW steps, never below MIN_STEP_TIMEOUT seconds.
 STEP_TIMEOUT_FACTOR = 20.0
@@ -153,13 +111,13 @@ class Trainer:
 
     def __init__(self, params: Params, train_dir: str, options: RuntimeOptions,
                  peers: Optional[across_clients.Peers] = None):
+        options.apply_to(params)  # the params it saves with its checkpoints say what it ran
         tp = params.task.train
-        for name in ('max_steps', 'save_interval_steps', 'summary_interval_steps',
-                     'save_max_to_keep'):
-            _check_positive_int(f'task.train.{name}', getattr(tp, name))
-        self.max_steps = options.max_steps or tp.max_steps
-        self.save_interval = options.save_interval_steps or tp.save_interval_steps
-        self.summary_interval = options.summary_interval_steps or tp.summary_interval_steps
+        for name in TASK_TRAIN_OPTIONS:
+            check_positive_int(f'task.train.{name}', getattr(tp, name))
+        self.max_steps = tp.max_steps
+        self.save_interval = tp.save_interval_steps
+        self.summary_interval = tp.summary_interval_steps
         self.train_dir = train_dir
         self.params = params
         self.peers = peers
@@ -214,7 +172,7 @@ class Trainer:
                                                         batch_split=spare)
         self.manager = tf.train.CheckpointManager(
             saved, train_dir, checkpoint_name='ckpt',
-            max_to_keep=options.save_max_to_keep or tp.save_max_to_keep)
+            max_to_keep=tp.save_max_to_keep)
         self._stop_signal: Optional[int] = None
         self._peer_stopping = False  # across clients: some client got SIGINT/SIGTERM (agreed)
         self._restored: Optional[str] = None
@@ -224,6 +182,7 @@ class Trainer:
         self.heartbeat: Optional[tuple[int, float]] = None
         self._step_timeout = options.step_timeout_seconds
         self._step_seconds: collections.deque = collections.deque(maxlen=STEP_TIMEOUT_WINDOW)
+        self._save_seconds = 0.0  # the longest save of this run
         self._recorder: Optional[Recorder] = None
         self._peak_flops = options.peak_flops
         self._throughput: Optional[Throughput] = None  # known from the first batch
@@ -380,28 +339,31 @@ class Trainer:
         return tf.reduce_all([tf.reduce_all(tf.math.is_finite(v))
                               for v in self.variables.values()])
 
-    def _install_signal_handlers(self) -> dict:
-        """SIGINT/SIGTERM stop at a step with a checkpoint; none off the main thread.
-
-        Python takes handlers on the main thread only. A trainer run from another
-        thread (trainer.run in a Ray Train worker) leaves signals to the process's owner.
-        """
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-
-        def handler(signum, frame):
-            del frame
-            self._stop_signal = signum
-        return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-
     def run(self) -> int:
-        """Trains to max_steps; returns the final step. SIGINT/SIGTERM save and return."""
-        previous = self._install_signal_handlers()
-        try:
+        """Trains to max_steps; returns the final step. SIGINT/SIGTERM save and return; a
+        trainer client blocked in collectives its peers do not join exits 1 instead."""
+        deadline = None if self.peers is None else stop_signals.Deadline(
+            acted=lambda: self._peer_stopping, grace=self.signal_grace,
+            progress=lambda: self.heartbeat and self.heartbeat[1], message=self._blocked_message)
+        with stop_signals.StopSignals(self._record_signal, deadline):
             return self._loop()
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+
+    def _record_signal(self, signum: int) -> None:
+        self._stop_signal = signum
+
+    def signal_grace(self) -> float:
+        """SIGNAL_GRACE_FACTOR x the longest recent step (one after the chief's save waits for
+        it) or save, at least MIN_SIGNAL_GRACE: a healthy client that got a signal finishes
+        a step or save within that, so one that does not waits for peers that will not come."""
+        return max(MIN_SIGNAL_GRACE,
+                   SIGNAL_GRACE_FACTOR * max([*self._step_seconds, self._save_seconds]))
+
+    def _blocked_message(self, name: str, seconds: float) -> str:
+        return (f'{name}: trainer client {self.peers.index} has been blocked for {seconds:.0f} '
+                f's after step {self.heartbeat[0] if self.heartbeat else 0}, in its input or in '
+                'collectives its peers do not join (one is stuck, or runs another step or '
+                'save), so the clients cannot agree on a step to save: stopped without '
+                "saving; restart every client, which resumes from the chief's last checkpoint")
 
     def _loop(self) -> int:
         if self.peers is not None:
@@ -542,6 +504,7 @@ class Trainer:
         Only the chief saves: every client holds the same values (but for sharded
         optimizer states, whose parts every client sends it here).
         """
+        begin = time.monotonic()
         gathered = self._gather_slots()
         if not self._is_chief:
             return
@@ -562,6 +525,7 @@ class Trainer:
                 f'space there and restart, which resumes from '
                 f'{os.path.basename(last) if last else "step 0"}') from None
         logging.info('saved %s', path)
+        self._save_seconds = max(self._save_seconds, time.monotonic() - begin)
         if self.heartbeat is not None:
             self.heartbeat = (self.heartbeat[0], time.monotonic())  # a slow save is progress
         if not self._saved_this_run:
