@@ -20,8 +20,8 @@ import os
 import signal
 import sys
 
-# The launcher's PID, passed down so a client can tell whether it was already orphaned.
-LAUNCHER_PID = 'TFPIPE_LAUNCHER_PID'
+from trainer.launcher import LAUNCHER_PID
+
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 

@@ -36,9 +36,12 @@ from typing import IO, Mapping, Optional, Sequence
 
 from absl import flags
 
-from trainer import launched_client, logdir_access
+from trainer import logdir_access
 
 EXIT_BAD_INPUT = 2
+# The launcher's PID, passed down so a client can tell whether it was already orphaned
+# (trainer/launched_client.py).
+LAUNCHER_PID = 'TFPIPE_LAUNCHER_PID'
 # The flags the launcher consumes or sets for each client; every other flag given is forwarded.
 LAUNCHER_FLAGS = ('local_clients', 'max_restarts')
 SET_PER_CLIENT = ('job', 'task', 'cluster_spec')
@@ -352,7 +355,7 @@ class Launcher:
             environ = dict(self.environ)
             if share.gpus is not None:
                 environ['CUDA_VISIBLE_DEVICES'] = ','.join(share.gpus)
-            environ[launched_client.LAUNCHER_PID] = str(os.getpid())
+            environ[LAUNCHER_PID] = str(os.getpid())
             command = [*self.command, '--job=trainer', f'--task={task}',
                        f'--cluster_spec={spec}']
             clients.append(Client(task, addresses[task], command, environ, share, self))
