@@ -290,6 +290,34 @@ def test_a_conflicting_override_exits_2_naming_the_key(lm_logdir, data_dir, tmp_
     assert th.snapshot(lm_logdir.logdir) == before
 
 
+@pytest.mark.parametrize('line', ["input.dev.tokenizer : 'evilpkg.tok.tokenize'",
+                                  "input.dev.examples_fn : 'evilpkg.tok.make'"])
+def test_a_recorded_function_outside_the_trusted_packages_is_never_imported(
+        tmp_path, data_dir, line):
+    """A params.txt that names a function obeys the rule a class path obeys: the evaler
+    refuses it before the import runs the module's top level."""
+    package = tmp_path / 'path' / 'evilpkg'
+    package.mkdir(parents=True)
+    (package / '__init__.py').write_text('')
+    (package / 'tok.py').write_text("import pathlib\n"
+                                    "pathlib.Path(__file__).with_name('ran').write_text('')\n"
+                                    'def tokenize(text):\n    return text\n'
+                                    'def make(split):\n    return split\n')
+    logdir = _write_record(tmp_path, LM, '')
+    path = os.path.join(logdir, 'train', experiment.PARAMS_FILE)
+    with open(path, 'a') as f:
+        f.write('\n' + line + '\n')
+    before = th.snapshot(logdir)
+    result = th.run(LM, logdir, data_dir, '--job=evaler_dev',
+                    environ={'PYTHONPATH': f'{tmp_path / "path"}:{th.env()["PYTHONPATH"]}'})
+    assert result.returncode == 2, result.stderr[-3000:]
+    key, value = line.split(' : ')
+    assert re.search(rf"{key.split('.')[-1]} {value} names module 'evilpkg.tok', outside the "
+                     r'trusted packages .*trust_package', th.error_line(result)), result.stderr
+    assert not (package / 'ran').exists()
+    assert th.snapshot(logdir) == before
+
+
 def test_a_trainer_resumed_with_another_optimizer_exits_2_naming_it(lm_logdir, data_dir,
                                                                      trained_2_steps, tmp_path):
     before = th.snapshot(lm_logdir.logdir)

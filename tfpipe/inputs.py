@@ -39,7 +39,7 @@ from typing import Callable, Dict, Optional, Sequence, Union
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from tfpipe import datasets, input_iterator, lm_inputs
+from tfpipe import datasets, input_iterator, lm_inputs, params_text
 from tfpipe.input_iterator import Example, InputIterator
 from tfpipe.datasets.reverse import EOS_ID, PAD_ID
 from tfpipe.hyperparams import InstantiableParams, Params
@@ -460,6 +460,7 @@ def _import_function(name: str, param: str = 'examples_fn',
     if not module or not attr:
         raise ValueError(f"{param}={name!r} is not a dotted name: set it to "
                          "'module.function', e.g. 'mypkg.data.make'")
+    params_text.check_function_name(name, param)  # before the import runs its top level
     try:
         loaded = importlib.import_module(module)
     except ModuleNotFoundError as e:
