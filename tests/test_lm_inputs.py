@@ -153,3 +153,14 @@ def test_a_function_outside_the_trusted_packages_is_refused_before_its_import(
                        rf"'{module}', outside the trusted packages .*trust_package"):
         lm_input(**{key: value}).Instantiate()
     assert not (package / 'ran').exists()  # the module's top level never ran
+
+
+def test_a_tokenizer_of_your_own_needs_its_detokenizer_for_text():
+    assert inputs.detokenizer(lm_input()) is inputs.byte_detokenize
+    with pytest.raises(ValueError, match=r"tokenizer 'tests.lm_corpus.codepoints' has no "
+                       r"detokenizer.*input.train.detokenizer="):
+        inputs.detokenizer(lm_input(tokenizer='tests.lm_corpus.codepoints'))
+    own = lm_input(tokenizer='tests.own_vocabulary_lm.flipped',
+                   detokenizer='tests.own_vocabulary_lm.unflipped')
+    ids = inputs.tokenizer(own)(tf.constant('def π')).numpy().tolist()
+    assert inputs.detokenizer(own)(ids) == 'def π'
