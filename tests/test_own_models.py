@@ -129,7 +129,8 @@ def test_bad_examples_fn_in_process(on_path, what, fn, message):
 @pytest.mark.parametrize('model,flags,message', [
     (BAD_MODELS[3][1], [], BAD_MODELS[3][2]),
     (MODEL, ["--params_override=input.train.examples_fn='byomodels.data.make_dynamic'"],
-     BAD_DATA[5][2])], ids=['unregistered model', 'dynamic shapes'])
+     dict((c[1], c[2]) for c in BAD_DATA)['byomodels.data.make_dynamic'])],
+    ids=['unregistered model', 'dynamic shapes'])
 def test_bad_input_through_the_trainer(package, tmp_path, model, flags, message):
     import re
     logdir = str(tmp_path / 'run')
