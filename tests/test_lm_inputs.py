@@ -1,15 +1,19 @@
 """Language-model input: documents packed into rows, the pystdlib corpus, bad corpora."""
 import os
+import re
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfpipe import inputs, lm_inputs
+from tfpipe import inputs, lm_inputs, params_text
 from tfpipe.datasets import pystdlib
 from tests import lm_corpus
 
 LENGTH = 24
+# The corpora and the tokenizer here live in `tests`, as a model's own package does, which
+# the trainer trusts for its examples_fn and tokenizer (tfpipe.params_text).
+params_text.trust_package('tests')
 
 
 def lm_input(**kw):
@@ -116,3 +120,47 @@ def test_a_tokenizer_of_your_own_replaces_bytes():
     text = lm_corpus.unicode('dev').get_single_element()['text'].numpy().decode()
     ids = [ord(c) + 2 for c in text]
     assert row['inputs'].numpy()[0].tolist() == [lm_inputs.EOD_ID] + ids[:7]
+
+
+EVIL = """
+import pathlib
+pathlib.Path(__file__).with_name('ran').write_text('top level ran')
+
+
+def tokenize(text):
+    return text
+
+
+def make(split):
+    return split
+"""
+
+
+@pytest.mark.parametrize('key, value', [
+    ('tokenizer', 'evilpkg.tok.tokenize'),
+    ('examples_fn', 'evilpkg.tok.make'),
+    ('examples_fn', 'builtins.exec'),  # trusted for its classes; exec(split) would run a param
+])
+def test_a_function_outside_the_trusted_packages_is_refused_before_its_import(
+        tmp_path, monkeypatch, key, value):
+    package = tmp_path / 'evilpkg'
+    package.mkdir()
+    (package / '__init__.py').write_text('')
+    (package / 'tok.py').write_text(EVIL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = value.rpartition('.')[0]
+    with pytest.raises(ValueError, match=rf"^{key} '{re.escape(value)}' names module "
+                       rf"'{module}', outside the trusted packages .*trust_package"):
+        lm_input(**{key: value}).Instantiate()
+    assert not (package / 'ran').exists()  # the module's top level never ran
+
+
+def test_a_tokenizer_of_your_own_needs_its_detokenizer_for_text():
+    assert inputs.detokenizer(lm_input()) is inputs.byte_detokenize
+    with pytest.raises(ValueError, match=r"tokenizer 'tests.lm_corpus.codepoints' has no "
+                       r"detokenizer.*input.train.detokenizer="):
+        inputs.detokenizer(lm_input(tokenizer='tests.lm_corpus.codepoints'))
+    own = lm_input(tokenizer='tests.own_vocabulary_lm.flipped',
+                   detokenizer='tests.own_vocabulary_lm.unflipped')
+    ids = inputs.tokenizer(own)(tf.constant('def π')).numpy().tolist()
+    assert inputs.detokenizer(own)(ids) == 'def π'

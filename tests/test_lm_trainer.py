@@ -16,6 +16,7 @@ import tensorflow as tf
 
 import model_registry
 from tfpipe import checkpoints, generation, inputs, lm_inputs
+from tests import own_vocabulary_lm
 from tests import trainer_helpers as th
 
 MODEL = 'lm.pystdlib.TinyTransformerLM'
@@ -120,3 +121,25 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(trained, tmp_path, what
     assert message in line, line
     assert th.snapshot(trained) == before
     assert os.path.exists(logdir) == (logdir == trained)
+
+
+def test_generate_encodes_and_decodes_with_the_models_own_vocabulary(tmp_path, data_dir):
+    """A model trained with its own tokenizer gets its prompt in that vocabulary, not as
+    bytes, and its continuation decoded by its detokenizer."""
+    model = 'tests.own_vocabulary_lm.FlippedBytesLM'
+    logdir = str(tmp_path / 'run')
+    result = th.run(model, logdir, data_dir, *th.fast_flags(2, 2))
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = th.run(model, logdir, data_dir, '--mode=generate', '--prompt=def f(x):',
+                    '--num_new_tokens=8')
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads(result.stdout.strip().splitlines()[-1])
+    text_ids = [i for i in record['ids'] if i != lm_inputs.EOD_ID]
+    assert record['continuation'] == own_vocabulary_lm.unflipped(text_ids)
+    task = model_registry.get_params(model).task.Instantiate()
+    checkpoints.restore(checkpoints.make(task.VariablesByPath()),
+                        checkpoints.latest(os.path.join(logdir, 'train')), partial=True)
+    prompt = tf.concat([[lm_inputs.EOD_ID], own_vocabulary_lm.flipped('def f(x):')], 0)
+    ids, _ = task.generator.generate(task.theta['pipe'], prompt[None, :], 8,
+                                     generation.Sampling(0.0, 0, 0))
+    assert record['ids'] == ids[0].numpy().tolist()[:len(record['ids'])]

@@ -79,6 +79,35 @@ def test_an_override_that_changes_the_recorded_model_is_refused_naming_it(tmp_pa
         experiment.params_for_logdir(experiment.load_params(LM, override), logdir, LM, [key])
 
 
+@pytest.mark.parametrize('override', [
+    "input.dev.tokenizer='tests.lm_corpus.codepoints'",  # another vocabulary
+    "input.train.tokenizer='tests.lm_corpus.codepoints'",
+    "input.dev.preprocess='seq2seq_text'",  # another layout of ids
+])
+def test_a_key_that_decides_what_ids_mean_is_a_model_key(tmp_path, override):
+    logdir = _write_record(tmp_path, LM, '')
+    key = override.split('=')[0]
+    with pytest.raises(ValueError, match=re.escape(key) + r': \S+ -> \S+.*leave these '
+                       r'overrides out'):
+        experiment.params_for_logdir(experiment.load_params(LM, override), logdir, LM, [key])
+
+
+def test_a_params_file_that_sets_a_model_key_to_its_default_is_refused(tmp_path):
+    logdir = _write_record(tmp_path, LM, f'{HEADS}=4')
+    path = tmp_path / 'override.txt'
+    path.write_text(f'# the registered default, not the record\n{HEADS} : 2\n'
+                    'task.eval.samples_per_summary : 8\n')
+    mine = experiment.load_params(LM, params_file_override=str(path))
+    named = experiment.override_keys('', str(path))
+    assert named == [HEADS, 'task.eval.samples_per_summary']
+    with pytest.raises(ValueError, match=re.escape(f'{HEADS}: 4 -> 2')):
+        experiment.params_for_logdir(mine, logdir, LM, named)
+    path.write_text(f'{HEADS} : 4\ntask.eval.samples_per_summary : 8\n')  # the recorded value
+    mine = experiment.load_params(LM, params_file_override=str(path))
+    params = experiment.params_for_logdir(mine, logdir, LM, experiment.override_keys('', str(path)))
+    assert params.task.eval.samples_per_summary == 8
+
+
 def test_the_data_dir_is_the_jobs_own(tmp_path):
     logdir = _write_record(tmp_path, th.FAST, 'input.dev.data_dir="/trainer/tfds"')
     params = experiment.params_for_logdir(experiment.load_params(th.FAST), logdir, th.FAST)
@@ -276,16 +305,53 @@ def test_generate_uses_the_recorded_params(lm_logdir, data_dir):
     assert json.loads(plain.stdout) == json.loads(repeated.stdout)
 
 
-def test_a_conflicting_override_exits_2_naming_the_key(lm_logdir, data_dir):
+@pytest.mark.parametrize('flag, change', [
+    (th.overrides(**{HEADS: 2}), f'{HEADS}: 4 -> 2'),
+    ("--params_override=input.dev.tokenizer='tests.lm_corpus.codepoints'",
+     "input.dev.tokenizer: '' -> 'tests.lm_corpus.codepoints'"),
+    ('--params_file_override=FILE', f'{HEADS}: 4 -> 2'),  # the model's default, from a file
+])
+def test_a_conflicting_override_exits_2_naming_the_key(lm_logdir, data_dir, tmp_path, flag,
+                                                       change):
+    if flag.endswith('=FILE'):
+        path = tmp_path / 'override.txt'
+        path.write_text(f'{HEADS} : 2\n')
+        flag = flag.replace('FILE', str(path))
     before = th.snapshot(lm_logdir.logdir)
-    result = th.run(LM, lm_logdir.logdir, data_dir, '--job=evaler_dev',
-                    th.overrides(**{HEADS: 2}))
+    result = th.run(LM, lm_logdir.logdir, data_dir, '--job=evaler_dev', flag)
     assert result.returncode == 2, result.stderr[-3000:]
-    assert re.search(re.escape(f'{HEADS}: 4 -> 2') + '.*leave these overrides out',
-                     th.error_line(result))
+    assert re.search(re.escape(change) + '.*leave these overrides out', th.error_line(result))
     inspect = th.run(LM, lm_logdir.logdir, data_dir, '--mode=inspect_params')
     assert f'{HEADS} : 4' in inspect.stdout, inspect.stderr[-3000:]
     assert th.snapshot(lm_logdir.logdir) == before
+
+
+@pytest.mark.parametrize('line', ["input.dev.tokenizer : 'evilpkg.tok.tokenize'",
+                                  "input.dev.examples_fn : 'evilpkg.tok.make'"])
+def test_a_recorded_function_outside_the_trusted_packages_is_never_imported(
+        tmp_path, data_dir, line):
+    """A params.txt that names a function obeys the rule a class path obeys: the evaler
+    refuses it before the import runs the module's top level."""
+    package = tmp_path / 'path' / 'evilpkg'
+    package.mkdir(parents=True)
+    (package / '__init__.py').write_text('')
+    (package / 'tok.py').write_text("import pathlib\n"
+                                    "pathlib.Path(__file__).with_name('ran').write_text('')\n"
+                                    'def tokenize(text):\n    return text\n'
+                                    'def make(split):\n    return split\n')
+    logdir = _write_record(tmp_path, LM, '')
+    path = os.path.join(logdir, 'train', experiment.PARAMS_FILE)
+    with open(path, 'a') as f:
+        f.write('\n' + line + '\n')
+    before = th.snapshot(logdir)
+    result = th.run(LM, logdir, data_dir, '--job=evaler_dev',
+                    environ={'PYTHONPATH': f'{tmp_path / "path"}:{th.env()["PYTHONPATH"]}'})
+    assert result.returncode == 2, result.stderr[-3000:]
+    key, value = line.split(' : ')
+    assert re.search(rf"{key.split('.')[-1]} {value} names module 'evilpkg.tok', outside the "
+                     r'trusted packages .*trust_package', th.error_line(result)), result.stderr
+    assert not (package / 'ran').exists()
+    assert th.snapshot(logdir) == before
 
 
 def test_a_trainer_resumed_with_another_optimizer_exits_2_naming_it(lm_logdir, data_dir,

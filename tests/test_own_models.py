@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import model_registry
+from tfpipe import params_text
 
 from tests import own_package
 from tests import trainer_helpers as th
@@ -84,8 +85,10 @@ BAD_MODELS = [
      r'@model_registry.RegisterSingleTaskModel'),
 ]
 BAD_DATA = [
-    ('unimportable examples_fn', 'nopkg.data.make', r"examples_fn 'nopkg.data.make': there is "
-     r"no module 'nopkg.data'"),
+    ('examples_fn outside the trusted packages', 'nopkg.data.make',
+     r"examples_fn 'nopkg.data.make' names module 'nopkg.data', outside the trusted packages"),
+    ('unimportable examples_fn', 'byomodels.nothing.make', r"examples_fn "
+     r"'byomodels.nothing.make': there is no module 'byomodels.nothing'"),
     ('missing examples_fn', 'byomodels.data.nothing',
      r"module byomodels.data has no function 'nothing'"),
     ('not dotted', 'make', r"examples_fn='make' is not a dotted name"),
@@ -104,8 +107,10 @@ BAD_DATA = [
 
 @pytest.fixture
 def on_path(package, monkeypatch):
-    """The package importable in this process too, for the fast in-process checks."""
+    """The package importable (and trusted, as the trainer trusts its model's package) in
+    this process too, for the fast in-process checks."""
     monkeypatch.syspath_prepend(package)
+    params_text.trust_package('byomodels')
 
 
 @pytest.mark.parametrize('what,model,message', BAD_MODELS, ids=[c[0] for c in BAD_MODELS])
@@ -124,7 +129,8 @@ def test_bad_examples_fn_in_process(on_path, what, fn, message):
 @pytest.mark.parametrize('model,flags,message', [
     (BAD_MODELS[3][1], [], BAD_MODELS[3][2]),
     (MODEL, ["--params_override=input.train.examples_fn='byomodels.data.make_dynamic'"],
-     BAD_DATA[5][2])], ids=['unregistered model', 'dynamic shapes'])
+     dict((c[1], c[2]) for c in BAD_DATA)['byomodels.data.make_dynamic'])],
+    ids=['unregistered model', 'dynamic shapes'])
 def test_bad_input_through_the_trainer(package, tmp_path, model, flags, message):
     import re
     logdir = str(tmp_path / 'run')

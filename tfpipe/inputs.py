@@ -39,15 +39,14 @@ from typing import Callable, Dict, Optional, Sequence, Union
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from tfpipe import datasets, input_iterator, lm_inputs
+from tfpipe import datasets, input_iterator, lm_inputs, params_text
 from tfpipe.input_iterator import Example, InputIterator
 from tfpipe.datasets.reverse import EOS_ID, PAD_ID
 from tfpipe.hyperparams import InstantiableParams, Params
 
 __all__ = ['BYTE_OFFSET', 'BYTE_VOCAB_SIZE', 'EOS_ID', 'PAD_ID', 'PREPROCESSORS',
            'DatasetInput', 'InputIterator', 'MissingDataError', 'TfdsInput', 'byte_detokenize',
-           'byte_tokenize',
-           'register_preprocessor']
+           'byte_tokenize', 'detokenizer', 'register_preprocessor', 'tokenizer']
 
 BYTE_OFFSET = 2  # byte b becomes id b + 2, so PAD (0) and EOS (1) stay free
 BYTE_VOCAB_SIZE = 256 + BYTE_OFFSET
@@ -61,7 +60,7 @@ PREPROCESSORS: Dict[str, PreprocessorFactory] = {}
 # its output, and a resumed run regroups the same way up to it.
 StreamRegrouper = Callable[[Params, tf.data.Dataset], tf.data.Dataset]
 STREAM_REGROUPERS: Dict[str, StreamRegrouper] = {
-    'lm': lambda p, documents: lm_inputs.pack_documents(documents, p.max_length, _tokenizer(p)),
+    'lm': lambda p, documents: lm_inputs.pack_documents(documents, p.max_length, tokenizer(p)),
 }
 _NEEDS_MAX_LENGTH = ('seq2seq', 'seq2seq_text', 'lm')
 # tf.data converts every map function with AutoGraph. tfpipe's own are plain graph code,
@@ -174,11 +173,27 @@ def _lm(p: Params) -> Callable[[Example], Example]:
     return lambda ex: lm_inputs.row_features(ex['row'])
 
 
-def _tokenizer(p: Params) -> Callable[[tf.Tensor], tf.Tensor]:
+def tokenizer(p: Params) -> Callable[[tf.Tensor], tf.Tensor]:
     """'lm': bytes, or the function p.tokenizer names (e.g. a SentencePiece model's)."""
     if not p.tokenizer:
         return byte_tokenize
     return _import_function(p.tokenizer, 'tokenizer', '(text: tf.string scalar) -> int32 ids')
+
+
+def detokenizer(p: Params) -> Callable[[Sequence[int]], str]:
+    """The inverse of `tokenizer(p)`, for the text of generated ids: bytes, or the function
+    p.detokenizer names.
+
+    Refused for a tokenizer of your own without one: decoding its ids as bytes would
+    print another vocabulary's text.
+    """
+    if p.detokenizer:
+        return _import_function(p.detokenizer, 'detokenizer', '(ids: list of int) -> str')
+    if not p.tokenizer:
+        return byte_detokenize
+    raise ValueError(f'tokenizer {p.tokenizer!r} has no detokenizer, and its ids are not '
+                     "bytes: set the input's detokenizer (e.g. --params_override=input.train."
+                     "detokenizer='mypkg.vocab.detokenize') to its `def detokenize(ids) -> str`")
 
 
 def _regroup(p: Params, stored: tf.data.Dataset) -> tf.data.Dataset:
@@ -211,6 +226,8 @@ class TfdsInput:
         p.Define('target_key', 'de', "seq2seq_text: feature holding the target string.")
         p.Define('tokenizer', '', "'lm': dotted name of `def tokenize(text) -> int32 ids` "
                  '(graph code; ids >= 2, as 0 pads and 1 ends documents); empty: UTF-8 bytes.')
+        p.Define('detokenizer', '', "'lm': dotted name of `def detokenize(ids) -> str`, the "
+                 "tokenizer's inverse, for the text of generated ids; empty: UTF-8 bytes.")
         p.Define('generate_if_missing', True, "Generate tfpipe's own datasets into data_dir "
                  'when absent.')
         return p
@@ -460,6 +477,7 @@ def _import_function(name: str, param: str = 'examples_fn',
     if not module or not attr:
         raise ValueError(f"{param}={name!r} is not a dotted name: set it to "
                          "'module.function', e.g. 'mypkg.data.make'")
+    params_text.check_function_name(name, param)  # before the import runs its top level
     try:
         loaded = importlib.import_module(module)
     except ModuleNotFoundError as e:

@@ -31,6 +31,12 @@ inside trusted packages are imported: ``tfpipe`` and ``builtins`` always, and wh
 the package of the model it runs). Any other module is an error naming it,
 raised before anything is imported. Classes defined inside functions cannot be
 read back.
+
+A str param that names a function (an input's ``examples_fn``, ``tokenizer``) is
+plain text to this format; the code that imports it asks :func:`check_function_name`
+first, so the same rule holds for every param that names code. ``builtins`` is
+trusted for its classes only: its functions (``exec``, ``eval``, ``open``) would run
+whatever the next param holds.
 """
 from __future__ import annotations
 
@@ -41,7 +47,8 @@ import sys
 from typing import Any, List, Tuple
 
 __all__ = ['KeyPath', 'KeyToken', 'ParamsPlaceholder', 'TextFormatError', 'format_path',
-           'format_value', 'is_dtype', 'parse_line', 'parse_path', 'short_repr',
+           'check_function_name', 'format_value', 'is_dtype', 'parse_line', 'parse_path',
+           'short_repr',
            'trust_package', 'trusted_packages']
 
 _PATH_TOKEN_RE = re.compile(r"""(?P<dot>\.)?(?P<name>[A-Za-z_]\w*)|\[(?P<index>-?\d+)\]"""
@@ -77,6 +84,25 @@ def trusted_packages() -> Tuple[str, ...]:
 
 def _is_trusted(module: str) -> bool:
     return any(module == t or module.startswith(t + '.') for t in _trusted)
+
+
+def check_function_name(name: str, key: str) -> None:
+    """Refuses `name` (``module.function``, the value of param `key`) unless its module
+    lies in a trusted package other than ``builtins``; call it before importing `name`.
+
+    Importing runs the module's top level and calling the function runs it on
+    arguments that are params too (``examples_fn(split)``), so a params.txt that names
+    a function must pass the rule a class path passes.
+    """
+    module = name.rpartition('.')[0]
+    if module and _is_trusted(module) and module.split('.')[0] != 'builtins':
+        return
+    top = module.split('.')[0] or name
+    allowed = [t for t in trusted_packages() if t != 'builtins']
+    raise TextFormatError(
+        f'{key} {name!r} names module {module!r}, outside the trusted packages {allowed}: '
+        "params import no other code; define the function in the model's own package or "
+        f'call tfpipe.params_text.trust_package({top!r}) first')
 
 
 def is_dtype(value: Any) -> bool:

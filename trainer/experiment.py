@@ -36,8 +36,16 @@ _JOB_KEYS = re.compile(r'(input|task\.train|task\.eval|task\.decoder)([.\[]|$)'
                        r'|task\.pipeline\.(balance|num_cells|virtual_stages|partition_by|'
                        r'devices|num_replicas|num_micro_batches|recompute|schedule|'
                        r'cell_functions|jit_compile|tensor_parallel)$|(.*\.)?fprop_dtype$')
+# Of the input keys, those that decide what the ids and labels mean define the model: a
+# model scored with another tokenizer, preprocessing or source/target feature is scored on
+# another vocabulary or task (accuracy 0.0009 instead of 0.093 with another tokenizer).
+_MEANING_KEYS = re.compile(r'input\.\w+\.(tokenizer|preprocess|source_key|target_key)$')
 # Of the training keys, the optimizer's class decides what the checkpointed slots mean.
 _OPTIMIZER_CLASS = 'task.train.optimizer.cls'
+
+
+def _is_job_key(key: str) -> bool:
+    return bool(_JOB_KEYS.match(key)) and not _MEANING_KEYS.match(key)
 
 
 @gin.configurable('model')
@@ -74,6 +82,21 @@ def split_overrides(text: str) -> list[tuple[str, str]]:
             key, value = item.split('=', 1)
             items.append((key.strip(), value.strip()))
     return items
+
+
+def override_keys(params_override: str, params_file_override: str = '') -> list[str]:
+    """The keys the command's --params_override and --params_file_override name.
+
+    A job on a logdir checks each of them against the record, also one set to the
+    model's default (which the params alone cannot tell from one left alone).
+    """
+    keys = [key for key, _ in split_overrides(params_override)]
+    if params_file_override and os.path.exists(params_file_override):  # else load_params says
+        with open(params_file_override) as f:
+            lines = [line.strip() for line in f]
+        keys += [params_text.format_path(params_text.parse_path(line)[0]) for line in lines
+                 if line and not line.startswith('#')]
+    return keys
 
 
 def _is_number(text: str) -> bool:
@@ -209,7 +232,7 @@ def model_changes(old: Params, new: Params, keys: Optional[Sequence[str]] = None
     for key in candidates:
         pair = before.get(key, _ABSENT), after.get(key, _ABSENT)
         if pair[0] != pair[1] and not any(map(_is_parent, pair)) and (
-                not _JOB_KEYS.match(key) or (optimizer and key == _OPTIMIZER_CLASS)):
+                not _is_job_key(key) or (optimizer and key == _OPTIMIZER_CLASS)):
             changes[key] = pair
     return changes
 
@@ -261,7 +284,7 @@ def params_for_logdir(params: Params, logdir: Optional[str], model: str,
     for name, input_params in recorded.input.IterParams():  # where the data lives: this job's
         if input_params is not None and 'data_dir' in input_params:
             input_params.data_dir = registered.input.Get(name).data_dir
-    recorded.FromText('\n'.join(f'{key} : {mine[key]}' for key in chosen if _JOB_KEYS.match(key)))
+    recorded.FromText('\n'.join(f'{key} : {mine[key]}' for key in chosen if _is_job_key(key)))
     return recorded
 
 

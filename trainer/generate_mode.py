@@ -3,8 +3,9 @@
     python -m trainer --model=lm.pystdlib.TransformerLM --logdir=/tmp/lm \
         --mode=generate --prompt='def main(' --num_new_tokens=64
 
-Prints one JSON line: the prompt, the continuation (bytes decoded as UTF-8, up to
-the first end-of-document), its token ids and their log-probabilities, with the
+Prints one JSON line: the prompt, the continuation (up to the first end-of-document;
+the prompt is encoded and the output decoded with the model's own `tokenizer` and
+`detokenizer`, UTF-8 bytes by default), its token ids and their log-probabilities, with the
 same generator the decoder job uses. Reads the logdir, never writes to it.
 """
 from __future__ import annotations
@@ -42,11 +43,15 @@ def generate(params, logdir: str) -> dict:
     if path is None:
         raise ValueError(f'--mode=generate: no checkpoint in {train_dir}: train the model '
                          'first, or point --logdir at a logdir that has one')
+    # The model's own vocabulary (its training input's), resolved before the restore.
+    tokenize, detokenize = inputs.tokenizer(params.input.train), inputs.detokenizer(
+        params.input.train)
     checkpoints.restore(checkpoints.make(task.VariablesByPath()), path, partial=True)
-    prompt = tf.concat([[EOD_ID], inputs.byte_tokenize(FLAGS.prompt)], 0)[None, :]
+    prompt_ids = tf.cast(tokenize(tf.constant(FLAGS.prompt)), tf.int32)
+    prompt = tf.concat([[EOD_ID], prompt_ids], 0)[None, :]
     ids, log_probs = task.generator.generate(task.theta['pipe'], prompt, FLAGS.num_new_tokens,
                                              sampling)
-    record = lm.continuation(ids[0].numpy(), log_probs[0].numpy())
+    record = lm.continuation(ids[0].numpy(), log_probs[0].numpy(), detokenize)
     return {'prompt': FLAGS.prompt, 'step': checkpoints.step_of(path), **record}
 
 

@@ -365,7 +365,7 @@ def _load_params_and_options(from_logdir: bool = False):
         _check_trace_step(max_steps=None)
         options.pipeline_trace_step = FLAGS.pipeline_trace_step
     if from_logdir:
-        named = [key for key, _ in experiment.split_overrides(FLAGS.params_override)]
+        named = experiment.override_keys(FLAGS.params_override, FLAGS.params_file_override)
         named += list(experiment.gin_model_overrides())
         if FLAGS.max_steps is not None:
             named.append('task.train.max_steps')

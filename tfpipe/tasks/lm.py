@@ -12,6 +12,7 @@ the decoder continues prompts from the split, greedy and sampled
 from __future__ import annotations
 
 import math
+from typing import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -33,12 +34,14 @@ def decoding_params() -> Params:
     return p
 
 
-def continuation(ids, log_probs) -> dict:
+def continuation(ids, log_probs,
+                 detokenize: Callable[[Sequence[int]], str] = inputs.byte_detokenize) -> dict:
     """Generated ids (and their log-probs) up to and including the first end-of-document,
-    with their text."""
+    with their text (`detokenize`d: the model's own vocabulary, bytes by default)."""
     ids = [int(i) for i in ids]
     end = ids.index(EOD_ID) + 1 if EOD_ID in ids else len(ids)
-    return {'continuation': inputs.byte_detokenize(ids[:end]), 'ids': ids[:end],
+    text_end = end - 1 if EOD_ID in ids else end  # the end-of-document has no text
+    return {'continuation': detokenize(ids[:text_end]), 'ids': ids[:end],
             'log_probs': [round(float(v), 5) for v in log_probs[:end]]}
 
 
