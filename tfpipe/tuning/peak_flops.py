@@ -27,7 +27,7 @@ from typing import Optional
 import tensorflow as tf
 from absl import logging
 
-MATMUL_SIZE = 1024
+MATMUL_SIZE = 2048
 CALLS = 5  # the first call traces and warms the caches; the best of the rest counts
 CACHE_ENV = 'TFPIPE_CACHE_DIR'
 QUIET_LOAD = 0.25  # load average per core under which a probe is not repeated
