@@ -332,6 +332,31 @@ def test_a_read_only_export_dir_is_named(trained_4_steps, data_dir, read_only_di
     assert th.snapshot(trained_4_steps.logdir) == before
 
 
+@pytest.mark.parametrize('stage', ['pin', 'save'])
+def test_a_full_export_disk_is_named_not_the_logdir(trained_4_steps, data_dir, tmp_path,
+                                                     stage):
+    """A 1 MiB tmpfs filled up to a few pages: too few for the pinned copy of the checkpoint
+    (another file system: copied), or enough for it and too few for the SavedModel."""
+    checkpoint = [os.path.join(trained_4_steps.logdir, 'train', name)
+                  for name in os.listdir(os.path.join(trained_4_steps.logdir, 'train'))
+                  if name.startswith('ckpt-4.')]
+    pin_kib = sum(-(-os.path.getsize(f) // 4096) * 4 for f in checkpoint)  # tmpfs pages
+    free_kib = 4 if stage == 'pin' else pin_kib + 4
+    before = th.snapshot(trained_4_steps.logdir)
+    with th.tmpfs(str(tmp_path / 'disk'), 'size=1m') as disk:
+        with open(os.path.join(disk, 'filler'), 'wb') as f:
+            f.write(b'\0' * (1024 - free_kib) * 1024)
+        line = _refused(th.FAST, trained_4_steps.logdir, data_dir,
+                        f'--export_dir={disk}/models/small')
+        left = os.listdir(disk)
+    assert re.fullmatch(
+        rf'error: no space left on the disk of the export directory {disk}/models/small \(the '
+        rf'file system mounted at {disk}, \d+ KiB free\): free space there or give an '
+        r'--export_dir on another disk; the checkpoint was only read', line), line
+    assert left == ['filler']  # the pinned copy and the partial SavedModel are removed
+    assert th.snapshot(trained_4_steps.logdir) == before
+
+
 def test_overwrite_replaces_a_non_empty_export_dir(trained_4_steps, data_dir, tmp_path):
     target = tmp_path / 'target'
     target.mkdir()
