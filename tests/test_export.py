@@ -190,6 +190,40 @@ def test_a_state_file_naming_a_rotated_checkpoint_for_an_instant_is_read_again(
         image=tf.zeros([1, 16, 16, 3]))['classes'].shape == [1]
 
 
+def test_the_newest_rotated_out_twice_before_the_pin_is_taken_again(
+        trained_4_steps, data_dir, tmp_path, monkeypatch):
+    """A trainer saving every step can rotate out the newest checkpoint between the export's
+    choice and its pin more than once. Here, after each of the first two choices, the
+    checkpoint is really rotated as a trainer with save_max_to_keep=1 does: the next step's
+    files written (hard links), train/checkpoint naming only them, the chosen files deleted."""
+    logdir = trained_4_steps.copy_to(tmp_path / 'run')
+    train_dir = os.path.join(logdir, 'train')
+    choose = export_mode._resolve
+    chosen = []
+
+    def choose_then_rotate(directory, name):
+        path = choose(directory, name)
+        chosen.append(os.path.basename(path))
+        if len(chosen) <= 2:
+            step = checkpoints.step_of(path)
+            newer = os.path.join(train_dir, f'ckpt-{step + 1}')
+            for file in os.listdir(train_dir):
+                if file.startswith(f'ckpt-{step}.'):
+                    os.link(os.path.join(train_dir, file), newer + file[len(f'ckpt-{step}'):])
+            with open(os.path.join(train_dir, 'checkpoint'), 'w') as f:
+                f.write(f'model_checkpoint_path: "ckpt-{step + 1}"\n'
+                        f'all_model_checkpoint_paths: "ckpt-{step + 1}"\n')
+            for file in os.listdir(train_dir):
+                if file.startswith(f'ckpt-{step}.'):
+                    os.remove(os.path.join(train_dir, file))
+        return path
+    monkeypatch.setattr(export_mode, '_resolve', choose_then_rotate)
+    path = _export(th.FAST, logdir, data_dir, tmp_path / 'out')
+    assert chosen == ['ckpt-4', 'ckpt-5', 'ckpt-6']
+    assert tf.saved_model.load(path).signatures['serving_default'](
+        image=tf.zeros([1, 16, 16, 3]))['classes'].shape == [1]
+
+
 def test_a_checkpoint_gone_before_the_pin_is_refused_and_leaves_nothing(trained_4_steps,
                                                                           data_dir, tmp_path):
     params = _params(th.FAST, data_dir, {})
@@ -329,6 +363,31 @@ def test_a_read_only_export_dir_is_named(trained_4_steps, data_dir, read_only_di
     assert line == (f'error: --export_dir {read_only_dir}/model (its nearest existing parent '
                     f'{read_only_dir}) is not writable: give a directory this user can write, '
                     'e.g. under /tmp')
+    assert th.snapshot(trained_4_steps.logdir) == before
+
+
+@pytest.mark.parametrize('stage', ['pin', 'save'])
+def test_a_full_export_disk_is_named_not_the_logdir(trained_4_steps, data_dir, tmp_path,
+                                                     stage):
+    """A 1 MiB tmpfs filled up to a few pages: too few for the pinned copy of the checkpoint
+    (another file system: copied), or enough for it and too few for the SavedModel."""
+    checkpoint = [os.path.join(trained_4_steps.logdir, 'train', name)
+                  for name in os.listdir(os.path.join(trained_4_steps.logdir, 'train'))
+                  if name.startswith('ckpt-4.')]
+    pin_kib = sum(-(-os.path.getsize(f) // 4096) * 4 for f in checkpoint)  # tmpfs pages
+    free_kib = 4 if stage == 'pin' else pin_kib + 4
+    before = th.snapshot(trained_4_steps.logdir)
+    with th.tmpfs(str(tmp_path / 'disk'), 'size=1m') as disk:
+        with open(os.path.join(disk, 'filler'), 'wb') as f:
+            f.write(b'\0' * (1024 - free_kib) * 1024)
+        line = _refused(th.FAST, trained_4_steps.logdir, data_dir,
+                        f'--export_dir={disk}/models/small')
+        left = os.listdir(disk)
+    assert re.fullmatch(
+        rf'error: no space left on the disk of the export directory {disk}/models/small \(the '
+        rf'file system mounted at {disk}, \d+ KiB free\): free space there or give an '
+        r'--export_dir on another disk; the checkpoint was only read', line), line
+    assert left == ['filler']  # the pinned copy and the partial SavedModel are removed
     assert th.snapshot(trained_4_steps.logdir) == before
 
 

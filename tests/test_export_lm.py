@@ -7,6 +7,7 @@ The K=2, M=2 run of lm.pystdlib.TinyTransformerLM that tests/test_lm_trainer.py 
 and shared by every test here.
 """
 import os
+import re
 import subprocess
 
 import numpy as np
@@ -93,12 +94,32 @@ def test_saved_model_cli_lists_both_signatures(lm_run):
         assert name in shown.stdout, name
 
 
-def test_a_request_beyond_the_context_fails_naming_the_limit(lm_run, tmp_path):
-    context = model_registry.get_params(MODEL).input.train.max_length
-    result, _ = export_helpers.run_signature(lm_run[1], 'generate', {
-        'prompt': np.ones([1, 8], np.int32), 'num_new_tokens': np.int32(context)}, tmp_path)
-    assert result.returncode != 0
-    assert f'num_new_tokens exceeds the context of {context} tokens' in result.stderr
+@pytest.mark.parametrize('signature, inputs, message', [
+    ('generate', {'prompt': np.ones([1, 8], np.int32), 'num_new_tokens': np.int32(64)},
+     'num_new_tokens exceeds the context of 64 tokens'),
+    # 2 + 2147483645 is int32's largest: the output array of that many slots was allocated
+    # before the check ran, and std::bad_alloc aborted the process.
+    ('generate', {'prompt': np.ones([1, 2], np.int32), 'num_new_tokens': np.int32(2**31 - 3)},
+     'num_new_tokens exceeds the context of 64 tokens'),
+    ('generate', {'prompt': np.array([[5, 1000]], np.int32), 'num_new_tokens': np.int32(2)},
+     r'prompt holds ids outside the vocabulary \[0, 258\).*\[5\] \[1000\]'),
+    ('generate', {'prompt': np.array([[-1, 5]], np.int32), 'num_new_tokens': np.int32(2)},
+     r'prompt holds ids outside the vocabulary \[0, 258\).*\[-1\] \[5\]'),
+    ('serving_default', {'ids': np.array([[5, 1000]], np.int32)},
+     r'ids holds ids outside the vocabulary \[0, 258\)'),
+    ('serving_default', {'ids': np.ones([1, 65], np.int32)},
+     'ids longer than the context of 64 tokens'),
+], ids=['beyond_context', 'int32_limit', 'id_1000', 'id_-1', 'scored_id_1000', 'scored_long'])
+def test_a_bad_request_fails_naming_the_bound(lm_run, tmp_path, signature, inputs, message):
+    """The request's own error (InvalidArgumentError with the bound), raised in Python in
+    the serving process, never an abort or a kernel's error on an unchecked input."""
+    params = model_registry.get_params(MODEL)
+    assert (params.input.train.max_length, params.task.vocab_size) == (64, 258)
+    result, _ = export_helpers.run_signature(lm_run[1], signature, inputs, tmp_path)
+    assert result.returncode == 1, result.stderr[-3000:]  # a Python exception, not a signal
+    assert 'InvalidArgumentError' in result.stderr
+    assert re.search(message, result.stderr), result.stderr[-3000:]
+    assert 'GatherV2' not in result.stderr
 
 
 def test_bfloat16_model_exports_and_generates(lm_run, data_dir, tmp_path):

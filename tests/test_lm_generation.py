@@ -67,6 +67,34 @@ def test_extreme_temperatures_draw_valid_tokens(task, prompt):
         assert all(t in row for t, row in zip(token.numpy(), top))
 
 
+@pytest.mark.parametrize('temperature, top_k', [(0.7, 0), (1.3, 0), (0.7, 5)])
+def test_sampling_draws_from_the_logits_over_the_temperature(temperature, top_k):
+    """Token i is the draw of stateless_categorical(logits / T) with seed (seed, i), those
+    logits cut to the top_k: the same uniform numbers, so the same tokens in every row. A
+    temperature applied twice (logits / T**2) changes thousands of the 20000 rows."""
+    logits = tf.random.stateless_normal([20000, 50], [3, 4]) * 3
+    scaled = logits / temperature
+    if top_k:
+        scaled = tf.where(logits < tf.math.top_k(logits, top_k).values[:, -1:], -np.inf, scaled)
+    expected = tf.random.stateless_categorical(scaled, 1, seed=[7, 5])[:, 0]
+    token, _ = generation._choose(logits, generation.Sampling(temperature, top_k, 7),
+                                  tf.constant(5))
+    np.testing.assert_array_equal(token.numpy(), expected.numpy())
+
+
+def test_sampled_frequencies_follow_the_softmax_over_the_temperature():
+    """The draw's own statistics, whatever the sampler: 20000 rows of the same logits give
+    each token about softmax(logits / 0.7) of the time (total variation 0.003-0.009 over
+    seeds 0-2 here; with logits / 0.49, a temperature applied twice, 0.10-0.11)."""
+    logits = np.array([0, 1, 2, 3, -1], np.float32)
+    expected = np.exp(logits / 0.7) / np.exp(logits / 0.7).sum()
+    for seed in range(3):
+        token, _ = generation._choose(tf.constant(np.tile(logits, [20000, 1])),
+                                      generation.Sampling(0.7, 0, seed), tf.constant(0))
+        frequencies = np.bincount(token.numpy(), minlength=len(logits)) / 20000
+        assert 0.5 * np.abs(frequencies - expected).sum() < 0.03, (seed, frequencies)
+
+
 def test_same_seed_same_tokens_other_seed_other_tokens(task, prompt):
     def sample(seed):
         return task.generator.generate(task.theta['pipe'], prompt, NEW, generation.Sampling(

@@ -26,10 +26,12 @@ The checkpoint is pinned before the model is built: its files are hard-linked
 rotates it out (`save_max_to_keep`) meanwhile does not pull it from under the
 restore. The SavedModel is written into a temporary directory beside the
 target and renamed into place with the user's umask, so a failed export
-leaves nothing half-written.
+leaves nothing half-written. A full disk there is an error naming the target
+and its file system (ExportDiskFullError), not the checkpoint the pin copied.
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -51,6 +53,10 @@ SAVED_MODEL_FILE = 'saved_model.pb'
 
 class CheckpointGoneError(ValueError):
     """The checkpoint's files went away before the export pinned them (rotated out)."""
+
+
+class ExportDiskFullError(ValueError):
+    """The export directory's disk (or quota) filled up while the export wrote there."""
 
 
 def inference_task_params(task_params: Params, placement: str = ONE_DEVICE) -> Params:
@@ -156,12 +162,14 @@ def export(task_params: Params, features: dict[str, tf.TensorSpec], checkpoint_p
             clear_devices(tmp)
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700, private to this user
         _replace(tmp, export_dir)
-    except BaseException:
+    except BaseException as e:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(pin_dir, ignore_errors=True)
         if created is not None:
             _remove_empty(created, parent)
+        if _is_disk_full(e):  # after the clean-up, so the free space shown is the disk's own
+            raise ExportDiskFullError(_disk_full_message(export_dir)) from None
         raise
     shutil.rmtree(pin_dir, ignore_errors=True)
     return export_dir
@@ -197,6 +205,38 @@ def _pin(checkpoint_path: str, directory: str) -> str:
             f'checkpoint {source} was removed (a running trainer rotates old checkpoints out, '
             'save_max_to_keep) before the export could read it: export a newer one')
     return target
+
+
+def _is_disk_full(error: BaseException) -> bool:
+    """Is `error` a write refused for want of space, from Python (the pin's links or
+    copies) or from TensorFlow's file system (the SavedModel's files)?"""
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(error, tf.errors.ResourceExhaustedError) and any(
+        os.strerror(code) in str(error) for code in (errno.ENOSPC, errno.EDQUOT))
+
+
+def _disk_full_message(export_dir: str) -> str:
+    """One line naming the export's target, the file system it is on and the fix.
+
+    Everything the export writes (the pinned checkpoint, the SavedModel) goes beside
+    the target, so the target's disk is the one that filled, never the logdir's.
+    """
+    mount = _existing_parent(export_dir)
+    while not os.path.ismount(mount):
+        mount = os.path.dirname(mount)
+    stat = os.statvfs(mount)
+    free = stat.f_bavail * stat.f_frsize
+    shown = f'{free / 2**20:.1f} MiB' if free >= 2**20 else f'{free // 1024} KiB'
+    return (f'no space left on the disk of the export directory {export_dir} (the file system '
+            f'mounted at {mount}, {shown} free): free space there or give an --export_dir on '
+            'another disk; the checkpoint was only read')
+
+
+def _existing_parent(path: str) -> str:
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
 
 
 def _umask() -> int:

@@ -5,7 +5,7 @@ an unknown --checkpoint, a non-empty or unwritable --export_dir, a task without
 signatures) exits 2 before anything is written; the logdir's jobs are not
 disturbed (the export takes no job lock: it only reads train/). A live trainer
 may rotate the newest checkpoint out before the export pins it: the export then
-looks once more for the newest.
+takes the newest again, up to NEWEST_ATTEMPTS times in all.
 """
 from __future__ import annotations
 
@@ -21,6 +21,10 @@ from trainer import experiment, logdir_access, train_job
 
 EXPORT_SUBDIR = 'export'
 RESOLVE_RETRY_SECONDS = 1.0
+# Exports of the newest checkpoint tried before its rotation is the error: a trainer saving
+# every step can rotate out the newest between two reads more than once (1 export in 7
+# failed with one retry); each attempt after the first costs only the pin.
+NEWEST_ATTEMPTS = 5
 
 
 def run(params: Params, logdir: str, model: str, checkpoint: Optional[str],
@@ -38,15 +42,16 @@ def run(params: Params, logdir: str, model: str, checkpoint: Optional[str],
     params = experiment.params_for_logdir(params, logdir, model)
     task_params = params.task
     features = export.feature_specs(params.input.train)
-    try:
-        return export.export(task_params, features, path,
-                             export_dir or _default_target(logdir, path), placement, overwrite)
-    except export.CheckpointGoneError:
-        if checkpoint is not None:
-            raise
-    path = _resolve(train_dir, None)  # rotated out before the pin: the newest, once
-    return export.export(task_params, features, path,
-                         export_dir or _default_target(logdir, path), placement, overwrite)
+    attempt = 1
+    while True:
+        try:
+            return export.export(task_params, features, path, export_dir or
+                                 _default_target(logdir, path), placement, overwrite)
+        except export.CheckpointGoneError:
+            if checkpoint is not None or attempt == NEWEST_ATTEMPTS:
+                raise
+        attempt += 1
+        path = _resolve(train_dir, None)  # rotated out before the pin: the newest again
 
 
 def _resolve(train_dir: str, name: Optional[str]) -> str:

@@ -64,6 +64,30 @@ def _same_device(a: str | None, b: str | None) -> bool:
     return same
 
 
+def _within_context(length: tf.Tensor, context: int, message: str) -> tf.Operation:
+    """An op that fails the request when `length` (int32 or int64) exceeds `context`."""
+    return tf.debugging.assert_less_equal(tf.cast(length, tf.int64),
+                                          tf.constant(context, tf.int64), message=message)
+
+
+def _in_vocabulary(name: str, ids: tf.Tensor, vocab_size: int) -> tf.Operation:
+    """An op that fails the request when an id of `ids` is not in [0, vocab_size); the
+    error shows the least and greatest id given."""
+    ids = tf.cast(ids, tf.int64)
+    return tf.debugging.Assert(
+        tf.reduce_all((ids >= 0) & (ids < vocab_size)),
+        [f'{name} holds ids outside the vocabulary [0, {vocab_size}): give token ids in that '
+         'range; the least and greatest given:', tf.reduce_min(ids), tf.reduce_max(ids)],
+        name=f'{name}_in_vocabulary')
+
+
+def _checked(value: tf.Tensor, checks: list[tf.Operation]) -> tf.Tensor:
+    """`value`, available to later ops only once every check has passed: ops that merely
+    follow a check in the function may run before it."""
+    with tf.control_dependencies(checks):
+        return tf.identity(value)
+
+
 class LanguageModel(BaseTask):
     """batch {'inputs', 'targets', 'segment_ids', 'positions'}: int [B, T] -> logits [B, T, V]."""
 
@@ -174,19 +198,25 @@ class LanguageModel(BaseTask):
         (>= 1, P + num_new_tokens <= context) -> ids int32 [batch, num_new_tokens]
         and their log_probs, greedy: the decoder's greedy continuation. The key/value
         caches live in the request's graph; a tf.while_loop runs one cached step per
-        token. A request beyond the context fails with the limit named.
+        token.
+
+        A request beyond the context, or with an id outside the vocabulary, fails
+        with the bound named (InvalidArgumentError) before any op reads its inputs:
+        an op that merely follows a check in the graph may run first (the output
+        array of num_new_tokens=2**31-3 slots aborted the process with bad_alloc),
+        the lengths are added in int64 (an int32 sum wraps past the bound), and an
+        unchecked id fails in a gather on a CPU but reads zeros on a GPU.
         """
         dtype = features['inputs'].dtype
-        context = self.generator.context
+        context, vocab_size = self.generator.context, self.params.vocab_size
 
         def with_start(ids):
             return tf.concat([tf.fill([tf.shape(ids)[0], 1], tf.constant(EOD_ID, dtype)), ids], 1)
 
         def log_probs(ids):
-            tf.debugging.assert_less_equal(
-                tf.shape(ids)[1], context,
-                message=f'ids longer than the context of {context} tokens: score at '
-                        f'most {context} tokens per row')
+            ids = _checked(ids, [_within_context(tf.shape(ids)[1], context, (
+                f'ids longer than the context of {context} tokens: score at most {context} '
+                'tokens per row')), _in_vocabulary('ids', ids, vocab_size)])
             inputs = with_start(ids)[:, :-1]
             logits = vocab_parallel.whole(self.ServingPredictions({
                 'inputs': inputs, 'segment_ids': tf.ones_like(inputs),
@@ -195,12 +225,15 @@ class LanguageModel(BaseTask):
             return {'log_probs': tf.gather(scores, ids, batch_dims=2)}
 
         def generate(prompt, num_new_tokens):
-            tf.debugging.assert_positive(num_new_tokens,
-                                         message='num_new_tokens must be >= 1: ask for a token')
-            tf.debugging.assert_less_equal(
-                tf.shape(prompt)[1] + num_new_tokens, context,
-                message=f'prompt length + num_new_tokens exceeds the context of '
-                        f'{context} tokens: shorten the prompt or ask for fewer tokens')
+            checks = [
+                tf.debugging.assert_positive(
+                    num_new_tokens, message='num_new_tokens must be >= 1: ask for a token'),
+                _within_context(
+                    tf.cast(tf.shape(prompt)[1], tf.int64) + tf.cast(num_new_tokens, tf.int64),
+                    context, f'prompt length + num_new_tokens exceeds the context of {context} '
+                             'tokens: shorten the prompt or ask for fewer tokens'),
+                _in_vocabulary('prompt', prompt, vocab_size)]
+            prompt, num_new_tokens = _checked(prompt, checks), _checked(num_new_tokens, checks)
             ids, scores = self.generator.generate_in_graph(
                 self.pipe.theta, tf.cast(with_start(prompt), tf.int32), num_new_tokens)
             return {'ids': ids, 'log_probs': scores}
