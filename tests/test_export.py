@@ -7,6 +7,7 @@ computation on the same dev batch, in this process, from the same checkpoint.
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
 import subprocess
@@ -416,11 +417,14 @@ def test_a_task_without_signatures_is_refused_before_writing(trained_4_steps, da
     assert os.listdir(tmp_path) == []
 
 
-def test_a_failed_save_leaves_nothing_behind(trained_4_steps, data_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize('code, raised', [(errno.EIO, OSError),
+                                           (errno.ENOSPC, export.ExportDiskFullError)])
+def test_a_failed_save_leaves_nothing_behind(trained_4_steps, data_dir, tmp_path, monkeypatch,
+                                             code, raised):
     def broken(_):
-        raise OSError(28, 'No space left on device')
+        raise OSError(code, os.strerror(code))
     monkeypatch.setattr(export, 'clear_devices', broken)
-    with pytest.raises(OSError):
+    with pytest.raises(raised):
         _export(th.FAST, trained_4_steps.logdir, data_dir, tmp_path / 'new' / 'model')
     assert os.listdir(tmp_path) == []
 
