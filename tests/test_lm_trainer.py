@@ -34,6 +34,18 @@ def scores(path):
         return {k: float(v) for k, v in (line.split(': ') for line in f)}
 
 
+def _generated_in_process(model, logdir, prompt_ids, num_new_tokens, sampling):
+    """The ids this process generates from the logdir's latest checkpoint after
+    end-of-document and `prompt_ids`: what --mode=generate must print."""
+    task = model_registry.get_params(model).task.Instantiate()
+    checkpoints.restore(checkpoints.make(task.VariablesByPath()),
+                        checkpoints.latest(os.path.join(logdir, 'train')), partial=True)
+    prompt = tf.concat([[lm_inputs.EOD_ID], prompt_ids], 0)
+    ids, _ = task.generator.generate(task.theta['pipe'], prompt[None, :], num_new_tokens,
+                                     sampling)
+    return ids[0].numpy().tolist()
+
+
 def test_dev_perplexity_falls_below_the_unigram_perplexity(trained):
     params = model_registry.get_params(MODEL)
     got = scores(os.path.join(trained, 'eval_dev', f'score-{STEPS}.txt'))
@@ -92,13 +104,9 @@ def test_generate_mode_repeats_in_process_sampling(trained):
     record = json.loads(result.stdout.strip().splitlines()[-1])
     assert record['step'] == STEPS and record['prompt'] == 'import os\ndef '
     # The same checkpoint, prompt and seed in this process give the same tokens.
-    task = model_registry.get_params(MODEL).task.Instantiate()
-    checkpoints.restore(checkpoints.make(task.VariablesByPath()),
-                        checkpoints.latest(os.path.join(trained, 'train')), partial=True)
-    prompt = tf.concat([[lm_inputs.EOD_ID], inputs.byte_tokenize('import os\ndef ')], 0)
-    ids, _ = task.generator.generate(task.theta['pipe'], prompt[None, :], 12,
-                                     generation.Sampling(0.9, 20, 4))
-    assert record['ids'] == ids[0].numpy().tolist()[:len(record['ids'])]
+    ids = _generated_in_process(MODEL, trained, inputs.byte_tokenize('import os\ndef '), 12,
+                                generation.Sampling(0.9, 20, 4))
+    assert record['ids'] == ids[:len(record['ids'])]
 
 
 # An empty corpus and text that is not a string are ValueErrors of DatasetInput
@@ -136,10 +144,6 @@ def test_generate_encodes_and_decodes_with_the_models_own_vocabulary(tmp_path, d
     record = json.loads(result.stdout.strip().splitlines()[-1])
     text_ids = [i for i in record['ids'] if i != lm_inputs.EOD_ID]
     assert record['continuation'] == own_vocabulary_lm.unflipped(text_ids)
-    task = model_registry.get_params(model).task.Instantiate()
-    checkpoints.restore(checkpoints.make(task.VariablesByPath()),
-                        checkpoints.latest(os.path.join(logdir, 'train')), partial=True)
-    prompt = tf.concat([[lm_inputs.EOD_ID], own_vocabulary_lm.flipped('def f(x):')], 0)
-    ids, _ = task.generator.generate(task.theta['pipe'], prompt[None, :], 8,
-                                     generation.Sampling(0.0, 0, 0))
-    assert record['ids'] == ids[0].numpy().tolist()[:len(record['ids'])]
+    ids = _generated_in_process(model, logdir, own_vocabulary_lm.flipped('def f(x):'), 8,
+                                generation.Sampling(0.0, 0, 0))
+    assert record['ids'] == ids[:len(record['ids'])]
