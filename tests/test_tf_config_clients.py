@@ -221,10 +221,17 @@ def _fingerprint_with(task: int, **options) -> dict:
 
 def test_every_trainer_option_is_in_the_fingerprint():
     """Each field of RuntimeOptions, those of today and any added later, as the trainer
-    will run it: a task.train value it sets is compared as that param."""
+    will run it: a task.train value it sets is compared as that param. Only the per-client
+    options (peak_flops: clients on different hardware report against their own peaks)
+    may differ."""
     import dataclasses
     from trainer import runtime_options
+    for name in runtime_options.PER_CLIENT_OPTIONS:
+        assert client_agreement.disagreement([_fingerprint_with(0),
+                                              _fingerprint_with(1, **{name: 97})]) is None
     for field in dataclasses.fields(runtime_options.RuntimeOptions):
+        if field.name in runtime_options.PER_CLIENT_OPTIONS:
+            continue
         key = (f'task.train.{field.name}' if field.name in runtime_options.TASK_TRAIN_OPTIONS
                else f'trainer.{field.name}')
         problem = client_agreement.disagreement([_fingerprint_with(0),

@@ -2,8 +2,9 @@
 
 Set by flags (--max_steps, --pipeline_trace_step) and gin bindings. Those that stand for
 a task.train value (TASK_TRAIN_OPTIONS) are written into the params before training
-(`apply_to`), so train/params.txt records what the trainer ran; the others go into the
-trainer clients' start-up fingerprint (`loop_settings`).
+(`apply_to`), so train/params.txt records what the trainer ran; the others, except the
+per-client ones (PER_CLIENT_OPTIONS), go into the trainer clients' start-up fingerprint
+(`loop_settings`).
 """
 from __future__ import annotations
 
@@ -62,16 +63,23 @@ class RuntimeOptions:
     def loop_settings(self) -> dict[str, str]:
         """Every other option as 'trainer.<name>': its text, for the clients' fingerprint.
 
-        All fields, not a chosen few: a trace step or any option added later may decide
-        which collectives a step runs, and clients that differ in one deadlock.
+        All fields but the per-client ones, not a chosen few: a trace step or any option
+        added later may decide which collectives a step runs, and clients that differ in
+        one deadlock.
         """
         return {f'trainer.{field.name}': repr(getattr(self, field.name))
-                for field in dataclasses.fields(self) if field.name not in TASK_TRAIN_OPTIONS}
+                for field in dataclasses.fields(self)
+                if field.name not in TASK_TRAIN_OPTIONS + PER_CLIENT_OPTIONS}
 
 
 # The options that stand for the task.train value of the same name (RuntimeOptions.apply_to).
 TASK_TRAIN_OPTIONS = ('max_steps', 'save_interval_steps', 'summary_interval_steps',
                       'save_max_to_keep')
+
+
+# Options each client may set for itself: they change what a client reports, never what a
+# step computes (peak_flops is the MFU denominator of the client's own hardware).
+PER_CLIENT_OPTIONS = ('peak_flops',)
 
 
 def check_positive_int(name: str, value, allow_none: bool = False) -> None:

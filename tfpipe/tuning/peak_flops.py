@@ -10,9 +10,9 @@ calls. The figure is cached per machine (host name, processor, cores,
 TensorFlow version, device type, dtype) in `cache_path()`, so later runs on the
 same machine divide by the same number. A probe taken on a loaded machine is low:
 the cache keeps the highest figure and probes again when the host is quieter
-(`cached_peak`). On GPUs and TPUs with a
-known peak, give it instead (the trainer's --peak_flops): a datasheet figure is
-the usual MFU denominator there. GPU probing is untested here (no GPU).
+(`cached_peak`). On GPUs and TPUs with a known peak, give it instead (gin
+`trainer.peak_flops`, which each trainer client may set for its own devices): a
+datasheet figure is the usual MFU denominator there. GPU probing is untested here (no GPU).
 """
 from __future__ import annotations
 
