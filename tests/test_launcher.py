@@ -37,6 +37,7 @@ import tensorflow as tf
 
 from tests import trainer_helpers as th
 from tfpipe import checkpoints
+from trainer.exit_codes import EXIT_NON_FINITE
 
 MODEL = 'tests.clients_model.SmallConvBNPipe'
 REFERENCE_STEPS = 60  # more than any launcher run below reaches before it is stopped
@@ -340,13 +341,13 @@ def test_a_client_entry_started_by_hand_exits_2_with_one_line():
     assert result.stderr.count('\n') == 1, result.stderr
 
 
-def test_a_nan_is_not_restarted_and_exits_1_naming_it(tmp_path, data_dir):
+def test_a_nan_is_not_restarted_and_exits_3_naming_it(tmp_path, data_dir):
     run = LauncherRun(tmp_path, 'nan', data_dir, '--local_clients=1', '--max_restarts=1',
                       th.overrides(**{'task.train.learning_rate': 1e30}))
     try:
         run.finish()
         out = run.output
-        assert run.code == 1, out[-4000:]
+        assert run.code == EXIT_NON_FINITE, out[-4000:]
         assert len(run.client_pids()) == 1, out[-4000:]  # no restart
         last = out.splitlines()[-1]
         assert re.match(r'error: client 0 \(pid \d+, 127\.0\.0\.1:\d+\) stopped training: '

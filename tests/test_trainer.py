@@ -122,7 +122,7 @@ def test_non_finite_training_stops_and_keeps_the_last_good_checkpoint(tmp_path, 
     logdir = trained_2_steps.copy_to(tmp_path / 'run')
     result = th.run(th.FAST, logdir, data_dir, *th.fast_flags(50, 1),
                     th.overrides(**{'task.train.learning_rate': learning_rate}))
-    assert result.returncode == 1
+    assert result.returncode == 3  # trainer/exit_codes.py: EXIT_NON_FINITE
     assert 'training stopped' in th.error_line(result)
     train_dir = os.path.join(logdir, 'train')
     for path in checkpoints.tf.train.get_checkpoint_state(train_dir).all_model_checkpoint_paths:

@@ -166,7 +166,7 @@ def test_params_txt_keeps_describing_the_checkpoints_after_a_dead_attempt(tmp_pa
     # An attempt that dies (NaN) before its first checkpoint.
     result = th.run(th.FAST, logdir, data_dir, *th.fast_flags(50, 1000),
                     th.overrides(**{'task.train.learning_rate': 1e30}))
-    assert result.returncode == 1 and 'training stopped' in th.error_line(result)
+    assert result.returncode == 3 and 'training stopped' in th.error_line(result)
     assert checkpoints.step_of(checkpoints.latest(train_dir)) == 2
     with open(os.path.join(train_dir, 'params.txt')) as f:
         assert f.read() == of_checkpoints

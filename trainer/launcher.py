@@ -37,8 +37,8 @@ from typing import IO, Mapping, Optional, Sequence
 from absl import flags
 
 from trainer import logdir_access
+from trainer.exit_codes import EXIT_BAD_INPUT, EXIT_NON_FINITE
 
-EXIT_BAD_INPUT = 2
 # The launcher's PID, passed down so a client can tell whether it was already orphaned
 # (trainer/launched_client.py).
 LAUNCHER_PID = 'TFPIPE_LAUNCHER_PID'
@@ -53,10 +53,9 @@ PORT_ATTEMPTS = 3
 LOST_PEER_SECONDS = 60.0
 POLL_SECONDS = 0.05
 HOST = '127.0.0.1'
-# The line a client prints when training met a NaN or Inf (trainer/train_job.py,
-# Trainer._non_finite); group 1 names the value and the step.
-NON_FINITE = re.compile(r'error: (.*\bstep \d+\b.*?): training stopped; the last good '
-                        r'checkpoint in ')
+# What a client that met a NaN or Inf says before its ': training stopped' (trainer/
+# train_job.py, Trainer._non_finite): the value and the step, quoted in the launcher's line.
+NON_FINITE = re.compile(r'error: (.*?): training stopped')
 
 
 class LaunchError(ValueError):
@@ -327,7 +326,7 @@ class Launcher:
                       'task.train.learning_rate or set task.train.clip_gradient_norm_to_value, '
                       f'then rerun the command to resume from the last checkpoint in '
                       f'{self.logdir}', file=sys.stderr, flush=True)
-                return 1
+                return EXIT_NON_FINITE
             if restarts < self.max_restarts:
                 restarts += 1
                 self._kill(clients)
@@ -393,11 +392,12 @@ class Launcher:
 
     @staticmethod
     def _non_finite(client: Client) -> Optional[str]:
-        """The NaN or Inf, and its step, that the client stopped on; None: not that."""
-        if client.code != 1:
+        """The NaN or Inf, and its step, that the client stopped on (by its exit status);
+        None: not that."""
+        if client.code != EXIT_NON_FINITE:
             return None
         found = [m.group(1) for m in map(NON_FINITE.match, client.errors) if m]
-        return found[-1] if found else None
+        return found[-1] if found else 'a NaN or Inf (its error line was not read)'
 
     @staticmethod
     def _port_taken(client: Client) -> bool:

@@ -32,6 +32,7 @@ from absl import logging as absl_logging
 # the user set wins.
 import tfpipe  # noqa: F401  pylint: disable=unused-import
 from trainer import generate_mode, logdir_access  # generate_mode defines its flags
+from trainer.exit_codes import EXIT_BAD_INPUT, EXIT_NON_FINITE
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('model', None, 'Registered model: <task>.<dataset>.<ClassName> for '
@@ -107,7 +108,6 @@ flags.DEFINE_string('device_memory', None, 'inspect_pipeline: bytes per device, 
 flags.DEFINE_string('device_profile', '', 'inspect_pipeline: plan for other devices, e.g. '
                     'speed=8,memory=16GiB,bandwidth=10e9[,parallelism=N].')
 
-EXIT_BAD_INPUT = 2
 
 
 class UsageError(ValueError):
@@ -411,7 +411,10 @@ def _main_with_errors(argv) -> int:
         # a bug and keeps its traceback.
         print(f'error: {checkpoints.one_line(str(e)) or type(e).__name__}', file=sys.stderr)
         return EXIT_BAD_INPUT
-    except (train_job.NonFiniteLossError, WorkerUnavailableError) as e:
+    except train_job.NonFiniteLossError as e:
+        print(f'error: {e}', file=sys.stderr)
+        return EXIT_NON_FINITE
+    except WorkerUnavailableError as e:
         print(f'error: {e}', file=sys.stderr)
         return 1
     except OSError as e:
