@@ -580,26 +580,3 @@ def test_transformer_block_matches_numpy_and_is_residual(causal):
                                      th['atten_ln']['bias'], 1e-6), th['atten'], 2, causal)
     np.testing.assert_allclose(layer.FProp(only_atten, x).numpy(), ref, rtol=1e-10,
                                atol=1e-12)
-
-
-def test_dense_on_rank3_inputs_builds_no_rows_by_weights_intermediate():
-    """An einsum over '...i,io->...o' differentiates through a [rows, in, out] broadcast
-    (8 GiB peak at [8, 128, 512] x [512, 2048]); Dense flattens to one matmul instead."""
-    dense = layers.Dense.Params().Set(name='d', input_dim=16, output_dim=32).Instantiate()
-    x = tf.random.normal([4, 5, 16])
-
-    @tf.function
-    def grads():
-        with tf.GradientTape() as tape:
-            y = dense.FProp(dense.theta, x)
-            loss = tf.reduce_sum(y * y)
-        assert y.shape == [4, 5, 32]  # the static shape survives the flattening
-        return tape.gradient(loss, dense.theta)
-
-    graph = grads.get_concrete_function().graph
-    largest = max(t.shape.num_elements() or 0 for op in graph.get_operations()
-                  for t in op.outputs if t.shape.is_fully_defined())
-    assert largest < 4 * 5 * 16 * 32 // 4, largest
-    rows = x.numpy().reshape(-1, 16)
-    dy = 2 * (rows @ dense.theta['w'].numpy() + dense.theta['b'].numpy())
-    np.testing.assert_allclose(grads()['w'].numpy(), rows.T @ dy, rtol=1e-4)

@@ -1,4 +1,5 @@
-"""Tests for tfpipe.layers, part 2: dropout, Stash/Pop skips, errors, text round trip.
+"""Tests for tfpipe.layers, part 2: dropout, Stash/Pop skips, errors, text round trip,
+Dense's memory on rank-3 inputs.
 
 Part 1 (test_layers.py) holds the cost model, seeded init and numerics, and the
 helpers shared by both.
@@ -313,3 +314,28 @@ def test_sequential_text_round_trip_builds_same_weights():
     c = layers.Sequential.Params().FromText(text.replace('random_seed : 3',
                                                          'random_seed : 4')).Instantiate()
     assert not np.array_equal(a.conv.theta['w'].numpy(), c.conv.theta['w'].numpy())
+
+
+# -- Dense on rank-3 inputs -------------------------------------------------------------
+
+def test_dense_on_rank3_inputs_builds_no_rows_by_weights_intermediate():
+    """An einsum over '...i,io->...o' differentiates through a [rows, in, out] broadcast
+    (8 GiB peak at [8, 128, 512] x [512, 2048]); Dense flattens to one matmul instead."""
+    dense = layers.Dense.Params().Set(name='d', input_dim=16, output_dim=32).Instantiate()
+    x = tf.random.normal([4, 5, 16])
+
+    @tf.function
+    def grads():
+        with tf.GradientTape() as tape:
+            y = dense.FProp(dense.theta, x)
+            loss = tf.reduce_sum(y * y)
+        assert y.shape == [4, 5, 32]  # the static shape survives the flattening
+        return tape.gradient(loss, dense.theta)
+
+    graph = grads.get_concrete_function().graph
+    largest = max(t.shape.num_elements() or 0 for op in graph.get_operations()
+                  for t in op.outputs if t.shape.is_fully_defined())
+    assert largest < 4 * 5 * 16 * 32 // 4, largest
+    rows = x.numpy().reshape(-1, 16)
+    dy = 2 * (rows @ dense.theta['w'].numpy() + dense.theta['b'].numpy())
+    np.testing.assert_allclose(grads()['w'].numpy(), rows.T @ dy, rtol=1e-4)
