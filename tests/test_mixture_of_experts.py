@@ -342,7 +342,7 @@ def test_random_policy_draws_per_token_of_the_mini_batch():
 
 def test_input_without_a_static_batch_is_refused():
     layer = _moe().Instantiate()
-    unknown = tf.function(layer).get_concrete_function
+    unknown = tf.function(layer, autograph=False).get_concrete_function
     with pytest.raises(ValueError, match='static input shape'):
         unknown(tf.TensorSpec([None, 4, 6], tf.float32))
 
