@@ -25,10 +25,15 @@ def main(args: list) -> None:
     program = trainer_forkserver.program(args)
     if not server or not program:
         os.execv(sys.executable, [sys.executable, *args])
+    # Held from before the fork until the handlers pass them on: a signal that came as
+    # soon as the child existed would otherwise end this process and leave the child.
+    passed_on = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    signal.pthread_sigmask(signal.SIG_BLOCK, passed_on)
     child = trainer_forkserver.ForkedProcess(server, program, dict(os.environ), os.getcwd(),
                                              None, None)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for sig in passed_on:
         signal.signal(sig, lambda received, _: child.send_signal(received))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, passed_on)
     code = child.wait()
     if code < 0:
         signal.signal(-code, signal.SIG_DFL)
