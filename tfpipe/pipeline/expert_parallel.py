@@ -1,0 +1,177 @@
+"""Expert parallelism: the experts of an MoE layer spread over P data-parallel replicas.
+
+As in GShard, Megatron-Core and DeepSpeed-MoE, the expert group is carved out of
+the R data-parallel replicas (P divides R): the R replicas form R/P expert groups
+of P, and member i of a group holds experts [i*E/P, (i+1)*E/P) of every MoE layer.
+Tokens are routed locally, travel to their experts' member by an all-to-all and
+come back by another.
+
+Groups are *consecutive* replicas (replica r is member r % P of group r // P), as
+Megatron-Core's default rank order (expert ranks inside data-parallel ranks) and
+DeepSpeed's `_create_expert_and_data_parallel` lay them out: the all-to-all moves
+activations twice per MoE layer and micro-batch, the heaviest and most
+latency-bound traffic of the step, so its members should be the replicas that sit
+closest (one host's GPUs, adjacent logical CPUs); the replicas that hold the same
+experts ({r' : r' % P == r % P}, R/P of them, strided) meet once a step to sum
+their expert gradients, which tolerates the slower link.
+
+The all-to-all is TensorFlow's `CollectiveAllToAllV2` (v3 fails across processes,
+see the shared notes). Each member builds its own op (a replica's cell is traced
+on its own), so the members agree on keys by name: the group key of the member
+devices and one instance key per (group, layer path, collective name)
+(`instance_key`). Raw v2 collectives among logical CPUs of one process deadlock
+inside a tf.function unless each carries an ordering token (measured: 2 members
+on 2 logical CPUs hung without, returned in 0.1 s with): every device gets one
+resource variable whose handle all collectives on that device take, so automatic
+control dependencies run them in program order on every member, which is the
+same order since every member traces the same layers. The op has no gradient;
+the backward of an all-to-all is the same all-to-all of the output gradient
+(chunk j received from member j goes back to member j), under tf.custom_gradient
+with its own instance key.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Iterator, Sequence
+
+import tensorflow as tf
+
+from tfpipe.pipeline import replicas
+
+_lock = threading.Lock()
+_local = threading.local()
+_instance_keys: dict[tuple, int] = {}
+_tokens: dict[str, tf.Variable] = {}
+
+
+def check_expert_parallel(value: Any, num_replicas: int, where: str) -> int:
+    """P as an int >= 1 that divides R, else a one-line ValueError naming both."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f'{where}: expert_parallel={value!r} must be an int >= 1 (1: every '
+                         'replica holds all experts)')
+    if num_replicas % value:
+        raise ValueError(f'{where}: expert_parallel={value} does not divide num_replicas='
+                         f'{num_replicas}: the expert groups are carved out of the replicas; '
+                         'set expert_parallel to a divisor of num_replicas')
+    return value
+
+
+def check_num_experts(num_experts: int, expert_parallel: int, where: str) -> None:
+    """One line naming E and P when P does not divide E."""
+    if num_experts % expert_parallel:
+        raise ValueError(f'{where}: num_experts={num_experts} is not divisible by '
+                         f'expert_parallel={expert_parallel}: each member holds num_experts/P '
+                         'experts; set num_experts to a multiple of expert_parallel or change '
+                         'expert_parallel')
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertGroup:
+    """The P devices that hold one MoE layer's experts together, and which one is this.
+
+    devices[i]: where member i's copy of the layer (its cell) runs; rank: this copy's
+    member index, i.e. it holds experts [rank*E/P, (rank+1)*E/P).
+    """
+
+    devices: tuple[str, ...]
+    rank: int
+
+    @property
+    def size(self) -> int:
+        return len(self.devices)
+
+
+SINGLE = ExpertGroup(('',), 0)
+
+
+def groups_of(replica_devices: Sequence[str], expert_parallel: int) -> list[ExpertGroup]:
+    """Replica r's ExpertGroup, given each replica's device for one cell (consecutive groups)."""
+    p = expert_parallel
+    return [ExpertGroup(tuple(replica_devices[r - r % p:r - r % p + p]), r % p)
+            for r in range(len(replica_devices))]
+
+
+def expert_data_parallel(num_replicas: int, expert_parallel: int, replica: int) -> list[int]:
+    """The replicas holding the same experts as `replica` (whose expert gradients it sums)."""
+    return list(range(replica % expert_parallel, num_replicas, expert_parallel))
+
+
+@contextlib.contextmanager
+def building(group: ExpertGroup) -> Iterator[None]:
+    """MoE layers created inside hold their share of experts for `group` (PipeliningLayer
+    sets it around each replica's cells; outside, a layer holds all experts)."""
+    previous = getattr(_local, 'group', None)
+    _local.group = group
+    try:
+        yield
+    finally:
+        _local.group = previous
+
+
+def current_group() -> ExpertGroup:
+    """The expert group being built for: the current replica cell's, else SINGLE."""
+    return getattr(_local, 'group', None) or SINGLE
+
+
+def instance_key(group: ExpertGroup, name: str) -> int:
+    """The instance key every member of `group` uses for collective `name` (e.g. a layer
+    path and a role): allocated on the first member's request, found by the others."""
+    key = (tuple(group.devices), name)
+    with _lock:
+        if key not in _instance_keys:
+            _instance_keys[key] = replicas.new_instance_key()
+        return _instance_keys[key]
+
+
+def _ordering_token(device: str) -> tf.Tensor:
+    """The handle of `device`'s ordering variable (created once, outside any function)."""
+    with _lock:
+        var = _tokens.get(device)
+        if var is None:
+            with tf.init_scope(), tf.device(device):
+                var = tf.Variable(0.0, trainable=False, name='collective_ordering')
+            _tokens[device] = var
+    return var.handle
+
+
+def _raw_all_to_all(x: tf.Tensor, group: ExpertGroup, key: int) -> tf.Tensor:
+    """The op wants a first dimension of exactly P: x is sent as [P, the rest flat]."""
+    device = group.devices[group.rank]
+    with tf.device(device):
+        y = tf.raw_ops.CollectiveAllToAllV2(
+            input=tf.reshape(x, [group.size, -1]), group_size=group.size,
+            group_key=replicas.group_key(group.devices), instance_key=key,
+            ordering_token=[_ordering_token(device)], communication_hint='auto')
+        return tf.reshape(y, x.shape)
+
+
+def all_to_all(x: tf.Tensor, group: ExpertGroup, name: str) -> tf.Tensor:
+    """This member's all-to-all of x [P*n, ...]: chunk j of every member's x along axis 0
+    arrives here as chunk j of the output from member j (chunk i of the output is what
+    member i sent). Its gradient is the all-to-all of the output gradient back.
+
+    Every member must call it with the same `name` and shape, in the same order
+    relative to its other collectives; inside a tf.function only (eagerly a member
+    would wait for the others, which the single Python thread has not issued).
+    """
+    if group.size == 1:
+        return x
+    if tf.executing_eagerly():
+        raise ValueError(f'expert parallel all-to-all {name!r} called eagerly: its '
+                         f'{group.size} members must be built into one tf.function (a '
+                         'pipeline step); call the layer with expert_parallel=1 eagerly')
+    if x.shape[0] is None or x.shape[0] % group.size:
+        raise ValueError(f'all-to-all {name!r}: the first dimension {x.shape[0]} must split '
+                         f'into {group.size} equal chunks')
+    forward, backward = instance_key(group, f'{name}/fwd'), instance_key(group, f'{name}/bwd')
+
+    @tf.custom_gradient
+    def exchange(x):
+        y = _raw_all_to_all(tf.stop_gradient(x), group, forward)
+
+        def grad(dy):
+            return _raw_all_to_all(tf.convert_to_tensor(dy), group, backward)
+        return y, grad
+    return exchange(x)
