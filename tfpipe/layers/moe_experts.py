@@ -55,6 +55,7 @@ class ExpertStack:
         for name, (shape_of, init) in _WEIGHTS.items():
             var = layer.CreateVariable(name, shape_of(local, model_dim, hidden_dim), init)
             if p > 1:  # this member's slice of the whole P=1 initial value
+                expert_parallel.mark_expert_variable(var)
                 whole = initializers.get(init)(
                     shape_of(num_experts, model_dim, hidden_dim), var.dtype,
                     initializers.seed_for(layer._seed, f'{layer.path}/{name}'))

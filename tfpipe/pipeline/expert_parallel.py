@@ -34,7 +34,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from typing import Any, Iterator, Sequence
+import weakref
+from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import tensorflow as tf
 
@@ -44,6 +45,8 @@ _lock = threading.Lock()
 _local = threading.local()
 _instance_keys: dict[tuple, int] = {}
 _tokens: dict[str, tf.Variable] = {}
+_expert_variables: 'weakref.WeakValueDictionary[int, tf.Variable]' = \
+    weakref.WeakValueDictionary()
 
 
 def check_expert_parallel(value: Any, num_replicas: int, where: str) -> int:
@@ -98,6 +101,62 @@ def expert_data_parallel(num_replicas: int, expert_parallel: int, replica: int) 
     return list(range(replica % expert_parallel, num_replicas, expert_parallel))
 
 
+def layout(replica_devices: Sequence[Sequence[str]],
+           expert_parallel: int) -> list[list[ExpertGroup]]:
+    """[replica][device slot] -> the ExpertGroup of that replica's cells on that slot: the
+    same slot of the P consecutive replicas of its group."""
+    slots = range(len(replica_devices[0]))
+    by_slot = [groups_of([devices[s] for devices in replica_devices], expert_parallel)
+               for s in slots]
+    return [[by_slot[s][r] for s in slots] for r in range(len(replica_devices))]
+
+
+def building_with(groups: Sequence[ExpertGroup], homes: Sequence[str],
+                  inner: Callable[[Sequence[str]], ContextManager]
+                  ) -> Callable[[Sequence[str]], ContextManager]:
+    """A replica's build scope for a slot's devices (home first): `inner`'s (tensor
+    parallelism) inside `building` of the slot's expert group (slot found by its home)."""
+    @contextlib.contextmanager
+    def scope(devices: Sequence[str]) -> Iterator[None]:
+        with building(groups[list(homes).index(devices[0])]), inner(devices):
+            yield
+    return scope
+
+
+def mark_expert_variable(var: tf.Variable) -> None:
+    """Records that `var` holds 1/P of some experts (its gradient sums over R/P replicas)."""
+    _expert_variables[id(var)] = var
+
+
+def is_expert_variable(var: Any) -> bool:
+    return _expert_variables.get(id(var)) is var
+
+
+def all_reduce_grads(per_replica: Sequence[Sequence[tf.Tensor]], devices: Sequence[str],
+                     is_expert: Sequence[bool], expert_parallel: int) -> list[list[tf.Tensor]]:
+    """replicas.all_reduce_sum of one cell's flat gradients, except that an expert
+    weight's gradient is summed only over the R/P replicas holding the same experts
+    (replica r with r % P = its rank); every other gradient over all R."""
+    if expert_parallel == 1 or not any(is_expert):
+        return replicas.all_reduce_sum(per_replica, devices)
+    num = len(per_replica)
+    out: list[list] = [[None] * len(is_expert) for _ in range(num)]
+    shared = [i for i, e in enumerate(is_expert) if not e]
+    parts = [(list(range(num)), shared)] + [
+        (expert_data_parallel(num, expert_parallel, rank), [i for i, e in enumerate(is_expert)
+                                                           if e])
+        for rank in range(expert_parallel)]
+    for members, indices in parts:
+        if not indices:
+            continue
+        reduced = replicas.all_reduce_sum([[per_replica[r][i] for i in indices]
+                                           for r in members], [devices[r] for r in members])
+        for r, sums in zip(members, reduced):
+            for i, g in zip(indices, sums):
+                out[r][i] = g
+    return out
+
+
 @contextlib.contextmanager
 def building(group: ExpertGroup) -> Iterator[None]:
     """MoE layers created inside hold their share of experts for `group` (PipeliningLayer
@@ -116,8 +175,8 @@ def current_group() -> ExpertGroup:
 
 
 def instance_key(group: ExpertGroup, name: str) -> int:
-    """The instance key every member of `group` uses for collective `name` (e.g. a layer
-    path and a role): allocated on the first member's request, found by the others."""
+    """The instance key every member of `group` uses for collective `name` (a layer path,
+    a role, a shape): allocated on the first member's request, found by the others."""
     key = (tuple(group.devices), name)
     with _lock:
         if key not in _instance_keys:
@@ -165,7 +224,9 @@ def all_to_all(x: tf.Tensor, group: ExpertGroup, name: str) -> tf.Tensor:
     if x.shape[0] is None or x.shape[0] % group.size:
         raise ValueError(f'all-to-all {name!r}: the first dimension {x.shape[0]} must split '
                          f'into {group.size} equal chunks')
-    forward, backward = instance_key(group, f'{name}/fwd'), instance_key(group, f'{name}/bwd')
+    # TensorFlow keeps an instance's shape for the life of the process: one key per shape.
+    what = f'{name}/{x.dtype.name}{x.shape.as_list()}'
+    forward, backward = instance_key(group, f'{what}/fwd'), instance_key(group, f'{what}/bwd')
 
     @tf.custom_gradient
     def exchange(x):
