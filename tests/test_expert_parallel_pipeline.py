@@ -90,6 +90,23 @@ def test_step_equals_p1(p, r, k):
     assert np.abs(ref_grads['pipe/moe/wi']).max() > 1e-4
 
 
+@pytest.mark.parametrize('recompute,schedule,cell_functions', [
+    ('never', '1f1b', True), ('always', '1f1b', False), ('except_last', 'zb_h1', False)])
+def test_schedules_recompute_and_executors_equal_p1(recompute, schedule, cell_functions):
+    """P=2, R=2, K=2 under other schedules, recompute policies (the recomputed forward
+    repeats the all-to-all) and both executors (zb_h1: the split backward's unrolled
+    tasks) against the P=1 step, which every schedule equals."""
+    pipe = pipeline(2, 2, 2, recompute=recompute, schedule=schedule,
+                    cell_functions=cell_functions)
+    loss, grads, weights = step(pipe, 2)
+    ref_loss, ref_grads, ref_weights = run_of(1, 2, 2)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for got, want in ((grads, ref_grads), (weights, ref_weights)):
+        for path in want:
+            np.testing.assert_allclose(got[path], want[path], rtol=1e-5, atol=1e-12,
+                                       err_msg=path)
+
+
 def test_replicas_hold_their_experts():
     pipe = pipeline(2, 4, 1)
     held = [vs['pipe/moe/wi'] for vs in pipe.ReplicaVariablesByPath()]

@@ -40,6 +40,8 @@ from typing import Any, Callable, ContextManager, Iterator, Sequence
 import tensorflow as tf
 
 from tfpipe.pipeline import replicas
+from tfpipe.pipeline import ties as ties_lib
+from tfpipe.pipeline.cell import Cell
 
 _lock = threading.Lock()
 _local = threading.local()
@@ -130,6 +132,23 @@ def mark_expert_variable(var: tf.Variable) -> None:
 
 def is_expert_variable(var: Any) -> bool:
     return _expert_variables.get(id(var)) is var
+
+
+def expert_leaves(cell: Cell, theta: dict) -> list[bool]:
+    """For each leaf of the cell's flat theta (as `Cell.read_theta` builds it from the
+    pipeline's variables `theta`): whether it is an expert weight held 1/P."""
+    out = {n: tf.nest.map_structure(is_expert_variable, theta[n]) for n in cell.names}
+    ties_lib.read_into(out, theta, cell.ties, is_expert_variable)
+    return tf.nest.flatten(out)
+
+
+def check_even(sizes: Sequence[int], expert_parallel: int, where: str) -> None:
+    """All-to-all chunks are equal: with P > 1 every micro-batch must have one size."""
+    if expert_parallel > 1 and len(set(sizes)) > 1:
+        raise ValueError(f'{where}: a batch of {sum(sizes)} cuts into uneven micro-batches '
+                         f'{list(sizes)}, but expert_parallel={expert_parallel} exchanges equal '
+                         'all-to-all chunks: use a batch divisible by num_replicas x '
+                         'num_micro_batches')
 
 
 def all_reduce_grads(per_replica: Sequence[Sequence[tf.Tensor]], devices: Sequence[str],

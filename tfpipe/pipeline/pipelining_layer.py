@@ -299,11 +299,7 @@ class PipeliningLayer(BaseLayer):
                                                  self.path)
             micro = self._SplitBatch(inputs)
         sizes = microbatch.micro_batch_sizes(batch, p.num_micro_batches * num_groups)
-        if p.expert_parallel > 1 and len(set(sizes)) > 1:
-            raise ValueError(f'{self.path}: a batch of {batch} cuts into uneven micro-batches '
-                             f'{sizes}, but expert_parallel={p.expert_parallel} exchanges equal '
-                             'all-to-all chunks: use a batch divisible by num_replicas x '
-                             'num_micro_batches')
+        expert_parallel.check_even(sizes, p.expert_parallel, self.path)
         if self._peers is not None:  # this client's group only, at its global offsets
             groups = groups[self._peers.index:self._peers.index + 1]
         return micro, microbatch.offsets(sizes), groups
@@ -417,10 +413,8 @@ class PipeliningLayer(BaseLayer):
             # inputs, and Dropout (or a cell function's step argument) reads the step.
             ctx = dataclasses.replace(ctx, step=tf.convert_to_tensor(ctx.step))
         if self.params.expert_parallel > 1:
-            raise ValueError(f'{self.path}: expert_parallel={self.params.expert_parallel}: '
-                             'replicas hold different experts, so one theta cannot be '
-                             'differentiated for all of them; train with ForwardBackward('
-                             'ReplicaThetas(), ...) (the trainer does)')
+            raise ValueError(f'{self.path}: expert_parallel > 1: replicas hold different '
+                             'experts; train with ForwardBackward(ReplicaThetas(), ...)')
         inputs = tf.nest.map_structure(tf.convert_to_tensor, inputs)
         flat_inputs = tf.nest.flatten(inputs)
         flat_thetas = [tf.nest.flatten(t) for t in thetas]
@@ -587,13 +581,10 @@ class PipeliningLayer(BaseLayer):
             return loss, {name: grads[name] for name in theta}
         per_replica: list[dict] = [{} for _ in runs]
         for k, cell in enumerate(self.cells):
-            is_expert = {n: tf.nest.map_structure(expert_parallel.is_expert_variable, theta[0][n])
-                         for n in cell.names}
-            ties.read_into(is_expert, theta[0], cell.ties, expert_parallel.is_expert_variable)
             reduced = expert_parallel.all_reduce_grads(
                 [run.theta_grads[k] for run in runs],
-                [cells[k].device for cells in self.replica_cells], tf.nest.flatten(is_expert),
-                self.params.expert_parallel)
+                [cells[k].device for cells in self.replica_cells],
+                expert_parallel.expert_leaves(cell, theta[0]), self.params.expert_parallel)
             for r, run in enumerate(runs):
                 run.theta_grads[k] = reduced[r]
                 per_replica[r].update(run.theta_grads_of(k))
