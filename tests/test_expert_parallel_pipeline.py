@@ -8,7 +8,7 @@ import tensorflow as tf
 
 import tfpipe
 from tests import model_zoo as mz
-from tfpipe import fprop_context, layers
+from tfpipe import checkpoints, fprop_context, layers, variable_shards
 from tfpipe.base_layer import flatten_by_path
 from tfpipe.layers.mixture_of_experts import MoEFeedForward
 from tfpipe.pipeline import expert_parallel, partition
@@ -135,3 +135,25 @@ def test_uneven_micro_batches_are_refused():
     x, y = tf.zeros([6, 6], F64), tf.zeros([6], tf.int32)  # 6 over R*M=4: 2, 2, 1, 1
     with fprop_context.training(step=STEP), pytest.raises(ValueError, match='uneven'):
         pipe.ForwardBackward(pipe.ReplicaThetas(), x, mz.loss_fn, y)
+
+
+def test_checkpoint_is_independent_of_p(tmp_path):
+    """A P=2 checkpoint holds every expert weight whole ([E, ...] under the layer's path)
+    and restores into P=1, P=4 and P=2 with R=4 (replicas 2, 3 take their experts from
+    the replicas of group 0 with the same rank)."""
+    source = pipeline(2, 2, 1, random_seed=11)
+    saved = {path: (v.value() if isinstance(v, variable_shards.ShardedWeight) else v).numpy()
+             for path, v in variable_shards.whole_view(source.VariablesByPath()).items()}
+    assert saved['pipe/moe/wi'].shape == (4, 8, 6)
+    path = checkpoints.make(source.VariablesByPath()).write(str(tmp_path / 'ckpt'))
+    for p, r in ((1, 2), (4, 4), (2, 4)):
+        target = pipeline(p, r, 1)
+        assert not np.array_equal(target.theta['fc0']['w'].numpy(), saved['pipe/fc0/w'])
+        checkpoints.make(target.VariablesByPath()).read(path).assert_consumed()
+        target.SyncReplicas()
+        replica_values = [{q: v.numpy() for q, v in vs.items()}
+                          for vs in target.ReplicaVariablesByPath()]
+        for group in range(r // p):
+            got = whole(target, replica_values[group * p:(group + 1) * p], p)
+            for q in saved:
+                np.testing.assert_array_equal(got[q], saved[q], err_msg=f'P={p} R={r} {q}')

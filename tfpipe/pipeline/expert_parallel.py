@@ -39,6 +39,7 @@ from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import tensorflow as tf
 
+from tfpipe import variable_shards
 from tfpipe.pipeline import replicas
 from tfpipe.pipeline import ties as ties_lib
 from tfpipe.pipeline.cell import Cell
@@ -140,6 +141,29 @@ def expert_leaves(cell: Cell, theta: dict) -> list[bool]:
     out = {n: tf.nest.map_structure(is_expert_variable, theta[n]) for n in cell.names}
     ties_lib.read_into(out, theta, cell.ties, is_expert_variable)
     return tf.nest.flatten(out)
+
+
+class WholeExperts:
+    """Each expert weight of the pipeline as one `variable_shards.ShardedWeight` over the P
+    members of replica group 0 (replicas 0..P-1), so that checkpoints, which take replica
+    0's variables through `whole_view`, save all E experts under the layer's path ([E, D,
+    H] for `.../moe/wi`) and restore them into any P: a P=2 checkpoint resumes at P=1 or
+    P=4, as tensor-parallel shards do at any T. Not a tf.Module, so that the pipeline
+    does not count other replicas' variables as its own; it only keeps them alive."""
+
+    def __init__(self, replica_variables: Sequence[dict[str, tf.Variable]], expert_parallel: int):
+        self.weights = [
+            variable_shards.ShardedWeight(path, [replica_variables[r][path]
+                                                 for r in range(expert_parallel)], 0,
+                                          checkpoint_only=True)
+            for path, var in replica_variables[0].items()
+            if expert_parallel > 1 and is_expert_variable(var)]
+
+
+def source_replica(replica: int, var: tf.Variable, expert_parallel: int) -> int:
+    """Whose value replica `replica` copies after a restore: replica 0's, or for an expert
+    weight that of the member of group 0 with the same rank (it holds the same experts)."""
+    return replica % expert_parallel if is_expert_variable(var) else 0
 
 
 def check_even(sizes: Sequence[int], expert_parallel: int, where: str) -> None:

@@ -202,6 +202,9 @@ class PipeliningLayer(BaseLayer):
         self.replica_cells = [self.cells] + [
             replicas.mirror_cells(self, p, self.balance, slots, flags, self.ties, scope)
             for slots, scope in zip(groups[1:], building[1:])]
+        # Checkpoints save each expert weight whole (replica 0's variables: whole_view).
+        self._whole_experts = expert_parallel.WholeExperts(self.ReplicaVariablesByPath(),
+                                                           p.expert_parallel)
         self._recorder: recorder.Recorder | None = None
         self._peers: across_clients.Peers | None = None
         self._global_batch: int | None = None  # a client fed only its share (JoinClients)
@@ -251,8 +254,11 @@ class PipeliningLayer(BaseLayer):
                                             for cells in self.replica_cells[1:]]
 
     def SyncReplicas(self) -> None:
-        """Copies replica 0's variables into the mirrors: call after restoring a checkpoint."""
-        replicas.sync(self.ReplicaVariablesByPath())
+        """Copies replica 0's variables into the mirrors (an expert weight: group 0's member
+        holding the same experts): call after restoring a checkpoint."""
+        p = self.params.expert_parallel
+        replicas.sync(self.ReplicaVariablesByPath(),
+                      lambda r, var: expert_parallel.source_replica(r, var, p))
 
     def JoinClients(self, peers: across_clients.Peers,
                     global_batch_size: int | None = None) -> None:
