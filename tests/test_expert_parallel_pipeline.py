@@ -2,6 +2,9 @@
 experts is the P=1 step with the same R replicas (loss, gradients and SGD-updated
 weights within 1e-5, float64, capacity that drops nothing), on the logical CPUs of
 conftest.py: P in {1, 2, 4} x R in {P, 2P} x K in {1, 2} with R*K <= 8."""
+import os
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -157,3 +160,14 @@ def test_checkpoint_is_independent_of_p(tmp_path):
             got = whole(target, replica_values[group * p:(group + 1) * p], p)
             for q in saved:
                 np.testing.assert_array_equal(got[q], saved[q], err_msg=f'P={p} R={r} {q}')
+
+
+def test_trainer_bad_expert_parallel_exits_2_before_the_logdir(tmp_path, data_dir):
+    from tests import trainer_helpers as th
+    logdir = str(tmp_path / 'fresh')
+    result = th.run(th.FAST, logdir, data_dir, '--max_steps=2', th.overrides(
+        **{'task.pipeline.num_replicas': 2, 'task.pipeline.expert_parallel': 3}))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert re.search(r'^error: .*expert_parallel=3 does not divide num_replicas=2: .*set '
+                     'expert_parallel to a divisor of num_replicas', th.error_line(result))
+    assert not os.path.exists(logdir)
