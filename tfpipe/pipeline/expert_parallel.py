@@ -40,12 +40,12 @@ from typing import Any, Callable, ContextManager, Iterator, Sequence
 import tensorflow as tf
 
 from tfpipe import variable_shards
+from tfpipe.build_scope import BuildScope
 from tfpipe.pipeline import replicas
 from tfpipe.pipeline import ties as ties_lib
 from tfpipe.pipeline.cell import Cell
 
 _lock = threading.Lock()
-_local = threading.local()
 _instance_keys: dict[tuple, int] = {}
 _tokens: dict[str, tf.Variable] = {}
 _expert_variables: 'weakref.WeakValueDictionary[int, tf.Variable]' = \
@@ -90,6 +90,7 @@ class ExpertGroup:
 
 
 SINGLE = ExpertGroup(('',), 0)
+_building: BuildScope[ExpertGroup] = BuildScope(SINGLE)
 
 
 def groups_of(replica_devices: Sequence[str], expert_parallel: int) -> list[ExpertGroup]:
@@ -200,21 +201,15 @@ def all_reduce_grads(per_replica: Sequence[Sequence[tf.Tensor]], devices: Sequen
     return out
 
 
-@contextlib.contextmanager
-def building(group: ExpertGroup) -> Iterator[None]:
+def building(group: ExpertGroup) -> ContextManager:
     """MoE layers created inside hold their share of experts for `group` (PipeliningLayer
     sets it around each replica's cells; outside, a layer holds all experts)."""
-    previous = getattr(_local, 'group', None)
-    _local.group = group
-    try:
-        yield
-    finally:
-        _local.group = previous
+    return _building.setting(group)
 
 
 def current_group() -> ExpertGroup:
     """The expert group being built for: the current replica cell's, else SINGLE."""
-    return getattr(_local, 'group', None) or SINGLE
+    return _building.current()
 
 
 def instance_key(group: ExpertGroup, name: str) -> int:
