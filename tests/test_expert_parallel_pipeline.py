@@ -171,3 +171,15 @@ def test_trainer_bad_expert_parallel_exits_2_before_the_logdir(tmp_path, data_di
     assert re.search(r'^error: .*expert_parallel=3 does not divide num_replicas=2: .*set '
                      'expert_parallel to a divisor of num_replicas', th.error_line(result))
     assert not os.path.exists(logdir)
+
+
+def test_evaluation_fprop_reads_each_replicas_experts():
+    """FProp with one theta (an evaler's form) at P=2: each replica reads its own experts,
+    so the outputs are P=1's."""
+    x = tf.constant(np.random.default_rng(1).normal(size=[8, 6]), F64)
+    outs = []
+    for p in (2, 1):
+        pipe = pipeline(p, 2, 1)
+        with fprop_context.evaluation():
+            outs.append(tf.function(lambda: pipe.FProp(pipe.theta, x), autograph=False)())
+    np.testing.assert_allclose(outs[0].numpy(), outs[1].numpy(), rtol=1e-5, atol=1e-12)
