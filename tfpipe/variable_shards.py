@@ -20,6 +20,10 @@ import tensorflow as tf
 _SUFFIX = '_shard'
 # id(shard variable) -> its ShardedWeight; the layer keeps the ShardedWeight alive.
 _registry: 'weakref.WeakValueDictionary[int, ShardedWeight]' = weakref.WeakValueDictionary()
+# The same for weights whose shards are not one layer's (expert parallelism: separate
+# replicas' variables): only checkpoints (`whole_view`) see them whole.
+_checkpoint_only: 'weakref.WeakValueDictionary[int, ShardedWeight]' = \
+    weakref.WeakValueDictionary()
 
 
 def shard_name(name: str, t: int, size: int) -> str:
@@ -31,7 +35,8 @@ def shard_name(name: str, t: int, size: int) -> str:
 class ShardedWeight(tf.Module):
     """The shards of one weight, saved and restored as the whole value."""
 
-    def __init__(self, path: str, shards: Sequence[tf.Variable], axis: int):
+    def __init__(self, path: str, shards: Sequence[tf.Variable], axis: int,
+                 checkpoint_only: bool = False):
         super().__init__(name=None)
         self.path = path  # the whole weight's path, e.g. 'pipe/mlp/w1'
         self._shards = list(shards)
@@ -41,7 +46,7 @@ class ShardedWeight(tf.Module):
         self.shape = tf.TensorShape(whole)
         self.dtype = shards[0].dtype
         for s in self._shards:
-            _registry[id(s)] = self
+            (_checkpoint_only if checkpoint_only else _registry)[id(s)] = self
 
     @property
     def sizes(self) -> list[int]:
@@ -98,7 +103,7 @@ def whole_view(variables: dict[str, Any]) -> dict[str, Any]:
     under the whole weight's path (what checkpoints save)."""
     out: dict[str, Any] = {}
     for path, var in variables.items():
-        sharded = of(var)
+        sharded = of(var) or _checkpoint_only.get(id(var))
         if sharded is None or len(sharded.shards) == 1:
             out[path] = var
         else:

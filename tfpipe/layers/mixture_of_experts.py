@@ -5,7 +5,8 @@ their weights stacked ([E, D, H], [E, H, D]) so that all experts run as one batc
 matmul. A learned router [D, E] picks each token's top-1 or top-2 experts
 (`moe_gating`, in float32 even when the layer computes in bfloat16); tokens are
 dispatched to [E, C, D] expert slots by an einsum with the dispatch mask, the experts
-run, and each token's output is the combine-weighted sum of its slots' outputs. A
+run (`moe_experts`: here, or spread over an expert group of replicas by all-to-all),
+and each token's output is the combine-weighted sum of its slots' outputs. A
 token over capacity gets zeros from a dropped expert; in a Transformer block the
 residual around the feed-forward passes it on unchanged.
 
@@ -33,7 +34,7 @@ import tensorflow as tf
 
 from tfpipe import fprop_context
 from tfpipe.base_layer import BaseLayer, LayerMeta
-from tfpipe.layers import activations, moe_gating
+from tfpipe.layers import activations, moe_experts, moe_gating
 from tfpipe.layers.dense import check_last_dim
 from tfpipe.layers.dropout import stateless_uniform_slice
 
@@ -97,10 +98,8 @@ class MoEFeedForward(BaseLayer):
         self._key = zlib.crc32(f'{self._seed}/{self.path}'.encode())
         e, d, h = p.num_experts, p.model_dim, p.hidden_dim
         self.CreateVariable('router_w', [d, e])
-        self.CreateVariable('wi', [e, d, h], 'stacked_glorot_uniform')
-        self.CreateVariable('bi', [e, h], 'zeros')
-        self.CreateVariable('wo', [e, h, d], 'stacked_glorot_uniform')
-        self.CreateVariable('bo', [e, d], 'zeros')
+        # All E experts, or this replica's E/P of them under expert parallelism.
+        self._experts = moe_experts.ExpertStack(self, e, d, h, self._act)
 
     def FProp(self, theta, inputs, paddings: Optional[tf.Tensor] = None):
         """inputs [..., model_dim] -> the experts' output of the same shape.
@@ -123,8 +122,7 @@ class MoEFeedForward(BaseLayer):
             tf.cast(paddings, tf.float32), [tokens])
         gating = self._Route(theta, x, real, tokens // shape[0])
         slots = dispatch(x, tf.cast(gating.dispatch, x.dtype))
-        hidden = self._act(tf.einsum('ecd,edh->ech', slots, theta['wi']) + theta['bi'][:, None])
-        outputs = tf.einsum('ech,ehd->ecd', hidden, theta['wo']) + theta['bo'][:, None]
+        outputs = self._experts.FProp(theta, slots)
         sink = fprop_context.current().aux_losses
         if sink is not None:
             sink.record(self, 'load_balancing_loss', gating.load_balancing_loss,

@@ -41,8 +41,8 @@ import tensorflow as tf
 from tfpipe import devices as devices_lib
 from tfpipe import fprop_context
 from tfpipe.base_layer import BaseLayer, body_meta
-from tfpipe.pipeline import (across_clients, costs, microbatch, partition, recorder, replicas,
-                             schedule, tensor_parallel, ties)
+from tfpipe.pipeline import (across_clients, costs, expert_parallel, microbatch, partition,
+                             recorder, replicas, schedule, tensor_parallel, ties)
 from tfpipe.pipeline.cell import RECOMPUTE_POLICIES, Cell, cell_dtypes, recompute_flags
 from tfpipe.pipeline.cell_functions import FunctionalPipelineRun
 from tfpipe.pipeline.executor import PipelineRun, float_leaves, is_differentiable
@@ -104,6 +104,9 @@ class PipeliningLayer(BaseLayer):
                  'parallelism): the body\'s tensor-parallel layers split their weights over '
                  'them, other layers run on the first; R*K*T devices, replica r, cell k, shard '
                  't on slot (r*K+k)*T+t. See tensor_parallel.py.')
+        p.Define('expert_parallel', 1, 'P: replicas that share the experts of each MoE layer '
+                 '(P divides num_replicas; each holds E/P experts, tokens travel by all-to-'
+                 'all). See expert_parallel.py.')
         p.Define('num_micro_batches', 1, 'M: micro-batches per mini-batch (uneven sizes are '
                  'allowed; a batch smaller than M gives one example per micro-batch).')
         p.Define('recompute', 'always', 'Re-materialisation: ' + ' | '.join(RECOMPUTE_POLICIES))
@@ -151,6 +154,7 @@ class PipeliningLayer(BaseLayer):
                 p.num_replicas < 1:
             raise ValueError(f'{self.path}: num_replicas={p.num_replicas!r} must be an int >= 1 '
                              '(1 means no data parallelism)')
+        expert_parallel.check_expert_parallel(p.expert_parallel, p.num_replicas, self.path)
         v = p.virtual_stages
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f'{self.path}: virtual_stages={v!r} must be an int >= 1')
@@ -177,10 +181,14 @@ class PipeliningLayer(BaseLayer):
         self.replica_groups = groups
         self.replica_devices = [tuple(g[0] for g in replica) for replica in groups]
         self.devices = self.replica_devices[0]
+        # Per replica: a slot's build scope (its tensor-parallel and expert groups).
+        expert_groups = expert_parallel.layout(self.replica_devices, p.expert_parallel)
+        building = [expert_parallel.building_with(g, homes, tensor_parallel.building_on)
+                    for g, homes in zip(expert_groups, self.replica_devices)]
         layers = []
         for k, (start, stop) in enumerate(partition.cell_ranges(self.balance)):
             with tf.device(self.devices[k % num_devices]), \
-                    tensor_parallel.building_on(groups[0][k % num_devices]):
+                    building[0](groups[0][k % num_devices]):
                 layers.append(self.CreateChildren(p.body[start:stop]))
         try:
             self.ties = ties.resolve(p.tied_weights, layers)
@@ -192,9 +200,11 @@ class PipeliningLayer(BaseLayer):
                            shard_devices=groups[0][k % num_devices])
                       for k in range(len(self.balance))]
         self.replica_cells = [self.cells] + [
-            replicas.mirror_cells(self, p, self.balance, slots, flags, self.ties,
-                                  tensor_parallel.building_on)
-            for slots in groups[1:]]
+            replicas.mirror_cells(self, p, self.balance, slots, flags, self.ties, scope)
+            for slots, scope in zip(groups[1:], building[1:])]
+        # Checkpoints save each expert weight whole (replica 0's variables: whole_view).
+        self._whole_experts = expert_parallel.WholeExperts(self.ReplicaVariablesByPath(),
+                                                           p.expert_parallel)
         self._recorder: recorder.Recorder | None = None
         self._peers: across_clients.Peers | None = None
         self._global_batch: int | None = None  # a client fed only its share (JoinClients)
@@ -244,8 +254,11 @@ class PipeliningLayer(BaseLayer):
                                             for cells in self.replica_cells[1:]]
 
     def SyncReplicas(self) -> None:
-        """Copies replica 0's variables into the mirrors: call after restoring a checkpoint."""
-        replicas.sync(self.ReplicaVariablesByPath())
+        """Copies replica 0's variables into the mirrors (an expert weight: group 0's member
+        holding the same experts): call after restoring a checkpoint."""
+        p = self.params.expert_parallel
+        replicas.sync(self.ReplicaVariablesByPath(),
+                      lambda r, var: expert_parallel.source_replica(r, var, p))
 
     def JoinClients(self, peers: across_clients.Peers,
                     global_batch_size: int | None = None) -> None:
@@ -292,6 +305,7 @@ class PipeliningLayer(BaseLayer):
                                                  self.path)
             micro = self._SplitBatch(inputs)
         sizes = microbatch.micro_batch_sizes(batch, p.num_micro_batches * num_groups)
+        expert_parallel.check_even(sizes, p.expert_parallel, self.path)
         if self._peers is not None:  # this client's group only, at its global offsets
             groups = groups[self._peers.index:self._peers.index + 1]
         return micro, microbatch.offsets(sizes), groups
@@ -341,9 +355,13 @@ class PipeliningLayer(BaseLayer):
     def _ReadThetas(self, theta: dict | list) -> list[list[dict]]:
         """Each replica's per-cell thetas, read on the replica's devices.
 
-        One theta is read by every replica; a list gives each replica its own.
+        One theta is read by every replica; a list gives each replica its own. With
+        expert parallelism replicas hold different experts, so one theta (replica 0's)
+        gives the others their own weights (equal to replica 0's outside the experts).
         """
         per_replica = theta if isinstance(theta, list) else [theta] * self.num_replicas
+        if self.params.expert_parallel > 1 and not isinstance(theta, list):
+            per_replica = [theta] + self.ReplicaThetas()[1:]
         return [[cell.read_theta(t) for cell in cells]
                 for cells, t in zip(self.replica_cells, per_replica)]
 
@@ -400,6 +418,9 @@ class PipeliningLayer(BaseLayer):
             # Read here: the custom gradient refuses variables that it does not get as
             # inputs, and Dropout (or a cell function's step argument) reads the step.
             ctx = dataclasses.replace(ctx, step=tf.convert_to_tensor(ctx.step))
+        if self.params.expert_parallel > 1:
+            raise ValueError(f'{self.path}: expert_parallel > 1: replicas hold different '
+                             'experts; train with ForwardBackward(ReplicaThetas(), ...)')
         inputs = tf.nest.map_structure(tf.convert_to_tensor, inputs)
         flat_inputs = tf.nest.flatten(inputs)
         flat_thetas = [tf.nest.flatten(t) for t in thetas]
@@ -496,6 +517,9 @@ class PipeliningLayer(BaseLayer):
         if isinstance(theta, list) and len(theta) != self.num_replicas:
             raise ValueError(f'{self.path}: got {len(theta)} thetas for num_replicas='
                              f'{self.num_replicas}: pass one theta, or ReplicaThetas()')
+        if self.params.expert_parallel > 1 and not isinstance(theta, list):
+            raise ValueError(f'{self.path}: expert_parallel={self.params.expert_parallel}: '
+                             'pass ReplicaThetas() (replicas hold different experts)')
         with tf.name_scope(self.params.name):
             return self._ForwardBackward(theta, inputs, loss_fn, targets)
 
@@ -562,9 +586,11 @@ class PipeliningLayer(BaseLayer):
             ties.fold(grads, self.ties, [cell.shard_devices for cell in self.cells])
             return loss, {name: grads[name] for name in theta}
         per_replica: list[dict] = [{} for _ in runs]
-        for k in range(len(self.cells)):
-            reduced = replicas.all_reduce_sum([run.theta_grads[k] for run in runs],
-                                              [cells[k].device for cells in self.replica_cells])
+        for k, cell in enumerate(self.cells):
+            reduced = expert_parallel.all_reduce_grads(
+                [run.theta_grads[k] for run in runs],
+                [cells[k].device for cells in self.replica_cells],
+                expert_parallel.expert_leaves(cell, theta[0]), self.params.expert_parallel)
             for r, run in enumerate(runs):
                 run.theta_grads[k] = reduced[r]
                 per_replica[r].update(run.theta_grads_of(k))

@@ -198,10 +198,14 @@ def apply_batch_stats(replica_cells: Sequence[Sequence[Cell]],
                     layer.ApplyBatchStatistics(by_path[layer.path])
 
 
-def sync(replica_variables: Sequence[dict[str, tf.Variable]]) -> None:
-    """Copies replica 0's values into every mirror (after a restore, or a user's assign)."""
-    source = replica_variables[0]
-    for mirror in replica_variables[1:]:
+def sync(replica_variables: Sequence[dict[str, tf.Variable]],
+         source: Callable[[int, tf.Variable], int] = lambda r, var: 0) -> None:
+    """Copies replica 0's values into every mirror (after a restore, or a user's assign);
+    `source(r, var)`: the replica whose value replica r's `var` takes instead (expert
+    parallelism: the replica holding the same experts)."""
+    for r, mirror in enumerate(replica_variables[1:], 1):
         for path, var in mirror.items():
-            with tf.device(var.device):
-                var.assign(source[path])
+            src = source(r, var)
+            if src != r:
+                with tf.device(var.device):
+                    var.assign(replica_variables[src][path])

@@ -40,16 +40,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops  # the public tf.distribute wraps these
 
 from tfpipe import devices as devices_lib
+from tfpipe.build_scope import BuildScope
 from tfpipe.pipeline import replicas
-
-_local = threading.local()
 
 
 def check_tensor_parallel(value: Any) -> int:
@@ -317,18 +315,15 @@ def building_on(devices: Sequence[str]) -> contextlib.AbstractContextManager:
     return building(TensorParallelGroup(tuple(devices)))
 
 
-@contextlib.contextmanager
-def building(group: TensorParallelGroup) -> Iterator[None]:
+_building: BuildScope[TensorParallelGroup] = BuildScope(SINGLE)
+
+
+def building(group: TensorParallelGroup) -> contextlib.AbstractContextManager:
     """Layers created inside split themselves over `group` (PipeliningLayer sets it
     around each cell's layers; outside, a layer builds for one device)."""
-    previous = getattr(_local, 'group', None)
-    _local.group = group
-    try:
-        yield
-    finally:
-        _local.group = previous
+    return _building.setting(group)
 
 
 def current_group() -> TensorParallelGroup:
     """The group being built for: the current cell's, else the single-device group."""
-    return getattr(_local, 'group', None) or SINGLE
+    return _building.current()

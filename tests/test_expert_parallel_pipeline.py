@@ -1,0 +1,185 @@
+"""Expert parallelism in a pipeline: a step with P replicas sharing each MoE layer's
+experts is the P=1 step with the same R replicas (loss, gradients and SGD-updated
+weights within 1e-5, float64, capacity that drops nothing), on the logical CPUs of
+conftest.py: P in {1, 2, 4} x R in {P, 2P} x K in {1, 2} with R*K <= 8."""
+import os
+import re
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpipe
+from tests import model_zoo as mz
+from tfpipe import checkpoints, fprop_context, layers, variable_shards
+from tfpipe.base_layer import flatten_by_path
+from tfpipe.layers.mixture_of_experts import MoEFeedForward
+from tfpipe.pipeline import expert_parallel, partition
+
+F64 = tf.float64
+STEP = 7
+EXPERT_WEIGHTS = ('wi', 'bi', 'wo', 'bo')
+GRID = [(p, r, k) for p in (1, 2, 4) for r in (p, 2 * p) for k in (1, 2) if r * k <= 8]
+
+
+def body():
+    return [
+        layers.Dense.Params().Set(name='fc0', input_dim=6, output_dim=8, activation='tanh',
+                                  dtype=F64),
+        MoEFeedForward.Params().Set(name='moe', model_dim=8, hidden_dim=6, num_experts=4,
+                                    capacity_factor=2.0, dtype=F64),
+        layers.Dense.Params().Set(name='fc2', input_dim=8, output_dim=5, dtype=F64),
+    ]
+
+
+def pipeline(p, r, k, **kw):
+    return tfpipe.PipeliningLayer.Params().Set(
+        name='pipe', body=body(), balance=partition.even_balance(3, k), num_micro_batches=2,
+        num_replicas=r, expert_parallel=p, **kw).Instantiate()
+
+
+def whole(pipe, per_replica, p):
+    """{path: value}: replica 0's, with each expert weight the concatenation of the P
+    members' slices (replicas 0..P-1)."""
+    out = dict(per_replica[0])
+    for path in out:
+        if path.rsplit('/', 1)[-1] in EXPERT_WEIGHTS and p > 1:
+            out[path] = np.concatenate([per_replica[r][path] for r in range(p)])
+    return out
+
+
+def step(pipe, p):
+    """One SGD step of every replica through ForwardBackward(ReplicaThetas()) (the
+    trainer's form): (loss, whole gradients, whole updated weights)."""
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=[16, 6]), F64)
+    y = tf.constant(rng.integers(0, 5, size=[16]), tf.int32)
+
+    @tf.function(autograph=False)
+    def run():
+        with fprop_context.training(step=STEP):
+            loss, grads = pipe.ForwardBackward(pipe.ReplicaThetas(), x, mz.loss_fn, y)
+            for theta, g in zip(pipe.ReplicaThetas(), grads):
+                for v, d in zip(tf.nest.flatten(theta), tf.nest.flatten(g)):
+                    v.assign_sub(0.1 * d)
+        return loss, grads
+    loss, grads = run()
+    grads = grads if isinstance(grads, list) else [grads]
+    grads = [{q: g.numpy() for q, g in flatten_by_path(gr, 'pipe').items()} for gr in grads]
+    weights = [{q: v.numpy() for q, v in vs.items()} for vs in pipe.ReplicaVariablesByPath()]
+    return loss.numpy(), whole(pipe, grads, p), whole(pipe, weights, p)
+
+
+_runs = {}
+
+
+def run_of(p, r, k):
+    """The step of grid point (P, R, K), once per process (the P=1 ones are references)."""
+    if (p, r, k) not in _runs:
+        _runs[p, r, k] = step(pipeline(p, r, k), p)
+    return _runs[p, r, k]
+
+
+@pytest.mark.parametrize('p,r,k', [g for g in GRID if g[0] > 1])
+def test_step_equals_p1(p, r, k):
+    loss, grads, weights = run_of(p, r, k)
+    ref_loss, ref_grads, ref_weights = run_of(1, r, k)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for what, got, want in (('grads', grads, ref_grads), ('weights', weights, ref_weights)):
+        assert sorted(got) == sorted(want)
+        for path in want:
+            np.testing.assert_allclose(got[path], want[path], rtol=1e-5, atol=1e-12,
+                                       err_msg=f'{what} {path}')
+    assert np.abs(ref_grads['pipe/moe/wi']).max() > 1e-4
+
+
+@pytest.mark.parametrize('recompute,schedule,cell_functions', [
+    ('never', '1f1b', True), ('always', '1f1b', False), ('except_last', 'zb_h1', False)])
+def test_schedules_recompute_and_executors_equal_p1(recompute, schedule, cell_functions):
+    """P=2, R=2, K=2 under other schedules, recompute policies (the recomputed forward
+    repeats the all-to-all) and both executors (zb_h1: the split backward's unrolled
+    tasks) against the P=1 step, which every schedule equals."""
+    pipe = pipeline(2, 2, 2, recompute=recompute, schedule=schedule,
+                    cell_functions=cell_functions)
+    loss, grads, weights = step(pipe, 2)
+    ref_loss, ref_grads, ref_weights = run_of(1, 2, 2)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for got, want in ((grads, ref_grads), (weights, ref_weights)):
+        for path in want:
+            np.testing.assert_allclose(got[path], want[path], rtol=1e-5, atol=1e-12,
+                                       err_msg=path)
+
+
+def test_replicas_hold_their_experts():
+    pipe = pipeline(2, 4, 1)
+    held = [vs['pipe/moe/wi'] for vs in pipe.ReplicaVariablesByPath()]
+    assert all(v.shape == [2, 8, 6] for v in held)
+    assert [expert_parallel.is_expert_variable(v) for v in held] == [True] * 4
+    np.testing.assert_array_equal(held[0].numpy(), held[2].numpy())  # same rank, same experts
+    assert not np.array_equal(held[0].numpy(), held[1].numpy())
+
+
+@pytest.mark.parametrize('p,r,experts,fix', [
+    (3, 4, 6, 'pipe: expert_parallel=3 does not divide num_replicas=4'),
+    (4, 4, 6, 'pipe/moe: num_experts=6 is not divisible by expert_parallel=4')])
+def test_bad_expert_parallel_at_instantiation(p, r, experts, fix):
+    """P not dividing R, and E not divisible by P, fail when the params are instantiated
+    (before any tracing), each in one line naming both numbers."""
+    params = tfpipe.PipeliningLayer.Params().Set(name='pipe', body=body(), balance=[3],
+                                                 num_replicas=r, expert_parallel=p)
+    params.body[1].num_experts = experts
+    with pytest.raises(ValueError, match=fix) as info:
+        params.Instantiate()
+    assert '\n' not in str(info.value)
+
+
+def test_uneven_micro_batches_are_refused():
+    pipe = pipeline(2, 2, 1)
+    x, y = tf.zeros([6, 6], F64), tf.zeros([6], tf.int32)  # 6 over R*M=4: 2, 2, 1, 1
+    with fprop_context.training(step=STEP), pytest.raises(ValueError, match='uneven'):
+        pipe.ForwardBackward(pipe.ReplicaThetas(), x, mz.loss_fn, y)
+
+
+def test_checkpoint_is_independent_of_p(tmp_path):
+    """A P=2 checkpoint holds every expert weight whole ([E, ...] under the layer's path)
+    and restores into P=1, P=4 and P=2 with R=4 (replicas 2, 3 take their experts from
+    the replicas of group 0 with the same rank)."""
+    source = pipeline(2, 2, 1, random_seed=11)
+    saved = {path: (v.value() if isinstance(v, variable_shards.ShardedWeight) else v).numpy()
+             for path, v in variable_shards.whole_view(source.VariablesByPath()).items()}
+    assert saved['pipe/moe/wi'].shape == (4, 8, 6)
+    path = checkpoints.make(source.VariablesByPath()).write(str(tmp_path / 'ckpt'))
+    for p, r in ((1, 2), (4, 4), (2, 4)):
+        target = pipeline(p, r, 1)
+        assert not np.array_equal(target.theta['fc0']['w'].numpy(), saved['pipe/fc0/w'])
+        checkpoints.make(target.VariablesByPath()).read(path).assert_consumed()
+        target.SyncReplicas()
+        replica_values = [{q: v.numpy() for q, v in vs.items()}
+                          for vs in target.ReplicaVariablesByPath()]
+        for group in range(r // p):
+            got = whole(target, replica_values[group * p:(group + 1) * p], p)
+            for q in saved:
+                np.testing.assert_array_equal(got[q], saved[q], err_msg=f'P={p} R={r} {q}')
+
+
+def test_trainer_bad_expert_parallel_exits_2_before_the_logdir(tmp_path, data_dir):
+    from tests import trainer_helpers as th
+    logdir = str(tmp_path / 'fresh')
+    result = th.run(th.FAST, logdir, data_dir, '--max_steps=2', th.overrides(
+        **{'task.pipeline.num_replicas': 2, 'task.pipeline.expert_parallel': 3}))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert re.search(r'^error: .*expert_parallel=3 does not divide num_replicas=2: .*set '
+                     'expert_parallel to a divisor of num_replicas', th.error_line(result))
+    assert not os.path.exists(logdir)
+
+
+def test_evaluation_fprop_reads_each_replicas_experts():
+    """FProp with one theta (an evaler's form) at P=2: each replica reads its own experts,
+    so the outputs are P=1's."""
+    x = tf.constant(np.random.default_rng(1).normal(size=[8, 6]), F64)
+    outs = []
+    for p in (2, 1):
+        pipe = pipeline(p, 2, 1)
+        with fprop_context.evaluation():
+            outs.append(tf.function(lambda: pipe.FProp(pipe.theta, x), autograph=False)())
+    np.testing.assert_allclose(outs[0].numpy(), outs[1].numpy(), rtol=1e-5, atol=1e-12)
