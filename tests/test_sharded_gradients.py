@@ -1,0 +1,107 @@
+"""ZeRO stage 2 (task.train.sharding='gradients'): gradient sums at 1/R per replica.
+
+The reference is the unsharded trainer update (tests/test_sharded_optimizer.py's
+`_train`: R optimizers with whole slots, through guarded_update, clipping and the
+NaN guard included) given the gradients summed over replicas. Stage 2 gets each
+replica's own share instead (shares that sum to those gradients, different per
+replica), reduce-scatters them, clips by the norm summed over the parts and
+updates its part: same weights on every replica and same slots within 1e-5, for
+variables that R does not divide.
+"""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfpipe.hyperparams import Params
+from tfpipe.pipeline import sharding
+from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
+from tests.test_sharded_optimizer import (CLIP, NAN_STEP, OPTIMIZERS, SHAPES, STEPS, _devices,
+                                          _grads, _replica_variables, _slot, _slot_names,
+                                          _train)
+from trainer.train_job import guarded_update
+
+
+def _shares(step, num_replicas):
+    """Replica r's own gradients at `step`: unequal shares summing to `_grads(step)`."""
+    rng = np.random.default_rng(200 + step)
+    total = _grads(step)
+    out = [{} for _ in range(num_replicas)]
+    for path, g in total.items():
+        noise = rng.normal(size=(num_replicas,) + g.shape).astype(np.float32)
+        noise -= noise.mean(0)
+        for r in range(num_replicas):
+            out[r][path] = g / num_replicas + noise[r]
+    return out
+
+
+def _train_stage2(opt_params, num_replicas):
+    variables = _replica_variables(num_replicas)
+    optimizer = ShardedOptimizer(opt_params, variables, shard_gradients=True)
+    global_step = tf.Variable(0, dtype=tf.int64)
+
+    @tf.function
+    def step(loss, shares):
+        replica_grads = []
+        for device, share in zip(_devices(num_replicas), shares):
+            with tf.device(device):
+                replica_grads.append({p: tf.identity(g) for p, g in share.items()})
+        return guarded_update(loss, replica_grads, CLIP, optimizer, variables,
+                              tf.constant(0.05), global_step)
+
+    norms = [float(step(tf.constant(np.nan if t == NAN_STEP else 1.0),
+                        _shares(t, num_replicas))) for t in range(STEPS)]
+    return variables, optimizer, norms
+
+
+@pytest.mark.parametrize('num_replicas', [2, 4])
+@pytest.mark.parametrize('name', ['adam', 'adafactor', 'sgd_momentum'])
+def test_stage2_update_equals_the_unsharded_one(name, num_replicas):
+    opt_params = OPTIMIZERS[name]
+    ref_vars, ref_opt = _train(opt_params, num_replicas, sharded=False)
+    vars_, opt, norms = _train_stage2(opt_params, num_replicas)
+    assert int(opt.iterations.numpy()) == STEPS - 1  # the NaN step was skipped
+    assert all(n > CLIP for n in norms)  # every step clipped: the norm is the whole one
+    for r in range(num_replicas):
+        for path in SHAPES:
+            np.testing.assert_allclose(vars_[r][path].numpy(), ref_vars[0][path].numpy(),
+                                       rtol=1e-5, atol=1e-6, err_msg=f'{path} replica {r}')
+    for path, names in _slot_names(opt_params).items():
+        for slot in names:
+            np.testing.assert_allclose(_slot(opt, path, slot), _slot(ref_opt, path, slot),
+                                       rtol=1e-5, atol=1e-6, err_msg=f'{path}/{slot}')
+
+
+def test_reduce_scatter_leaves_each_replica_its_part_of_the_sum():
+    variables = _replica_variables(4)
+    optimizer = ShardedOptimizer(OPTIMIZERS['adam'], variables, shard_gradients=True)
+    shares = _shares(0, 4)
+    parts = tf.function(lambda: optimizer.ReduceScatter(
+        [{p: tf.constant(g) for p, g in s.items()} for s in shares]))()
+    for path in SHAPES:
+        whole = sum(s[path] for s in shares).reshape(-1)
+        joined = np.concatenate([parts[r][path].numpy() for r in range(4)])
+        np.testing.assert_allclose(joined, whole, rtol=1e-6, atol=1e-6, err_msg=path)
+        assert parts[3][path].shape[0] < whole.shape[0]  # a part, not the whole
+
+
+def _train_params(**values):
+    p = Params()
+    p.Define('sharding', 'none', '')
+    p.Define('shard_optimizer_states', False, '')
+    return p.Set(**values)
+
+
+@pytest.mark.parametrize('values,count,message', [
+    ({'sharding': 'gradient'}, 2, "did you mean 'gradients'"),
+    ({'sharding': 'gradients'}, 1, 'with 1 replica does nothing'),
+    ({'sharding': 'gradients', 'shard_optimizer_states': True}, 2, 'contradicts'),
+    ({'sharding': 'weights'}, 2, 'not built yet')])
+def test_bad_stages_are_refused_in_one_line(values, count, message):
+    with pytest.raises(ValueError, match=message) as e:
+        sharding.stage_of(_train_params(**values), count)
+    assert '\n' not in str(e.value)
+
+
+def test_the_older_switch_means_optimizer_states():
+    assert sharding.stage_of(_train_params(shard_optimizer_states=True), 2) == 'optimizer_states'
+    assert sharding.stage_of(_train_params(sharding='gradients'), 4) == 'gradients'
