@@ -12,6 +12,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests import model_zoo as mz
+from tests import test_tensor_parallel_optimizers as tp_optimizers
+from tfpipe import fprop_context
+from tfpipe.base_layer import flatten_by_path
 from tfpipe.hyperparams import Params
 from tfpipe.pipeline import sharding
 from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
@@ -105,3 +109,52 @@ def test_bad_stages_are_refused_in_one_line(values, count, message):
 def test_the_older_switch_means_optimizer_states():
     assert sharding.stage_of(_train_params(shard_optimizer_states=True), 2) == 'optimizer_states'
     assert sharding.stage_of(_train_params(sharding='gradients'), 4) == 'gradients'
+
+
+class _PipelineRun(tp_optimizers.Run):
+    """tests/test_tensor_parallel_optimizers.py's pipeline (float64, Dropout, T-way split
+    layers, an fc3 bias of 5 that neither R divides) and the trainer's update: stage 2 or
+    one unsharded optimizer per replica. `train` returns the loss of every step."""
+
+    def __init__(self, t, k, r, stage2, rule):
+        super().__init__(t, k, r, sharded=False, rule=rule)
+        if stage2:
+            self.pipe.DeferGradientSum()
+            self.optimizer = self.optimizers = ShardedOptimizer(rule, self.variables,
+                                                                shard_gradients=True)
+
+    def _build_step(self, x, y):
+        with fprop_context.training(step=self.global_step):
+            loss, grads = self.pipe.ForwardBackward(self.pipe.ReplicaThetas(), x,
+                                                    mz.loss_fn, y)
+        guarded_update(loss, [flatten_by_path(g, 'pipe') for g in grads], 0.5,
+                       self.optimizers, self.variables, tf.constant(tp_optimizers.LR,
+                                                                    tf.float64),
+                       self.global_step)
+        return loss
+
+    def train(self, steps):
+        return [float(self._step(*tp_optimizers.inputs(s))) for s in range(steps)]
+
+
+PIPELINE_GRID = [  # (optimizer, T, K, R): R in {2, 4} x K in {1, 2}, T=2 at one point
+    ('adam', 1, 1, 2), ('adam', 1, 2, 4), ('adam', 2, 2, 2),
+    ('adafactor', 1, 2, 2), ('adafactor', 1, 1, 4)]
+
+
+@pytest.mark.parametrize('name,t,k,r', PIPELINE_GRID)
+def test_stage2_pipeline_trains_as_unsharded(name, t, k, r):
+    """Loss at every step, every replica's weights and the whole slots within 1e-5."""
+    rule = OPTIMIZERS[name].Copy().Set(name=name)
+    ref, run = _PipelineRun(t, k, r, False, rule), _PipelineRun(t, k, r, True, rule)
+    np.testing.assert_allclose(run.train(3), ref.train(3), rtol=1e-5)
+    for copy, ref_copy in zip(run.variables, ref.variables):
+        for path, var in ref_copy.items():
+            np.testing.assert_allclose(copy[path].numpy(), var.numpy(), rtol=1e-5, atol=1e-8,
+                                       err_msg=path)
+    names = rule.Instantiate().SlotShapes
+    for path, var in ref.variables[0].items():
+        for slot in names(var.shape):
+            np.testing.assert_allclose(run.optimizer.GetSlot(path, slot).numpy(),
+                                       ref.optimizer.GetSlot(path, slot).numpy(),
+                                       rtol=1e-5, atol=1e-8, err_msg=f'{path}/{slot}')
