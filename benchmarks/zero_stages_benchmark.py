@@ -21,7 +21,6 @@ Run (from the repository root):
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -31,23 +30,12 @@ import time
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
-NUM_CELLS = 2
+# The same flags as the stage-1 benchmark (--clients excepted): --quick, --layers, --width,
+# --batch_per_replica, --num_micro_batches, --rounds.
+from benchmarks.optimizer_sharding_benchmark import (  # noqa: E402
+    NUM_CELLS, dense_data, dense_pipeline, loss_fn, parse_args)
+
 STAGES = ('none', 'optimizer_states', 'gradients')
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    ap.add_argument('--quick', action='store_true')
-    ap.add_argument('--layers', type=int, default=8)
-    ap.add_argument('--width', type=int, default=None, help='default 512 (quick: 256)')
-    ap.add_argument('--batch_per_replica', type=int, default=8)
-    ap.add_argument('--num_micro_batches', type=int, default=2)
-    ap.add_argument('--rounds', type=int, default=None, help='default 15 (quick: 5)')
-    ap.add_argument('--probe', default=None, help=argparse.SUPPRESS)  # 'state:R' or 'time:R'
-    args = ap.parse_args(argv)
-    args.width = args.width or (256 if args.quick else 512)
-    args.rounds = args.rounds or (5 if args.quick else 15)
-    return args
 
 
 def build(args, num_replicas: int, stage: str):
@@ -55,23 +43,14 @@ def build(args, num_replicas: int, stage: str):
     backward and reduction that returns (device, bytes) of each gradient tensor a replica
     holds for its update, read from the traced graph's placement; and per device
     [params, weight bytes, slot bytes, 0]."""
-    import numpy as np
     import tensorflow as tf
 
-    import tfpipe
-    from tfpipe import fprop_context, layers, optimizers
+    from tfpipe import fprop_context, optimizers
     from tfpipe.base_layer import flatten_by_path
-    from tfpipe.pipeline import partition
     from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
     from trainer.train_job import guarded_update
 
-    body = [layers.Dense.Params().Set(name=f'fc{i}', input_dim=args.width,
-                                      output_dim=args.width, activation='relu')
-            for i in range(args.layers)]
-    pipe = tfpipe.PipeliningLayer.Params().Set(
-        name=f'pipe_{num_replicas}_{stage}', body=body,
-        balance=partition.even_balance(len(body), NUM_CELLS),
-        num_micro_batches=args.num_micro_batches, num_replicas=num_replicas).Instantiate()
+    pipe = dense_pipeline(args, f'pipe_{num_replicas}_{stage}', num_replicas)
     replica_variables = pipe.ReplicaVariablesByPath()
     adam = optimizers.Adam.Params()
     if stage == 'none':
@@ -87,13 +66,8 @@ def build(args, num_replicas: int, stage: str):
         slot_vars = [part for path in replica_variables[0] for name in ('m', 'v')
                      for part in optimizer.SlotParts(path, name)]
     batch = args.batch_per_replica * num_replicas
-    rng = np.random.default_rng(0)
-    x = tf.constant(rng.normal(size=[batch, args.width]), tf.float32)
-    y = tf.constant(rng.normal(size=[batch, args.width]), tf.float32)
+    x, y = dense_data(args, batch)
     global_step = tf.Variable(0, dtype=tf.int64, trainable=False)
-
-    def loss_fn(outputs, targets):
-        return tf.reduce_mean(tf.square(outputs - targets), axis=-1)
 
     def forward_backward():
         with fprop_context.training(step=global_step):
@@ -185,6 +159,8 @@ def run_probe(args, probe: str) -> dict:
 
 
 def main(args) -> int:
+    if args.clients:
+        raise SystemExit('--clients: not measured by this benchmark yet (one process only)')
     if args.probe:
         kind, r = args.probe.split(':')
         print(json.dumps(probe_state(args, int(r)) if kind == 'state'
