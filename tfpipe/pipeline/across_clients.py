@@ -17,7 +17,9 @@ NCCL on GPUs where TensorFlow picks it):
   Adding zeros is exact, so the table is bit for bit the statistics themselves.
 
 With `task.train.shard_optimizer_states` the updated weight shards are
-all-gathered across clients too (`all_gather`; tfpipe/pipeline/sharded_optimizer.py).
+all-gathered across clients too (`all_gather`; tfpipe/pipeline/sharded_optimizer.py);
+with task.train.sharding='gradients' the gradients are reduce-scattered instead of
+all-reduced (tfpipe/pipeline/reduce_scatter.py: all_to_all_v2 and a local sum).
 
 Keys: the collectives on local device d form the group of device d on every
 client (its group key is a function of d's type and index). Instance keys come

@@ -13,11 +13,15 @@ Layout: a variable of n elements is flattened and replica r owns elements
 (or empty when n < R) and R need not divide n. A part is padded to s for the
 all-gather, which concatenates equal pieces (one buffer per cell and dtype).
 
-Gradients: TensorFlow has no reduce-scatter on CPUs (collective_reduce_scatter_v2
-hangs between logical CPUs and fails across processes), so the reduce-scatter
-is the pipeline's all-reduce, of which each replica keeps its part. Holding the
-whole summed gradient also keeps global-norm clipping and the NaN guard
-exact: every replica computes the same norm from it, as unsharded.
+Gradients (stage 1): the pipeline's all-reduce, of which each replica keeps its
+part; every replica computes the same global norm from the whole sums, as
+unsharded. With `shard_gradients` (ZeRO stage 2, task.train.sharding=
+'gradients') the pipeline hands each replica's own sums instead
+(PipeliningLayer.DeferGradientSum) and `ReduceScatter` leaves replica r the sum
+of its part only (tfpipe/pipeline/reduce_scatter.py: TensorFlow's own op is
+NCCL-only); `ClipParts` keeps global-norm clipping and the NaN guard exact by
+summing the parts' squares over the replicas; Adafactor's factored moments
+all-gather the whole gradient of their variable when the rule reads it.
 
 Slots of the variable's shape (Adam's m and v, RMSProp's, SGD's momentum,
 Adafactor's m and unfactored v) are sharded. Adafactor's factored moments vr
