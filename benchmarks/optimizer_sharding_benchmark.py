@@ -59,29 +59,48 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def dense_pipeline(args, name: str, num_replicas: int):
+    """The benchmark's model: args.layers x Dense(args.width) as K=NUM_CELLS cells."""
+    import tfpipe
+    from tfpipe import layers
+    from tfpipe.pipeline import partition
+    body = [layers.Dense.Params().Set(name=f'fc{i}', input_dim=args.width,
+                                      output_dim=args.width, activation='relu')
+            for i in range(args.layers)]
+    return tfpipe.PipeliningLayer.Params().Set(
+        name=name, body=body, balance=partition.even_balance(len(body), NUM_CELLS),
+        num_micro_batches=args.num_micro_batches, num_replicas=num_replicas).Instantiate()
+
+
+def dense_data(args, batch: int):
+    """A fixed random batch (inputs, targets) for the benchmark's model."""
+    import numpy as np
+    import tensorflow as tf
+    rng = np.random.default_rng(0)
+    return (tf.constant(rng.normal(size=[batch, args.width]), tf.float32),
+            tf.constant(rng.normal(size=[batch, args.width]), tf.float32))
+
+
+def loss_fn(outputs, targets):
+    """Mean squared error per example."""
+    import tensorflow as tf
+    return tf.reduce_mean(tf.square(outputs - targets), axis=-1)
+
+
 def build(args, num_replicas: int, sharded: bool, peers=None):
     """The pipeline, its Adam optimizer(s) and the trainer's step; returns (step, state).
 
     With `peers` this process is one trainer client holding one replica of
     `peers.count` (num_replicas must be 1).
     """
-    import numpy as np
     import tensorflow as tf
 
-    import tfpipe
-    from tfpipe import fprop_context, layers, optimizers
+    from tfpipe import fprop_context, optimizers
     from tfpipe.base_layer import flatten_by_path
-    from tfpipe.pipeline import partition
     from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
     from trainer.train_job import guarded_update
 
-    body = [layers.Dense.Params().Set(name=f'fc{i}', input_dim=args.width,
-                                      output_dim=args.width, activation='relu')
-            for i in range(args.layers)]
-    pipe = tfpipe.PipeliningLayer.Params().Set(
-        name=f'pipe_{num_replicas}_{int(sharded)}', body=body,
-        balance=partition.even_balance(len(body), NUM_CELLS),
-        num_micro_batches=args.num_micro_batches, num_replicas=num_replicas).Instantiate()
+    pipe = dense_pipeline(args, f'pipe_{num_replicas}_{int(sharded)}', num_replicas)
     if peers is not None:
         pipe.JoinClients(peers)
     replica_variables = pipe.ReplicaVariablesByPath()
@@ -96,13 +115,8 @@ def build(args, num_replicas: int, sharded: bool, peers=None):
             opt.CreateSlots(variables)
         slot_vars = [v for opt in optimizer for v in opt.slot_variables]
     batch = args.batch_per_replica * num_replicas * (peers.count if peers else 1)
-    rng = np.random.default_rng(0)
-    x = tf.constant(rng.normal(size=[batch, args.width]), tf.float32)
-    y = tf.constant(rng.normal(size=[batch, args.width]), tf.float32)
+    x, y = dense_data(args, batch)
     global_step = tf.Variable(0, dtype=tf.int64, trainable=False)
-
-    def loss_fn(outputs, targets):
-        return tf.reduce_mean(tf.square(outputs - targets), axis=-1)
 
     @tf.function
     def step():

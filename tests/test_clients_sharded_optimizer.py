@@ -126,3 +126,14 @@ def test_each_client_holds_half_of_the_slots(runs):
     num_slots = 2 * len([n for n in _state(runs['reference'], STEPS) if n.startswith('model/')])
     for held in (int(held_0), int(held_1)):
         assert abs(held - whole / 2) <= 4 * num_slots / 2
+
+
+def test_stage2_clients_train_as_one_unsharded_process(runs, tmp_path, data_dir, processes):
+    """ZeRO stage 2 across the 2 clients (task.train.sharding='gradients'): each client's
+    own gradient sums reduce-scattered by all_to_all_v2 across the processes, clipped by
+    the norm summed over both parts: the reference's losses and checkpoint, one short run."""
+    chief, other = str(tmp_path / 'chief'), str(tmp_path / 'other')
+    _finish(_start_clients(processes, [chief, other], data_dir,
+                           *_flags(STEPS, **{'task.train.sharding': 'gradients'})))
+    _assert_same_losses(chief, runs['reference'], range(1, STEPS + 1))
+    _assert_same_checkpoint(chief, runs['reference'], STEPS)

@@ -118,7 +118,7 @@ def test_measured_cell_inputs_replace_the_profiled_float32_ones_when_recomputing
     assert d0.held == 3 * 4 * (7.0 + 5.0)  # outputs kept, not inputs
 
 
-def _inspected_slot_mib(data_dir, capsys, sharded: bool) -> list[float]:
+def _inspected_slot_mib(data_dir, capsys, sharded: bool, stage: str = 'none') -> list[float]:
     """Every 'optimizer slots X MiB' inspect_model prints for SmallConvPipe at R=2: the
     four cells' lines, then the four devices' predicted lines."""
     import re
@@ -127,7 +127,7 @@ def _inspected_slot_mib(data_dir, capsys, sharded: bool) -> list[float]:
     from trainer import experiment, inspect_modes
     params = experiment.load_params(
         trainer_helpers.FAST, 'task.pipeline.num_replicas=2,'
-        f'task.train.shard_optimizer_states={sharded}')
+        f'task.train.shard_optimizer_states={sharded},task.train.sharding={stage}')
     params.input.train.data_dir = data_dir
     inspect_modes.inspect_model(params)
     out = capsys.readouterr().out
@@ -140,3 +140,5 @@ def test_inspect_model_divides_sharded_slot_bytes_by_r(data_dir, capsys):
     assert len(whole) == len(sharded) == 8  # 2 replicas x 2 cells, cells then devices
     assert min(whole) > 0
     assert sharded == pytest.approx([w / 2 for w in whole], rel=1e-3)
+    # ZeRO stage 2 shards the slots as stage 1 does (its gradient sums are predicted whole).
+    assert _inspected_slot_mib(data_dir, capsys, False, 'gradients') == sharded

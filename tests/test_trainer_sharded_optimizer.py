@@ -1,4 +1,5 @@
-"""The trainer with task.train.shard_optimizer_states (R=2 x K=2 on 4 logical CPUs, Adam).
+"""The trainer with sharded replicas (R=2 x K=2 on 4 logical CPUs, Adam): ZeRO stage 1
+(task.train.shard_optimizer_states) and stage 2 (task.train.sharding='gradients').
 
 Resumed from the session's unsharded R=2 run at step 2 and trained sharded to
 step 4, the trainer must log the same losses and save the same weights, Adam
@@ -9,12 +10,15 @@ into the other under other R).
 import os
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tests import trainer_helpers as th
 
 STEPS = 4
 SHARDED = {'task.pipeline.num_replicas': 2, 'task.train.shard_optimizer_states': True}
+# ZeRO stage 2: each replica's own gradient sums, reduce-scattered, clipped, updated.
+STAGE2 = {'task.pipeline.num_replicas': 2, 'task.train.sharding': 'gradients'}
 
 
 def _state(logdir, step):
@@ -39,13 +43,15 @@ def _assert_same_state(a, b, step, first_step):
         np.testing.assert_allclose(losses_a[s], losses_b[s], rtol=1e-5, err_msg=f'step {s}')
 
 
+@pytest.mark.parametrize('sharded', [SHARDED, STAGE2], ids=['optimizer_states', 'gradients'])
 def test_sharded_trainer_resumes_an_unsharded_run_and_saves_what_it_would_have(
-        tmp_path, data_dir, trained_4_steps_two_replicas):
+        tmp_path, data_dir, trained_4_steps_two_replicas, sharded):
     unsharded = trained_4_steps_two_replicas.logdir  # R=2, M=2 per replica, Adam
+    overrides = sharded
     sharded = trained_4_steps_two_replicas.copy_to(tmp_path / 'sharded')
     th.rewind(sharded, STEPS // 2, keep_events=False)  # only the sharded trainer's losses
     result = th.run(th.FAST, sharded, data_dir, *th.fast_flags(STEPS, 2),
-                    th.overrides(**SHARDED))
+                    th.overrides(**overrides))
     assert result.returncode == 0, result.stderr[-3000:]
     assert f'at step {STEPS // 2}' in result.stderr  # resumed, not restarted
     _assert_same_state(sharded, unsharded, STEPS, first_step=STEPS // 2 + 1)

@@ -44,7 +44,7 @@ from tfpipe import checkpoints, fprop_context, lr_schedules, memory_stats
 from tfpipe.base_layer import flatten_by_path
 from tfpipe.hyperparams import Params
 from tfpipe.optimizers import BaseOptimizer, clip_by_global_norm
-from tfpipe.pipeline import across_clients, replicas
+from tfpipe.pipeline import across_clients, replicas, sharding
 from tfpipe.pipeline.recorder import Recorder
 from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
 from tfpipe.tasks import classifier
@@ -72,17 +72,24 @@ def guarded_update(loss: tf.Tensor, replica_grads: Sequence[dict], clip_norm: Op
     same function rather than a lighter copy. With data-parallel replicas there
     is one gradient dict, optimizer and variable dict per replica: the gradients
     are all-reduced, so every replica clips by the same norm and applies the same
-    update to its own copy; a ShardedOptimizer updates every replica's part.
+    update to its own copy; a ShardedOptimizer updates every replica's part. With
+    sharded gradients (`task.train.sharding='gradients'`) `replica_grads` are each
+    replica's own sums, not yet summed over replicas: they are reduce-scattered and
+    the norm is summed over the parts.
     """
-    clipped = [clip_by_global_norm(grads, clip_norm) for grads in replica_grads]
-    norm = clipped[0][1]
+    if isinstance(optimizers, ShardedOptimizer) and optimizers.shards_gradients:
+        # ZeRO stage 2: the replicas' own gradient sums, reduce-scattered here.
+        clipped, norm = optimizers.ClipParts(optimizers.ReduceScatter(replica_grads), clip_norm)
+    else:
+        pairs = [clip_by_global_norm(grads, clip_norm) for grads in replica_grads]
+        clipped, norm = [grads for grads, _ in pairs], pairs[0][1]
     finite = tf.math.is_finite(loss) & tf.math.is_finite(norm)
 
     def update():
         if isinstance(optimizers, ShardedOptimizer):
-            optimizers.Apply(lr, [grads for grads, _ in clipped], replica_variables)
+            optimizers.Apply(lr, clipped, replica_variables)
         else:
-            for (grads, _), optimizer, variables in zip(clipped, optimizers, replica_variables):
+            for grads, optimizer, variables in zip(clipped, optimizers, replica_variables):
                 optimizer.Apply(lr, grads, variables)
         global_step.assign_add(1)
         return tf.constant(True)
@@ -139,8 +146,14 @@ class Trainer:
                                   for copy in self.task.pipe.ReplicaVariablesByPath()]
         self.variables = self.replica_variables[0]
         self.optimizers: list[BaseOptimizer] | ShardedOptimizer
-        if tp.shard_optimizer_states:
-            self.optimizers = ShardedOptimizer(tp.optimizer, self.replica_variables, peers)
+        stage = sharding.stage_of(tp, count=peers.count if peers else
+                                  params.task.pipeline.num_replicas,
+                                  expert_parallel=params.task.pipeline.expert_parallel)
+        if stage != sharding.NONE:
+            if stage == sharding.GRADIENTS:
+                self.task.pipe.DeferGradientSum()  # reduce-scattered by the optimizer
+            self.optimizers = ShardedOptimizer(tp.optimizer, self.replica_variables, peers,
+                                               shard_gradients=stage == sharding.GRADIENTS)
             self.optimizer = self.optimizers
             held, whole = self.optimizers.SlotBytes()
             logging.info('optimizer slots: %d bytes per replica in this process, %d unsharded',

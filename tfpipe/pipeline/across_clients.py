@@ -17,7 +17,9 @@ NCCL on GPUs where TensorFlow picks it):
   Adding zeros is exact, so the table is bit for bit the statistics themselves.
 
 With `task.train.shard_optimizer_states` the updated weight shards are
-all-gathered across clients too (`all_gather`; tfpipe/pipeline/sharded_optimizer.py).
+all-gathered across clients too (`all_gather`; tfpipe/pipeline/sharded_optimizer.py);
+with task.train.sharding='gradients' the gradients are reduce-scattered instead of
+all-reduced (tfpipe/pipeline/reduce_scatter.py: all_to_all_v2 and a local sum).
 
 Keys: the collectives on local device d form the group of device d on every
 client (its group key is a function of d's type and index). Instance keys come
@@ -52,12 +54,13 @@ class Peers:
         return self.index == 0
 
 
-def _next_instance() -> int:
+def next_instance() -> int:
+    """The next collective instance key; every client draws them in the same trace order."""
     with _lock:
         return next(_instance_keys)
 
 
-def _group_key(device: str) -> int:
+def group_key(device: str) -> int:
     """The same key for local device d on every client, one per device type and index."""
     spec = tf.DeviceSpec.from_string(device)
     return 1 + (spec.device_index or 0) + (0 if spec.device_type == 'CPU' else 100000)
@@ -80,8 +83,8 @@ def all_reduce_sum(peers: Peers, tensors: Sequence[tf.Tensor], device: str,
             shapes = [tensors[i].shape for i in indices]
             sizes = [s.num_elements() for s in shapes]
             packed = tf.concat([tf.reshape(tensors[i], [-1]) for i in indices], 0)
-            summed = collective_ops.all_reduce(packed, peers.count, _group_key(device),
-                                               _next_instance(), 'Add', 'Id',
+            summed = collective_ops.all_reduce(packed, peers.count, group_key(device),
+                                               next_instance(), 'Add', 'Id',
                                                communication_hint='auto', timeout=timeout)
             for i, piece, shape in zip(indices, tf.split(summed, sizes), shapes):
                 out[i] = tf.reshape(piece, shape)
@@ -97,8 +100,8 @@ def all_gather(peers: Peers, tensor: tf.Tensor, device: str) -> tf.Tensor:
     so the rank of a client is its task index: rows come in client order.
     """
     with tf.device(device), tf.name_scope('across_clients'):
-        gathered = collective_ops.all_gather(tensor, peers.count, _group_key(device),
-                                             _next_instance(), communication_hint='auto')
+        gathered = collective_ops.all_gather(tensor, peers.count, group_key(device),
+                                             next_instance(), communication_hint='auto')
         return tf.reshape(gathered, [peers.count, -1])
 
 

@@ -208,6 +208,7 @@ class PipeliningLayer(BaseLayer):
         self._recorder: recorder.Recorder | None = None
         self._peers: across_clients.Peers | None = None
         self._global_batch: int | None = None  # a client fed only its share (JoinClients)
+        self._defer_gradient_sum = False  # DeferGradientSum
 
     def _Balance(self) -> list[int]:
         p = self.params
@@ -275,6 +276,13 @@ class PipeliningLayer(BaseLayer):
                              f'{peers.count}: each trainer client holds one replica')
         self._peers = peers
         self._global_batch = global_batch_size
+
+    def DeferGradientSum(self) -> None:
+        """The trainer's ForwardBackward returns each replica's (or client's) own gradient
+        sums over its micro-batches, not summed over replicas: ZeRO stage 2's optimizer
+        reduce-scatters them instead (tfpipe/pipeline/sharded_optimizer.py). Tied weights'
+        gradients are still folded, per replica (a sum, so before or after is the same)."""
+        self._defer_gradient_sum = True
 
     @contextlib.contextmanager
     def RecordTimeline(self) -> Iterator[recorder.Recorder]:
@@ -579,7 +587,7 @@ class PipeliningLayer(BaseLayer):
         if not isinstance(theta, list):
             grads: dict = {}
             for k, cell_grads in enumerate(self._SumOverReplicas(runs)):
-                if self._peers is not None:
+                if self._peers is not None and not self._defer_gradient_sum:
                     cell_grads = across_clients.all_reduce_sum(self._peers, cell_grads,
                                                                self.cells[k].device)
                 grads.update(tf.nest.pack_sequence_as(runs[0].thetas[k], cell_grads))
@@ -587,12 +595,14 @@ class PipeliningLayer(BaseLayer):
             return loss, {name: grads[name] for name in theta}
         per_replica: list[dict] = [{} for _ in runs]
         for k, cell in enumerate(self.cells):
-            reduced = expert_parallel.all_reduce_grads(
-                [run.theta_grads[k] for run in runs],
-                [cells[k].device for cells in self.replica_cells],
-                expert_parallel.expert_leaves(cell, theta[0]), self.params.expert_parallel)
+            if not self._defer_gradient_sum:
+                reduced = expert_parallel.all_reduce_grads(
+                    [run.theta_grads[k] for run in runs],
+                    [cells[k].device for cells in self.replica_cells],
+                    expert_parallel.expert_leaves(cell, theta[0]), self.params.expert_parallel)
+                for r, run in enumerate(runs):
+                    run.theta_grads[k] = reduced[r]
             for r, run in enumerate(runs):
-                run.theta_grads[k] = reduced[r]
                 per_replica[r].update(run.theta_grads_of(k))
         for r, replica_grads in enumerate(per_replica):
             ties.fold(replica_grads, self.ties,

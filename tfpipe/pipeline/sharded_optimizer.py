@@ -13,11 +13,15 @@ Layout: a variable of n elements is flattened and replica r owns elements
 (or empty when n < R) and R need not divide n. A part is padded to s for the
 all-gather, which concatenates equal pieces (one buffer per cell and dtype).
 
-Gradients: TensorFlow has no reduce-scatter on CPUs (collective_reduce_scatter_v2
-hangs between logical CPUs and fails across processes), so the reduce-scatter
-is the pipeline's all-reduce, of which each replica keeps its part. Holding the
-whole summed gradient also keeps global-norm clipping and the NaN guard
-exact: every replica computes the same norm from it, as unsharded.
+Gradients (stage 1): the pipeline's all-reduce, of which each replica keeps its
+part; every replica computes the same global norm from the whole sums, as
+unsharded. With `shard_gradients` (ZeRO stage 2, task.train.sharding=
+'gradients') the pipeline hands each replica's own sums instead
+(PipeliningLayer.DeferGradientSum) and `ReduceScatter` leaves replica r the sum
+of its part only (tfpipe/pipeline/reduce_scatter.py: TensorFlow's own op is
+NCCL-only); `ClipParts` keeps global-norm clipping and the NaN guard exact by
+summing the parts' squares over the replicas; Adafactor's factored moments
+all-gather the whole gradient of their variable when the rule reads it.
 
 Slots of the variable's shape (Adam's m and v, RMSProp's, SGD's momentum,
 Adafactor's m and unfactored v) are sharded. Adafactor's factored moments vr
@@ -70,7 +74,7 @@ from tensorflow.python.trackable import base as trackable
 from tfpipe.hyperparams import InstantiableParams
 from tfpipe.optimizers import (BaseOptimizer, Grads, Variables, Whole, cast_args,
                                check_split_weights, checkpointed_slots, slot_key, whole_slots)
-from tfpipe.pipeline import across_clients, replicas
+from tfpipe.pipeline import across_clients, reduce_scatter, replicas
 from tfpipe.split_statistics import Split, groups
 
 __all__ = ['ShardedOptimizer', 'shard_bounds']
@@ -80,6 +84,12 @@ def shard_bounds(size: int, num_shards: int) -> list[tuple[int, int]]:
     """[start, stop) of each replica's part of a flattened variable of `size` elements."""
     s = math.ceil(size / num_shards)
     return [(min(r * s, size), min((r + 1) * s, size)) for r in range(num_shards)]
+
+
+def _as_rows(grad: tf.Tensor, size: int, num_shards: int) -> tf.Tensor:
+    """[num_shards, size]: row s is shard s's part of the flat `grad`, zero-padded."""
+    flat = tf.reshape(grad, [-1])
+    return tf.reshape(tf.pad(flat, [[0, size * num_shards - flat.shape[0]]]), [num_shards, size])
 
 
 class _Slot(trackable.Trackable):
@@ -149,12 +159,27 @@ class _Slot(trackable.Trackable):
 
 
 class _Part(Whole):
-    """Replica r's flat part of a variable, for the optimizer's rule (see `Whole`)."""
+    """Replica r's flat part of a variable, for the optimizer's rule (see `Whole`).
 
-    def __init__(self, grad: tf.Tensor, weight: tf.Tensor, bounds: tuple[int, int],
-                 total) -> None:
-        super().__init__(grad, weight)
-        self._bounds, self._total = bounds, total
+    With sharded gradients (ZeRO stage 2) the replica holds only its part of the
+    summed gradient, `own`; the whole `grad` is then all-gathered by `gather` when
+    a rule reads it (Adafactor's factored row and column moments), else never.
+    """
+
+    def __init__(self, grad: Optional[tf.Tensor], weight: tf.Tensor, bounds: tuple[int, int],
+                 total, own: Optional[tf.Tensor] = None, gather=None) -> None:
+        self._grad, self.weight = grad, weight
+        self._bounds, self._total, self._own, self._gather = bounds, total, own, gather
+
+    @property
+    def grad(self) -> tf.Tensor:
+        if self._grad is None:
+            self._grad = self._gather(self._own)
+        return self._grad
+
+    def own_grad(self) -> tf.Tensor:
+        """The part of the summed gradient this replica updates with."""
+        return self.cut(self._grad) if self._own is None else self._own
 
     def cut(self, x: tf.Tensor) -> tf.Tensor:
         start, stop = self._bounds
@@ -170,11 +195,12 @@ class ShardedOptimizer(tf.Module):
     `replica_variables` are this process's replicas: all R of them, or, as trainer
     client `peers.index` of `peers.count`, its one. Checkpoints like the
     unsharded optimizer (`iterations`, `_slots`), so the two restore into each
-    other under any R.
+    other under any R. `shard_gradients` (ZeRO stage 2): `Apply` takes each
+    replica's part of the summed gradients (`ReduceScatter`, `ClipParts`).
     """
 
     def __init__(self, params: InstantiableParams, replica_variables: Sequence[Variables],
-                 peers: Optional[across_clients.Peers] = None):
+                 peers: Optional[across_clients.Peers] = None, shard_gradients: bool = False):
         rule = params.Instantiate()
         super().__init__(name=rule.name)
         with trackable.no_automatic_dependency_tracking_scope(self):
@@ -207,6 +233,7 @@ class ShardedOptimizer(tf.Module):
         self._group_devices = {path: tuple(v[path].device for v in replica_variables)
                                for path in self._shapes}
         self._keys: dict = {}  # collective instance keys of the step being built
+        self.shards_gradients = shard_gradients
 
     def _new_slot(self, path: str, name: str, shape: tf.TensorShape,
                  replica_variables: Sequence[Variables]) -> _Slot:
@@ -254,6 +281,72 @@ class ShardedOptimizer(tf.Module):
 
     def _all_slots(self) -> list[_Slot]:
         return [s[name] for _, s in sorted(self._slots.items()) for name in sorted(s)]
+
+    def ReduceScatter(self, replica_grads: Sequence[Grads]) -> list[Grads]:
+        """Each local replica's part of the gradients summed over all replicas (stage 2).
+
+        `replica_grads[i]`: local replica i's own gradient sums, not yet summed over
+        replicas (whole shapes). Returns, per local replica, {path: its flat part}
+        (`shard_bounds`; None stays None). One reduce-scatter per cell and dtype: each
+        variable padded to R equal rows, the cell's rows side by side.
+        """
+        out = [dict.fromkeys(grads) for grads in replica_grads]
+        by_group: dict = {}
+        for path in sorted(p for p, g in replica_grads[0].items() if g is not None):
+            by_group.setdefault((self._group_devices[path], replica_grads[0][path].dtype),
+                                []).append(path)
+        for (devices, _), paths in by_group.items():
+            sizes = [math.ceil(self._shapes[p].num_elements() / self._num_shards) for p in paths]
+            rows = []
+            for i, grads in enumerate(replica_grads):
+                with tf.device(devices[i]), tf.name_scope(f'shard_grads_{i}'):
+                    rows.append(tf.concat([_as_rows(grads[p], size, self._num_shards)
+                                           for p, size in zip(paths, sizes)], 1))
+            summed = reduce_scatter.reduce_scatter_sum(
+                rows, devices, self._peers if self.spans_clients else None)
+            for i, flat in enumerate(summed):
+                with tf.device(devices[i]):
+                    for path, piece in zip(paths, tf.split(flat, sizes)):
+                        start, stop = self._bounds_of(path, i)
+                        out[i][path] = piece[:stop - start]
+        return out
+
+    def ClipParts(self, replica_parts: Sequence[Grads], max_norm: Optional[float]
+                  ) -> tuple[list[Grads], tf.Tensor]:
+        """`clip_by_global_norm` of gradient parts (from ReduceScatter): the norm of the
+        whole gradients, exact, from each replica's sum of squares of its parts and one
+        scalar sum over the replicas. A NaN in any part makes the norm NaN on every
+        replica, so the trainer's NaN guard skips the step everywhere."""
+        homes = [self._group_devices[min(self._shapes)][i] for i in range(self._num_local)]
+        squares = []
+        for parts, home in zip(replica_parts, homes):
+            own = [g for _, g in sorted(parts.items()) if g is not None]
+            local = []
+            for g in own:
+                with tf.device(g.device):
+                    local.append(tf.reduce_sum(tf.square(tf.cast(g, tf.float32))))
+            with tf.device(home):
+                squares.append(tf.add_n(local) if local else tf.constant(0.0))
+        if self.spans_clients:
+            totals = across_clients.all_reduce_sum(self._peers, squares, homes[0])
+        else:  # every replica adds the same scalars in the same order: the same bits
+            totals = []
+            for home in homes:
+                with tf.device(home):
+                    totals.append(tf.add_n(squares))
+        norms = [tf.sqrt(total) for total in totals]
+        if not max_norm:
+            return [dict(parts) for parts in replica_parts], norms[0]
+        clipped = []
+        for parts, norm in zip(replica_parts, norms):
+            scale = max_norm / tf.maximum(norm, max_norm)
+            clipped.append({path: None if g is None else g * tf.cast(scale, g.dtype)
+                            for path, g in parts.items()})
+        return clipped, norms[0]
+
+    def _bounds_of(self, path: str, r: int) -> tuple[int, int]:
+        """[start, stop) of local replica r's part of the variable at `path`."""
+        return shard_bounds(self._shapes[path].num_elements(), self._num_shards)[self._shards[r]]
 
     def Apply(self, lr: tf.Tensor, replica_grads: Sequence[Grads],
               replica_variables: Sequence[Variables]) -> None:
@@ -323,7 +416,7 @@ class ShardedOptimizer(tf.Module):
                           for name, slot in self._slots[slot_key(path)].items()}
                          for path in paths]
                 deltas = self._rule.Deltas(lr_, step_,
-                                           split.each(lambda p: p.cut(p.grad), parts),
+                                           split.each(lambda p: p.own_grad(), parts),
                                            slots, split)
                 for path, part, delta in zip(paths, parts, deltas):
                     n = self._shapes[path].num_elements()
@@ -340,15 +433,25 @@ class ShardedOptimizer(tf.Module):
         """lr and step in the variable's dtype and local replica r's part of the variable at
         `path`, for the rule (on its device)."""
         devices = self._group_devices[path]
-        start, stop = shard_bounds(self._shapes[path].num_elements(),
-                                   self._num_shards)[self._shards[r]]
+        start, stop = self._bounds_of(path, r)
         with tf.device(var.device):
             lr_, step_, grad_ = cast_args(lr, step, grad, var.dtype)
 
             def total(x):
                 return self._sum(x, (path, 'total'), devices, r)
 
-            return lr_, step_, _Part(grad_, var.read_value(), (start, stop), total)
+            if not self.shards_gradients:
+                return lr_, step_, _Part(grad_, var.read_value(), (start, stop), total)
+
+            def gather(own):  # the whole summed gradient, built only for a rule that reads it
+                shape = self._shapes[path]
+                with tf.device(var.device):
+                    padded = tf.pad(own, [[0, math.ceil(shape.num_elements() / self._num_shards)
+                                           - (stop - start)]])
+                    rows = self._all_gather(padded, (path, 'grad'), devices, r)
+                    return tf.reshape(tf.reshape(rows, [-1])[:shape.num_elements()], shape)
+
+            return lr_, step_, _Part(None, var.read_value(), (start, stop), total, grad_, gather)
 
     def _gather(self, group: tuple, pieces: Sequence[list], variables: Sequence[Variables]):
         """All-gathers one cell's updated parts (one buffer per dtype) into every copy."""

@@ -1,0 +1,186 @@
+"""ZeRO stages side by side (task.train.sharding): model state per device and step time.
+
+A weight-dominated stack (Dense layers, a small batch) trained with Adam by the
+trainer's step (ForwardBackward + trainer.train_job.guarded_update), K=2 cells.
+Prints, in one run:
+  - per device, at R = 1, 2, 4 for each stage ('none', 'optimizer_states',
+    'gradients'): weights and Adam slots in bytes per parameter of that device,
+    counted from the variables placed there, and the gradient sums a device holds
+    for the update, counted from the reduced tensors themselves (the all-reduced
+    sums, or stage 2's reduce-scattered parts, with their devices in the traced graph).
+    Formulas: 16 unsharded; 4 + 4 + 8/R stage 1; 4 + 4/R + 8/R stage 2. Stage 2's
+    figure is what a device holds from the reduction to the update: a cell still
+    accumulates its micro-batches' gradients whole until its last backward
+    (docs/optimizer_sharding.md), so its peak is not lowered by the gradients;
+  - the step time of each stage relative to unsharded at R=2, all three built in one
+    process (R*K logical CPUs sharing this host's cores) and timed in alternating rounds.
+
+Run (from the repository root):
+    PYTHONPATH=. python benchmarks/zero_stages_benchmark.py            # a few minutes
+    PYTHONPATH=. python benchmarks/zero_stages_benchmark.py --quick
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+
+# The same flags as the stage-1 benchmark (--clients excepted): --quick, --layers, --width,
+# --batch_per_replica, --num_micro_batches, --rounds.
+from benchmarks.optimizer_sharding_benchmark import (  # noqa: E402
+    NUM_CELLS, dense_data, dense_pipeline, loss_fn, parse_args)
+
+STAGES = ('none', 'optimizer_states', 'gradients')
+
+
+def build(args, num_replicas: int, stage: str):
+    """(step, reduced, state): the trainer's step; a function running the step's forward,
+    backward and reduction that returns (device, bytes) of each gradient tensor a replica
+    holds for its update, read from the traced graph's placement; and per device
+    [params, weight bytes, slot bytes, 0]."""
+    import tensorflow as tf
+
+    from tfpipe import fprop_context, optimizers
+    from tfpipe.base_layer import flatten_by_path
+    from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
+    from trainer.train_job import guarded_update
+
+    pipe = dense_pipeline(args, f'pipe_{num_replicas}_{stage}', num_replicas)
+    replica_variables = pipe.ReplicaVariablesByPath()
+    adam = optimizers.Adam.Params()
+    if stage == 'none':
+        optimizer = [adam.Instantiate() for _ in replica_variables]
+        for opt, variables in zip(optimizer, replica_variables):
+            opt.CreateSlots(variables)
+        slot_vars = [v for opt in optimizer for v in opt.slot_variables]
+    else:
+        if stage == 'gradients':
+            pipe.DeferGradientSum()
+        optimizer = ShardedOptimizer(adam, replica_variables,
+                                     shard_gradients=stage == 'gradients')
+        slot_vars = [part for path in replica_variables[0] for name in ('m', 'v')
+                     for part in optimizer.SlotParts(path, name)]
+    batch = args.batch_per_replica * num_replicas
+    x, y = dense_data(args, batch)
+    global_step = tf.Variable(0, dtype=tf.int64, trainable=False)
+
+    def forward_backward():
+        with fprop_context.training(step=global_step):
+            loss, grads = pipe.ForwardBackward(pipe.ReplicaThetas(), x, loss_fn, y)
+        grads = grads if isinstance(grads, list) else [grads]
+        return loss, [flatten_by_path(g, pipe.path) for g in grads]
+
+    @tf.function
+    def step():
+        loss, grads = forward_backward()
+        guarded_update(loss, grads, 1.0, optimizer, replica_variables, tf.constant(1e-4),
+                       global_step)
+        return loss
+
+    held = []  # (device, bytes) of each reduced gradient tensor, as placed in the graph
+
+    @tf.function
+    def reduced():
+        _, grads = forward_backward()
+        if stage == 'gradients':
+            grads = optimizer.ReduceScatter(grads)
+        held.extend((g.device, g.shape.num_elements() * g.dtype.size)
+                    for replica_grads in grads for g in replica_grads.values())
+        return [tf.add_n([tf.reduce_sum(g) for g in r.values()]) for r in grads]
+
+    state = {}
+    for variables in replica_variables:
+        for var in variables.values():
+            entry = state.setdefault(replicas_device(var.device), [0, 0, 0, 0])
+            entry[0] += var.shape.num_elements()
+            entry[1] += var.shape.num_elements() * var.dtype.size
+    for var in slot_vars:
+        state[replicas_device(var.device)][2] += var.shape.num_elements() * var.dtype.size
+    return step, lambda: (reduced(), held)[1], state
+
+
+def replicas_device(name: str) -> str:
+    """'CPU:3' of a full device name, so variables and tensors compare."""
+    import tensorflow as tf
+    spec = tf.DeviceSpec.from_string(name)
+    return f'{spec.device_type}:{spec.device_index}'
+
+
+def probe_state(args, num_replicas: int) -> dict:
+    """Bytes per parameter per device for each stage (the max over devices)."""
+    import tfpipe
+    tfpipe.configure_logical_cpus(num_replicas * NUM_CELLS)
+    out = {}
+    for stage in STAGES if num_replicas > 1 else ('none',):
+        step, reduced, state = build(args, num_replicas, stage)
+        for device, size in reduced():
+            state[replicas_device(device)][3] += size
+        float(step())  # the step runs: the figures are of a working configuration
+        rows = [(w / n, s / n, g / n) for n, w, s, g in state.values()]
+        out[stage] = [max(r[i] for r in rows) for i in range(3)]
+    return out
+
+
+def time_stages(args, num_replicas: int) -> dict:
+    """Median step time of each stage and its paired ratio to unsharded, one process."""
+    import tfpipe
+    tfpipe.configure_logical_cpus(num_replicas * NUM_CELLS)
+    steps = {stage: build(args, num_replicas, stage)[0] for stage in STAGES}
+    for fn in steps.values():
+        for _ in range(2):
+            float(fn())  # trace and warm up
+    times: dict = {stage: [] for stage in STAGES}
+    for i in range(args.rounds):
+        for stage in (STAGES if i % 2 == 0 else STAGES[::-1]):
+            start = time.perf_counter()
+            float(steps[stage]())
+            times[stage].append(time.perf_counter() - start)
+    return {stage: [statistics.median(times[stage]),
+                    statistics.median(b / a for a, b in zip(times['none'], times[stage]))]
+            for stage in STAGES}
+
+
+def run_probe(args, probe: str) -> dict:
+    """Runs `--probe=<probe>` in its own process (its own logical CPU count)."""
+    cmd = [sys.executable, os.path.abspath(__file__), f'--layers={args.layers}',
+           f'--width={args.width}', f'--batch_per_replica={args.batch_per_replica}',
+           f'--num_micro_batches={args.num_micro_batches}', f'--rounds={args.rounds}',
+           f'--probe={probe}']
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
+                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'))
+    if res.returncode != 0:
+        raise RuntimeError(res.stderr[-3000:])
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def main(args) -> int:
+    if args.clients:
+        raise SystemExit('--clients: not measured by this benchmark yet (one process only)')
+    if args.probe:
+        kind, r = args.probe.split(':')
+        print(json.dumps(probe_state(args, int(r)) if kind == 'state'
+                         else time_stages(args, int(r))))
+        return 0
+    print(f'{args.layers} x Dense({args.width}), K={NUM_CELLS}, M={args.num_micro_batches}, '
+          f'batch {args.batch_per_replica} per replica, Adam; {args.rounds} timing rounds')
+    print('  R  stage             weights  grads  slots  state B/param (formula)')
+    for r in (1, 2, 4):
+        for stage, (weights, slots, grads) in run_probe(args, f'state:{r}').items():
+            formula = {'none': 16, 'optimizer_states': 8 + 8 / r,
+                       'gradients': 4 + 12 / r}[stage]
+            print(f'  {r}  {stage:16}  {weights:6.2f}  {grads:5.2f}  {slots:5.2f}  '
+                  f'{weights + grads + slots:6.2f} ({formula:g})')
+    t = run_probe(args, 'time:2')
+    for stage, (seconds, ratio) in t.items():
+        print(f'  R=2 {stage:16}: step {1e3 * seconds:7.1f} ms, {ratio:.2f}x unsharded '
+              '(paired median)')
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main(parse_args()))

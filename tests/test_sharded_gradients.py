@@ -1,0 +1,168 @@
+"""ZeRO stage 2 (task.train.sharding='gradients'): gradient sums at 1/R per replica.
+
+The reference is the unsharded trainer update (tests/test_sharded_optimizer.py's
+`_train`: R optimizers with whole slots, through guarded_update, clipping and the
+NaN guard included) given the gradients summed over replicas. Stage 2 gets each
+replica's own share instead (shares that sum to those gradients, different per
+replica), reduce-scatters them, clips by the norm summed over the parts and
+updates its part: same weights on every replica and same slots within 1e-5, for
+variables that R does not divide.
+"""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests import model_zoo as mz
+from tests import test_tensor_parallel_optimizers as tp_optimizers
+from tfpipe import fprop_context
+from tfpipe.base_layer import flatten_by_path
+from tfpipe.hyperparams import Params
+from tfpipe.pipeline import sharding
+from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
+from tests.test_sharded_optimizer import (CLIP, NAN_STEP, OPTIMIZERS, SHAPES, STEPS, _devices,
+                                          _grads, _replica_variables, _slot, _slot_names,
+                                          _train)
+from trainer.train_job import guarded_update
+
+
+def _shares(step, num_replicas):
+    """Replica r's own gradients at `step`: unequal shares summing to `_grads(step)`."""
+    rng = np.random.default_rng(200 + step)
+    total = _grads(step)
+    out = [{} for _ in range(num_replicas)]
+    for path, g in total.items():
+        noise = rng.normal(size=(num_replicas,) + g.shape).astype(np.float32)
+        noise -= noise.mean(0)
+        for r in range(num_replicas):
+            out[r][path] = g / num_replicas + noise[r]
+    return out
+
+
+def _train_stage2(opt_params, num_replicas):
+    variables = _replica_variables(num_replicas)
+    optimizer = ShardedOptimizer(opt_params, variables, shard_gradients=True)
+    global_step = tf.Variable(0, dtype=tf.int64)
+
+    @tf.function
+    def step(loss, shares):
+        replica_grads = []
+        for device, share in zip(_devices(num_replicas), shares):
+            with tf.device(device):
+                replica_grads.append({p: tf.identity(g) for p, g in share.items()})
+        return guarded_update(loss, replica_grads, CLIP, optimizer, variables,
+                              tf.constant(0.05), global_step)
+
+    norms = [float(step(tf.constant(np.nan if t == NAN_STEP else 1.0),
+                        _shares(t, num_replicas))) for t in range(STEPS)]
+    return variables, optimizer, norms
+
+
+@pytest.mark.parametrize('num_replicas', [2, 4])
+@pytest.mark.parametrize('name', ['adam', 'adafactor', 'sgd_momentum'])
+def test_stage2_update_equals_the_unsharded_one(name, num_replicas):
+    opt_params = OPTIMIZERS[name]
+    ref_vars, ref_opt = _train(opt_params, num_replicas, sharded=False)
+    vars_, opt, norms = _train_stage2(opt_params, num_replicas)
+    assert int(opt.iterations.numpy()) == STEPS - 1  # the NaN step was skipped
+    assert all(n > CLIP for n in norms)  # every step clipped: the norm is the whole one
+    for r in range(num_replicas):
+        for path in SHAPES:
+            np.testing.assert_allclose(vars_[r][path].numpy(), ref_vars[0][path].numpy(),
+                                       rtol=1e-5, atol=1e-6, err_msg=f'{path} replica {r}')
+    for path, names in _slot_names(opt_params).items():
+        for slot in names:
+            np.testing.assert_allclose(_slot(opt, path, slot), _slot(ref_opt, path, slot),
+                                       rtol=1e-5, atol=1e-6, err_msg=f'{path}/{slot}')
+
+
+def test_reduce_scatter_leaves_each_replica_its_part_of_the_sum():
+    variables = _replica_variables(4)
+    optimizer = ShardedOptimizer(OPTIMIZERS['adam'], variables, shard_gradients=True)
+    shares = _shares(0, 4)
+    parts = tf.function(lambda: optimizer.ReduceScatter(
+        [{p: tf.constant(g) for p, g in s.items()} for s in shares]))()
+    for path in SHAPES:
+        whole = sum(s[path] for s in shares).reshape(-1)
+        joined = np.concatenate([parts[r][path].numpy() for r in range(4)])
+        np.testing.assert_allclose(joined, whole, rtol=1e-6, atol=1e-6, err_msg=path)
+        assert parts[3][path].shape[0] < whole.shape[0]  # a part, not the whole
+
+
+def _train_params(**values):
+    p = Params()
+    p.Define('sharding', 'none', '')
+    p.Define('shard_optimizer_states', False, '')
+    return p.Set(**values)
+
+
+@pytest.mark.parametrize('values,count,message', [
+    ({'sharding': 'gradient'}, 2, "did you mean 'gradients'"),
+    ({'sharding': 'gradients'}, 1, 'with 1 replica does nothing'),
+    ({'sharding': 'gradients', 'shard_optimizer_states': True}, 2, 'contradicts'),
+    ({'sharding': 'weights'}, 2, 'not built yet')])
+def test_bad_stages_are_refused_in_one_line(values, count, message):
+    with pytest.raises(ValueError, match=message) as e:
+        sharding.stage_of(_train_params(**values), count)
+    assert '\n' not in str(e.value)
+
+
+def test_the_older_switch_means_optimizer_states():
+    assert sharding.stage_of(_train_params(shard_optimizer_states=True), 2) == 'optimizer_states'
+    assert sharding.stage_of(_train_params(sharding='gradients'), 4) == 'gradients'
+
+
+@pytest.mark.parametrize('values', [{'sharding': 'gradients'}, {'shard_optimizer_states': True}])
+def test_a_stage_with_expert_parallelism_is_refused_in_one_line(values):
+    with pytest.raises(ValueError, match=r"expert_parallel=2 is not built") as e:
+        sharding.stage_of(_train_params(**values), 4, expert_parallel=2)
+    assert '\n' not in str(e.value)
+    assert sharding.stage_of(_train_params(), 4, expert_parallel=2) == 'none'
+
+
+class _PipelineRun(tp_optimizers.Run):
+    """tests/test_tensor_parallel_optimizers.py's pipeline (float64, Dropout, T-way split
+    layers, an fc3 bias of 5 that neither R divides) and the trainer's update: stage 2 or
+    one unsharded optimizer per replica. `train` returns the loss of every step."""
+
+    def __init__(self, t, k, r, stage2, rule):
+        super().__init__(t, k, r, sharded=False, rule=rule)
+        if stage2:
+            self.pipe.DeferGradientSum()
+            self.optimizer = self.optimizers = ShardedOptimizer(rule, self.variables,
+                                                                shard_gradients=True)
+
+    def _build_step(self, x, y):
+        with fprop_context.training(step=self.global_step):
+            loss, grads = self.pipe.ForwardBackward(self.pipe.ReplicaThetas(), x,
+                                                    mz.loss_fn, y)
+        guarded_update(loss, [flatten_by_path(g, 'pipe') for g in grads], 0.5,
+                       self.optimizers, self.variables, tf.constant(tp_optimizers.LR,
+                                                                    tf.float64),
+                       self.global_step)
+        return loss
+
+    def train(self, steps):
+        return [float(self._step(*tp_optimizers.inputs(s))) for s in range(steps)]
+
+
+PIPELINE_GRID = [  # (optimizer, T, K, R): R in {2, 4} x K in {1, 2}, T=2 at one point
+    ('adam', 1, 1, 2), ('adam', 1, 2, 4), ('adam', 2, 2, 2),
+    ('adafactor', 1, 2, 2), ('adafactor', 1, 1, 4)]
+
+
+@pytest.mark.parametrize('name,t,k,r', PIPELINE_GRID)
+def test_stage2_pipeline_trains_as_unsharded(name, t, k, r):
+    """Loss at every step, every replica's weights and the whole slots within 1e-5."""
+    rule = OPTIMIZERS[name].Copy().Set(name=name)
+    ref, run = _PipelineRun(t, k, r, False, rule), _PipelineRun(t, k, r, True, rule)
+    np.testing.assert_allclose(run.train(3), ref.train(3), rtol=1e-5)
+    for copy, ref_copy in zip(run.variables, ref.variables):
+        for path, var in ref_copy.items():
+            np.testing.assert_allclose(copy[path].numpy(), var.numpy(), rtol=1e-5, atol=1e-8,
+                                       err_msg=path)
+    names = rule.Instantiate().SlotShapes
+    for path, var in ref.variables[0].items():
+        for slot in names(var.shape):
+            np.testing.assert_allclose(run.optimizer.GetSlot(path, slot).numpy(),
+                                       ref.optimizer.GetSlot(path, slot).numpy(),
+                                       rtol=1e-5, atol=1e-8, err_msg=f'{path}/{slot}')

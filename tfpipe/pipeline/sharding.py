@@ -1,0 +1,55 @@
+"""Which model state the data-parallel replicas shard: `task.train.sharding` (ZeRO stages).
+
+- 'none': every replica holds whole weights, gradient sums and optimizer slots.
+- 'optimizer_states' (ZeRO stage 1): each replica keeps the slots of 1/R of every
+  variable and updates that part; the updated parts are all-gathered.
+- 'gradients' (ZeRO stage 2): also 1/R of each summed gradient, reduce-scattered
+  after the cell's last backward instead of all-reduced.
+Both in tfpipe/pipeline/sharded_optimizer.py; docs/optimizer_sharding.md.
+'weights' (stage 3) is named but not built yet: refused in one line.
+
+The older switch `task.train.shard_optimizer_states=True` still means
+'optimizer_states' (also at R=1, as before, where it changes nothing); set with
+another stage it is a contradiction and refused.
+"""
+from __future__ import annotations
+
+import difflib
+
+from tfpipe.hyperparams import Params
+
+NONE, OPTIMIZER_STATES, GRADIENTS, WEIGHTS = 'none', 'optimizer_states', 'gradients', 'weights'
+STAGES = (NONE, OPTIMIZER_STATES, GRADIENTS)
+
+
+def stage_of(train: Params, count: int, expert_parallel: int = 1) -> str:
+    """The stage `train` (task.train) asks for over `count` replicas; ValueError (one
+    line) for an unknown or unbuilt stage, a contradiction, a stage at R=1, or a stage
+    with expert parallelism (expert weights are held by R/P replicas each, so their
+    slots and gradients would shard over another group than the other weights': not
+    built)."""
+    name = train.sharding
+    if name == WEIGHTS:
+        raise ValueError("task.train.sharding='weights' (ZeRO stage 3) is not built yet: use "
+                         "'gradients' (stage 2) or 'optimizer_states' (stage 1)")
+    if name not in STAGES:
+        close = difflib.get_close_matches(str(name), STAGES, n=1)
+        hint = f' (did you mean {close[0]!r}?)' if close else ''
+        raise ValueError(f'unknown task.train.sharding={name!r}{hint}: use one of '
+                         f'{list(STAGES)}')
+    stage = OPTIMIZER_STATES if train.shard_optimizer_states else name
+    if stage != NONE and expert_parallel > 1:
+        raise ValueError(f'task.train.sharding={stage!r} with task.pipeline.expert_parallel='
+                         f'{expert_parallel} is not built (expert weights are held by R/P '
+                         "replicas each): set task.train.sharding='none' or expert_parallel=1")
+    if train.shard_optimizer_states:
+        if name not in (NONE, OPTIMIZER_STATES):
+            raise ValueError(f'task.train.shard_optimizer_states=True contradicts task.train.'
+                             f'sharding={name!r}: set only task.train.sharding (stage '
+                             f"{name!r} shards the optimizer states too)")
+        return OPTIMIZER_STATES
+    if name != NONE and count == 1:
+        raise ValueError(f'task.train.sharding={name!r} with 1 replica does nothing (there is '
+                         "nothing to shard over): set task.pipeline.num_replicas (or run "
+                         "several trainer clients) above 1, or task.train.sharding='none'")
+    return name
