@@ -8,7 +8,7 @@ import tfpipe
 from tests import model_zoo as mz
 from tfpipe import devices as devices_lib
 from tfpipe import fprop_context
-from tfpipe.pipeline import pipelining_layer, schedule
+from tfpipe.pipeline import schedule
 
 
 def forwards_first(ticks, num_cells):
@@ -21,10 +21,10 @@ def forwards_first(ticks, num_cells):
     return True
 
 
-@pytest.mark.parametrize('name', sorted(pipelining_layer.SCHEDULES))
+@pytest.mark.parametrize('name', sorted(schedule.SCHEDULES))
 def test_schedule_table_flag_agrees_with_the_schedule_data(name):
     """FProp under a tape trusts `forwards_first`; a new schedule cannot claim it wrongly."""
-    entry = pipelining_layer.SCHEDULES[name]
+    entry = schedule.SCHEDULES[name]
     v = 2 if name == 'interleaved_1f1b' else 1  # interleaved: M a multiple of K
     grid = [(k, m * k if v > 1 else m) for k in (1, 2, 4) for m in (2, 3, 8)]
     observed = [forwards_first(entry.build(k, m, v), k * v) for k, m in grid]

@@ -33,7 +33,6 @@ one client's replica of R: it runs its own group of the R*M micro-batches, and
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from typing import Any, Callable, Iterator
 
 import tensorflow as tf
@@ -49,30 +48,6 @@ from tfpipe.pipeline.executor import PipelineRun, float_leaves, is_differentiabl
 
 
 
-@dataclasses.dataclass(frozen=True)
-class ScheduleEntry:
-    """A schedule the layer can run, and whether FProp under an outer tape can run it.
-
-    Under an outer `tf.GradientTape` the backward tasks are only issued when the
-    tape calls the pipeline's custom gradient, i.e. after every forward task has
-    been built: a schedule that interleaves a cell's backwards with its forwards
-    (1F1B) cannot be followed there, so FProp refuses it rather than silently
-    running another order. `tests/test_pipeline_knobs.py` checks each flag against
-    the schedule's data, so a new schedule cannot claim it wrongly.
-    """
-
-    # (num_devices K, num_micro_batches M, virtual_stages v) -> the schedule's data
-    build: Callable[[int, int, int], schedule.Schedule]
-    forwards_first: bool  # every cell runs all its forwards before any backward
-
-
-SCHEDULES = {
-    'fill_drain': ScheduleEntry(lambda k, m, v: schedule.fill_drain(k * v, m), True),
-    '1f1b': ScheduleEntry(lambda k, m, v: schedule.one_f_one_b(k, m), False),
-    'interleaved_1f1b': ScheduleEntry(schedule.interleaved_one_f_one_b, False),
-    'zb_h1': ScheduleEntry(lambda k, m, v: schedule.zb_h1(k, m), False),
-    'zb_h2': ScheduleEntry(lambda k, m, v: schedule.zb_h2(k, m), False),
-}
 LossFn = Callable[[Any, Any], tf.Tensor]
 
 
@@ -114,10 +89,10 @@ class PipeliningLayer(BaseLayer):
                  "body, e.g. {'logits/w': 'embedding/emb'}: the user layer reads the owner's "
                  'variable (one variable, on the owner\'s device, checkpointed once); its '
                  'gradient is the sum of both uses. See tfpipe.pipeline.ties.')
-        p.Define('schedule', 'fill_drain', f'Schedule: {sorted(SCHEDULES)} (zb_*: backward '
-                 'split into input and weight parts). FProp in training mode (under an outer '
-                 'tape) runs only schedules whose forwards come first (fill_drain); the others '
-                 'need ForwardBackward.')
+        p.Define('schedule', 'fill_drain', f'Schedule: {sorted(schedule.SCHEDULES)} (zb_*: '
+                 'backward split into input and weight parts). FProp in training mode (under '
+                 'an outer tape) runs only schedules whose forwards come first (fill_drain); '
+                 'the others need ForwardBackward.')
         p.Define('cell_functions', True, 'Trace each cell\'s forward and backward once as '
                  'functions called per micro-batch (cell_functions.py) instead of unrolling '
                  'every task into the step\'s graph. On by default because the first step '
@@ -140,9 +115,9 @@ class PipeliningLayer(BaseLayer):
         if not isinstance(p.num_micro_batches, int) or p.num_micro_batches < 1:
             raise ValueError(f'{self.path}: num_micro_batches={p.num_micro_batches!r} must be an '
                              'int >= 1 (1 means no micro-batching)')
-        if p.schedule not in SCHEDULES:
+        if p.schedule not in schedule.SCHEDULES:
             raise ValueError(f'{self.path}: unknown schedule {p.schedule!r}; use one of '
-                             f'{sorted(SCHEDULES)}')
+                             f'{sorted(schedule.SCHEDULES)}')
         if p.jit_compile and not p.cell_functions:
             raise ValueError(f'{self.path}: jit_compile=True compiles the cell functions; set '
                              'cell_functions=True as well, or jit_compile=False')
@@ -401,7 +376,7 @@ class PipeliningLayer(BaseLayer):
         if name == 'fill_drain':  # also the forward order of FProp: one tick per cell
             return schedule.fill_drain(len(self.cells), num_micro_batches)
         try:
-            return SCHEDULES[name].build(len(self.devices), num_micro_batches,
+            return schedule.SCHEDULES[name].build(len(self.devices), num_micro_batches,
                                          self.params.virtual_stages)
         except ValueError as e:
             raise ValueError(f'{self.path}: {e}') from None
@@ -433,7 +408,7 @@ class PipeliningLayer(BaseLayer):
         flat_inputs = tf.nest.flatten(inputs)
         flat_thetas = [tf.nest.flatten(t) for t in thetas]
         name = self.params.schedule
-        if not SCHEDULES[name].forwards_first:
+        if not schedule.SCHEDULES[name].forwards_first:
             raise ValueError(
                 f"{self.path}: schedule={name!r} interleaves backward and forward tasks, which "
                 'FProp under an outer GradientTape cannot do (the tape issues every backward '

@@ -28,6 +28,7 @@ counted as B plus W.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 FORWARD = 'forward'
 BACKWARD = 'backward'
@@ -414,3 +415,31 @@ def render(schedule: Schedule, num_devices: int | None = None) -> str:
     name_width = len(str(max(num_devices - 1, 0)))
     return '\n'.join(f'{name} {k:>{name_width}}: ' + ' '.join(row)
                       for k, row in enumerate(rows))
+
+
+# -- The schedules PipeliningLayer runs, by name ------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleEntry:
+    """A schedule the layer can run, and whether FProp under an outer tape can run it.
+
+    Under an outer `tf.GradientTape` the backward tasks are only issued when the
+    tape calls the pipeline's custom gradient, i.e. after every forward task has
+    been built: a schedule that interleaves a cell's backwards with its forwards
+    (1F1B) cannot be followed there, so FProp refuses it rather than silently
+    running another order. `tests/test_pipeline_knobs.py` checks each flag against
+    the schedule's data, so a new schedule cannot claim it wrongly.
+    """
+
+    # (num_devices K, num_micro_batches M, virtual_stages v) -> the schedule's data
+    build: Callable[[int, int, int], Schedule]
+    forwards_first: bool  # every cell runs all its forwards before any backward
+
+
+SCHEDULES = {
+    'fill_drain': ScheduleEntry(lambda k, m, v: fill_drain(k * v, m), True),
+    '1f1b': ScheduleEntry(lambda k, m, v: one_f_one_b(k, m), False),
+    'interleaved_1f1b': ScheduleEntry(interleaved_one_f_one_b, False),
+    'zb_h1': ScheduleEntry(lambda k, m, v: zb_h1(k, m), False),
+    'zb_h2': ScheduleEntry(lambda k, m, v: zb_h2(k, m), False),
+}
