@@ -354,7 +354,7 @@ class Trainer:
             try:
                 return self._loop()
             finally:  # the last save (also on a signal or an error) ends before the run
-                self._wait_for_save()
+                self.wait_for_save()
 
     def _record_signal(self, signum: int) -> None:
         self._stop_signal = signum
@@ -430,7 +430,7 @@ class Trainer:
         if self._stopping:
             logging.info('signal %s: saving a checkpoint at step %d and stopping',
                          self._stop_signal or 'to another client', step)
-        self._wait_for_save()  # the manager knows its latest checkpoint once it is listed
+        self.wait_for_save()  # the manager knows its latest checkpoint once it is listed
         if (out_of_data or self._stopping) and self._chief_lacks_checkpoint(step):
             self.save(step)
         writer.flush()
@@ -522,7 +522,7 @@ class Trainer:
             return
         if not bool(self._weights_are_finite()):
             self._non_finite(f'the weights after step {step} are not finite')
-        self._wait_for_save()
+        self.wait_for_save()
         with gathered:
             try:
                 self.writer.save(step)
@@ -531,8 +531,8 @@ class Trainer:
         self._save_seconds = max(self._save_seconds, time.monotonic() - begin)
         self._note_save_progress()
 
-    def _wait_for_save(self) -> None:
-        """Waits for the save in flight, if any; its failure is this save's error."""
+    def wait_for_save(self) -> None:
+        """Waits for the save in flight, if any, raising its failure (CheckpointError)."""
         try:
             self.writer.wait()
         except (OSError, tf.errors.OpError) as e:
