@@ -278,7 +278,8 @@ def test_full_disk_during_a_save_is_one_line_and_leaves_no_partial_checkpoint(sm
     assert trainer.run() == 2
     _fill(small_disk)
     with pytest.raises(checkpoints.CheckpointError) as e:
-        trainer.save(3)
+        trainer.save(3)  # asynchronous (the default): its error comes with the wait
+        trainer.wait_for_save()
     assert str(e.value) == (
         f'saving checkpoint ckpt-3 in {train_dir} failed (No space left on device); its '
         'partial files were removed: free space there and restart, which resumes from ckpt-2')
@@ -335,7 +336,8 @@ def test_a_save_that_loses_a_worker_is_not_reported_as_a_full_disk(tmp_path, dat
 
     monkeypatch.setattr(trainer.manager, 'save', reset)
     with pytest.raises(tf.errors.UnavailableError):
-        trainer.save(2)
+        trainer.save(2)  # asynchronous (the default): its error comes with the wait
+        trainer.wait_for_save()
     assert checkpoints.latest(train_dir) == os.path.join(train_dir, 'ckpt-1')
 
 

@@ -37,6 +37,9 @@ class RuntimeOptions:
     # FLOP/s of the devices one trainer process steps on, the denominator of MFU. None:
     # measured once per machine and cached (tfpipe/tuning/peak_flops.py).
     peak_flops: Optional[float] = None
+    # Saves run beside the next steps from a host copy of the state (tfpipe/checkpoint_writer.py);
+    # False: training waits for each save, and needs no extra host memory.
+    async_checkpoints: bool = True
 
     def __post_init__(self):
         for name in (*TASK_TRAIN_OPTIONS, 'pipeline_trace_step'):

@@ -40,7 +40,7 @@ from typing import Optional, Sequence
 import tensorflow as tf
 from absl import logging
 
-from tfpipe import checkpoints, fprop_context, lr_schedules, memory_stats
+from tfpipe import checkpoint_writer, checkpoints, fprop_context, lr_schedules, memory_stats
 from tfpipe.base_layer import flatten_by_path
 from tfpipe.hyperparams import Params
 from tfpipe.optimizers import BaseOptimizer, clip_by_global_norm
@@ -186,6 +186,8 @@ class Trainer:
         self.manager = tf.train.CheckpointManager(
             saved, train_dir, checkpoint_name='ckpt',
             max_to_keep=tp.save_max_to_keep)
+        self.writer = checkpoint_writer.CheckpointWriter(
+            self.manager, checkpoints.io_options(), options.async_checkpoints, self._saved)
         self._stop_signal: Optional[int] = None
         self._peer_stopping = False  # across clients: some client got SIGINT/SIGTERM (agreed)
         self._restored: Optional[str] = None
@@ -239,12 +241,15 @@ class Trainer:
             return int(self.global_step.numpy())  # run() receives the chief's state
         path = checkpoints.latest(self.train_dir)
         if path is not None and path != self._restored:
+            begin = time.monotonic()
             checkpoints.check_readable(path)
             checkpoints.restore(self._checkpoint_with_record if batch_split.recorded(path)
                                 else self.checkpoint, path)
             self._sync_replicas()
             self._restored = path
-            logging.info('restored %s at step %d', path, int(self.global_step.numpy()))
+            size = sum(os.path.getsize(f) for f in glob.glob(glob.escape(path) + '.*'))
+            logging.info('restored %s at step %d: %.2f s, %.2f MB', path,
+                         int(self.global_step.numpy()), time.monotonic() - begin, size / 1e6)
         return int(self.global_step.numpy())
 
     def _sync_replicas(self) -> None:
@@ -359,7 +364,10 @@ class Trainer:
             acted=lambda: self._peer_stopping, grace=self.signal_grace,
             progress=lambda: self.heartbeat and self.heartbeat[1], message=self._blocked_message)
         with stop_signals.StopSignals(self._record_signal, deadline):
-            return self._loop()
+            try:
+                return self._loop()
+            finally:  # the last save (also on a signal or an error) ends before the run
+                self.wait_for_save()
 
     def _record_signal(self, signum: int) -> None:
         self._stop_signal = signum
@@ -435,6 +443,7 @@ class Trainer:
         if self._stopping:
             logging.info('signal %s: saving a checkpoint at step %d and stopping',
                          self._stop_signal or 'to another client', step)
+        self.wait_for_save()  # the manager knows its latest checkpoint once it is listed
         if (out_of_data or self._stopping) and self._chief_lacks_checkpoint(step):
             self.save(step)
         writer.flush()
@@ -512,10 +521,13 @@ class Trainer:
             'Lower task.train.learning_rate or set task.train.clip_gradient_norm_to_value')
 
     def save(self, step: int) -> None:
-        """Saves a checkpoint numbered `step`; a failed save leaves no partial files.
+        """Saves a checkpoint numbered `step`: in the background with
+        trainer.async_checkpoints (after the previous save ends), else before returning.
+        A failed save leaves no partial files.
 
         Only the chief saves: every client holds the same values (but for sharded
-        optimizer states, whose parts every client sends it here).
+        optimizer states, whose parts every client sends it here, at this call on every
+        client: the chief's snapshot of them is taken inside that exchange).
         """
         begin = time.monotonic()
         gathered = self._gather_slots()
@@ -523,24 +535,41 @@ class Trainer:
             return
         if not bool(self._weights_are_finite()):
             self._non_finite(f'the weights after step {step} are not finite')
-        try:
-            with gathered:
-                path = self.manager.save(checkpoint_number=step,
-                                         options=checkpoints.io_options())
-        except (OSError, tf.errors.OpError) as e:  # a full disk, a quota, a lost mount
-            self._remove_partial_save(step)
-            if isinstance(e, _LOST_PEER_ERRORS):
-                raise  # a worker died during the save: the cluster watchdog names it
-            last = checkpoints.latest(self.train_dir)  # from disk: the state file may be older
-            raise checkpoints.CheckpointError(
-                f'saving checkpoint ckpt-{step} in {self.train_dir} failed '
-                f'({_reason(e)}); its partial files were removed: free '
-                f'space there and restart, which resumes from '
-                f'{os.path.basename(last) if last else "step 0"}') from None
-        logging.info('saved %s', path)
+        self.wait_for_save()
+        with gathered:
+            try:
+                self.writer.save(step)
+            except (OSError, tf.errors.OpError) as e:  # a synchronous save that failed
+                self._save_failed(step, e)
         self._save_seconds = max(self._save_seconds, time.monotonic() - begin)
+        self._note_save_progress()
+
+    def wait_for_save(self) -> None:
+        """Waits for the save in flight, if any, raising its failure (CheckpointError)."""
+        try:
+            self.writer.wait()
+        except (OSError, tf.errors.OpError) as e:
+            self._save_failed(self.writer.step_in_flight, e)
+
+    def _save_failed(self, step: int, e: Exception) -> None:
+        self._remove_partial_save(step)
+        if isinstance(e, _LOST_PEER_ERRORS):
+            raise e  # a worker died during the save: the cluster watchdog names it
+        last = checkpoints.latest(self.train_dir)  # from disk: the state file may be older
+        raise checkpoints.CheckpointError(
+            f'saving checkpoint ckpt-{step} in {self.train_dir} failed '
+            f'({_reason(e)}); its partial files were removed: free '
+            f'space there and restart, which resumes from '
+            f'{os.path.basename(last) if last else "step 0"}') from None
+
+    def _note_save_progress(self) -> None:
         if self.heartbeat is not None:
             self.heartbeat = (self.heartbeat[0], time.monotonic())  # a slow save is progress
+
+    def _saved(self, record: checkpoint_writer.SaveRecord) -> None:
+        """Once a checkpoint is listed (in the writer thread when asynchronous)."""
+        logging.info('%s', record.line())
+        self._note_save_progress()
         if not self._saved_this_run:
             # From now on the checkpoints are this run's: params.txt must describe them.
             experiment.write_params(os.path.join(self.train_dir, experiment.PARAMS_FILE),
