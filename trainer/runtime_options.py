@@ -37,9 +37,10 @@ class RuntimeOptions:
     # FLOP/s of the devices one trainer process steps on, the denominator of MFU. None:
     # measured once per machine and cached (tfpipe/tuning/peak_flops.py).
     peak_flops: Optional[float] = None
-    # Saves run beside the next steps from a host copy of the state (tfpipe/checkpoint_writer.py);
-    # False: training waits for each save, and needs no extra host memory.
-    async_checkpoints: bool = True
+    # True: saves run beside the next steps from a host copy of the state
+    # (tfpipe/checkpoint_writer.py). Off by default until inspect_model predicts that copy
+    # (it adds the whole state to the host's peak); False: training waits for each save.
+    async_checkpoints: bool = False
 
     def __post_init__(self):
         for name in (*TASK_TRAIN_OPTIONS, 'pipeline_trace_step'):
