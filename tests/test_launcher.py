@@ -120,7 +120,7 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
     return [pid for pid in pids if alive(pid)]
 
 
-SAVED = r'^\[client 0\] .*saved .*ckpt-\d+$'
+SAVED = r'^\[client 0\] .*saved .*ckpt-\d+: step \d+, '  # trainer/train_job.py's save line
 
 
 def sigterm_scenario(run: LauncherRun) -> LauncherRun:
