@@ -33,6 +33,7 @@ one client's replica of R: it runs its own group of the R*M micro-batches, and
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable, Iterator
 
 import tensorflow as tf
