@@ -27,19 +27,21 @@ length and packs them into rows of `max_length` tokens (tfpipe.lm_inputs).
 Token ids (shared with `tfpipe.datasets.reverse`): PAD_ID = 0 pads, EOS_ID = 1
 ends every target, sources carry no EOS. The byte tokeniser of
 'seq2seq_text' maps UTF-8 byte b to b + BYTE_OFFSET (vocabulary 258), so real
-translation data needs no vocabulary file.
+translation data needs no vocabulary file. The tokenizers live in tfpipe/tokenizers.py;
+their names stay importable from here (`__all__`).
 """
 from __future__ import annotations
 
 import difflib
 import functools
-import importlib
-from typing import Callable, Dict, Optional, Sequence, Union
+from typing import Callable, Dict, Optional
 
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from tfpipe import datasets, input_iterator, lm_inputs, params_text
+from tfpipe import datasets, input_iterator, lm_inputs
+from tfpipe.tokenizers import (BYTE_OFFSET, BYTE_VOCAB_SIZE, byte_detokenize, byte_tokenize,
+                               detokenizer, import_function, tokenizer)
 from tfpipe.input_iterator import Example, InputIterator
 from tfpipe.datasets.reverse import EOS_ID, PAD_ID
 from tfpipe.hyperparams import InstantiableParams, Params
@@ -47,9 +49,6 @@ from tfpipe.hyperparams import InstantiableParams, Params
 __all__ = ['BYTE_OFFSET', 'BYTE_VOCAB_SIZE', 'EOS_ID', 'PAD_ID', 'PREPROCESSORS',
            'DatasetInput', 'InputIterator', 'MissingDataError', 'TfdsInput', 'byte_detokenize',
            'byte_tokenize', 'detokenizer', 'register_preprocessor', 'tokenizer']
-
-BYTE_OFFSET = 2  # byte b becomes id b + 2, so PAD (0) and EOS (1) stay free
-BYTE_VOCAB_SIZE = 256 + BYTE_OFFSET
 
 # A preprocessor is built from the input's params and maps one stored example
 # to the layout a task reads; it runs inside tf.data, so it must be graph code.
@@ -84,25 +83,6 @@ def register_preprocessor(name: str) -> Callable[[PreprocessorFactory], Preproce
         PREPROCESSORS[name] = factory
         return factory
     return _register
-
-
-def byte_tokenize(text: tf.Tensor) -> tf.Tensor:
-    """UTF-8 bytes of a string scalar as int32 ids in [2, 258)."""
-    raw = tf.io.decode_raw(tf.convert_to_tensor(text, tf.string), tf.uint8)
-    return tf.cast(raw, tf.int32) + BYTE_OFFSET
-
-
-def byte_detokenize(ids: Union[Sequence[int], tf.Tensor]) -> str:
-    """Inverse of `byte_tokenize` for reading model output: skips PAD, stops at EOS."""
-    if isinstance(ids, tf.Tensor):
-        ids = ids.numpy().tolist()
-    out = bytearray()
-    for i in ids:
-        if i == EOS_ID:
-            break
-        if i != PAD_ID:
-            out.append(int(i) - BYTE_OFFSET)
-    return out.decode('utf-8', errors='replace')
 
 
 def _pad_to(ids: tf.Tensor, length: int) -> tf.Tensor:
@@ -171,29 +151,6 @@ def _lm(p: Params) -> Callable[[Example], Example]:
     """A packed row -> {'inputs', 'targets', 'segment_ids', 'positions'} int32 [max_length]."""
     del p  # the rows are cut to max_length by STREAM_REGROUPERS['lm']
     return lambda ex: lm_inputs.row_features(ex['row'])
-
-
-def tokenizer(p: Params) -> Callable[[tf.Tensor], tf.Tensor]:
-    """'lm': bytes, or the function p.tokenizer names (e.g. a SentencePiece model's)."""
-    if not p.tokenizer:
-        return byte_tokenize
-    return _import_function(p.tokenizer, 'tokenizer', '(text: tf.string scalar) -> int32 ids')
-
-
-def detokenizer(p: Params) -> Callable[[Sequence[int]], str]:
-    """The inverse of `tokenizer(p)`, for the text of generated ids: bytes, or the function
-    p.detokenizer names.
-
-    Refused for a tokenizer of your own without one: decoding its ids as bytes would
-    print another vocabulary's text.
-    """
-    if p.detokenizer:
-        return _import_function(p.detokenizer, 'detokenizer', '(ids: list of int) -> str')
-    if not p.tokenizer:
-        return byte_detokenize
-    raise ValueError(f'tokenizer {p.tokenizer!r} has no detokenizer, and its ids are not '
-                     "bytes: set the input's detokenizer (e.g. --params_override=input.train."
-                     "detokenizer='mypkg.vocab.detokenize') to its `def detokenize(ids) -> str`")
 
 
 def _regroup(p: Params, stored: tf.data.Dataset) -> tf.data.Dataset:
@@ -469,29 +426,6 @@ def _describe(expected: _Expected) -> str:
                            for k, (kind, rank) in expected.items()) + '}'
 
 
-def _import_function(name: str, param: str = 'examples_fn',
-                     signature: str = '(split) -> tf.data.Dataset') -> Callable:
-    """The module-level function `module.function` named by `name` (the value of the
-    input's `param`), imported."""
-    module, _, attr = name.rpartition('.')
-    if not module or not attr:
-        raise ValueError(f"{param}={name!r} is not a dotted name: set it to "
-                         "'module.function', e.g. 'mypkg.data.make'")
-    params_text.check_function_name(name, param)  # before the import runs its top level
-    try:
-        loaded = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name is None or not (module + '.').startswith(e.name + '.'):
-            raise  # the module exists but one of its own imports fails: its error
-        raise ValueError(f'{param} {name!r}: there is no module {module!r}; is its package '
-                         'installed or on PYTHONPATH?') from None
-    fn = getattr(loaded, attr, None)
-    if not callable(fn):
-        raise ValueError(f'{param} {name!r}: module {module} has no function {attr!r}; '
-                         f'define `def {attr}{signature}` there')
-    return fn
-
-
 def _reads_a_generator(dataset: tf.data.Dataset) -> bool:
     """Whether `dataset` reads a Python generator (`from_generator`) anywhere upstream.
 
@@ -563,7 +497,7 @@ class DatasetInput(TfdsInput):
             raise ValueError(f'{p.preprocess} needs max_length >= 1 for static shapes')
         # Checked now, before a trainer writes anything: the function, what it
         # returns, its features and their shapes after preprocessing.
-        self._builder = _ExamplesSource(self._Examples(_import_function(p.examples_fn)))
+        self._builder = _ExamplesSource(self._Examples(import_function(p.examples_fn)))
 
     def _Examples(self, fn: Callable) -> tf.data.Dataset:
         p = self.params
