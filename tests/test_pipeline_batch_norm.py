@@ -5,7 +5,8 @@ outputs: a pipelined run equals the K=1 run with the same M, whatever K and the
 recompute policy. The moving statistics are updated once per mini-batch, from
 all micro-batches combined, so they equal a full-batch BN update on the inputs
 that BN layer saw. Eval uses the moving statistics. The training checks run on
-both executors: cell functions (the default) and the unrolled tasks.
+both executors, cell functions (the default) and the unrolled tasks, alternating over
+the grid of K, M and policy.
 """
 import numpy as np
 import pytest
@@ -79,10 +80,28 @@ def same_m_reference(num_micro_batches):
     return _same_m_reference[num_micro_batches]
 
 
-@pytest.mark.parametrize('num_micro_batches', [1, 2, 3, 4])
-@pytest.mark.parametrize('num_cells,recompute', [(1, 'never'), (2, 'always'), (4, 'always'),
-                                                 (4, 'except_last'), (4, 'never')])
-@EXECUTORS
+SIZES = [(1, 'never'), (2, 'always'), (4, 'always'), (4, 'except_last'), (4, 'never')]
+
+
+def pipeline_cases() -> list:
+    """Every (K, policy) at every M, on one executor each, alternating (not both: 40 traces
+    became 20): each (K, policy) and each M meets both executors."""
+    return [pytest.param(k, m, policy, (i + j) % 2 == 0,
+                         id=f'{k}-{m}-{policy}-' + ('functions' if (i + j) % 2 == 0
+                                                   else 'unrolled'))
+            for i, (k, policy) in enumerate(SIZES) for j, m in enumerate((1, 2, 3, 4))]
+
+
+def test_the_cases_meet_both_executors_at_every_size_and_m():
+    cases = [c.values for c in pipeline_cases()]
+    assert {(k, p, f) for k, _, p, f in cases} == {(k, p, f) for k, p in SIZES
+                                                   for f in (True, False)}
+    assert {(m, f) for _, m, _, f in cases} == {(m, f) for m in (1, 2, 3, 4)
+                                                for f in (True, False)}
+
+
+@pytest.mark.parametrize('num_cells,num_micro_batches,recompute,cell_functions',
+                         pipeline_cases())
 def test_batch_norm_pipeline(num_cells, num_micro_batches, recompute, cell_functions):
     ref_out, ref_loss, ref_grads, _ = same_m_reference(num_micro_batches)
     out, loss, grads, stats = run_step(num_cells, num_micro_batches, recompute, cell_functions)
