@@ -31,6 +31,10 @@ Skip connections that span cells (layers.Stash ... layers.Pop) travel through
 portals (see portals.py): from the stashing cell's forward straight to the
 popping cell's, and their gradients straight back.
 
+Auxiliary losses a layer records (a mixture of experts' load-balancing loss) are
+collected per (cell, micro-batch) and differentiated in the same backward as the
+cell's outputs, weighted b_m / N (aux_losses.py); the forward's values are reported.
+
 A task's computation (`_compute_forward`, `_gradients`) is separate from its
 scheduling (device, control dependencies, portals, recorder): cell_functions.py
 replaces the computation by calls of each cell's traced functions.
