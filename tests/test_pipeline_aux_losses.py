@@ -46,9 +46,26 @@ def data():
             tf.constant(rng.integers(0, 5, size=[BATCH]), tf.int32))
 
 
+_references = {}
+
+
 def reference(pipe, count, training=True):
     """The plain body on each of `count` micro-batches, eagerly: (main loss, aux metrics,
-    gradients of main + weighted aux by path, updated weights by path)."""
+    gradients of main + weighted aux by path, updated weights by path). Computed once per
+    (count, training): every pipeline starts from the same weights (seeded by path),
+    which is checked."""
+    weights = {q: v.numpy() for q, v in pipe.VariablesByPath().items()}
+    key = (count, training)
+    if key not in _references:
+        _references[key] = (weights, _reference(pipe, count, training))
+    initial, result = _references[key]
+    assert sorted(initial) == sorted(weights)
+    for q in initial:
+        np.testing.assert_array_equal(weights[q], initial[q], err_msg=q)
+    return result
+
+
+def _reference(pipe, count, training):
     x, y = data()
     body_layers = [layer for cell in pipe.cells for layer in cell.layers]
     sizes = microbatch.micro_batch_sizes(BATCH, count)
