@@ -55,7 +55,7 @@ def main() -> None:
 
     def step() -> float:
         begin = time.perf_counter()
-        loss, norm, _ = trainer._step(next(trainer.iterator))  # noqa: SLF001
+        loss, norm, *_ = trainer._step(next(trainer.iterator))  # noqa: SLF001
         float(loss), float(norm)
         return time.perf_counter() - begin
 

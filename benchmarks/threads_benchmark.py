@@ -104,7 +104,7 @@ def child(args) -> None:
 
     def run(steps: int) -> None:
         for _ in range(steps):
-            loss, norm, _ = trainer._step(next(trainer.iterator))  # noqa: SLF001
+            loss, norm, *_ = trainer._step(next(trainer.iterator))  # noqa: SLF001
             float(loss), float(norm)
 
     run(1 + args.warmup)

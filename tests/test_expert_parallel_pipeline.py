@@ -1,6 +1,6 @@
 """Expert parallelism in a pipeline: a step with P replicas sharing each MoE layer's
-experts is the P=1 step with the same R replicas (loss, gradients and SGD-updated
-weights within 1e-5, float64, capacity that drops nothing), on the logical CPUs of
+experts is the P=1 step with the same R replicas (loss, auxiliary losses, gradients and
+SGD-updated weights within 1e-5, float64, capacity that drops nothing), on the logical CPUs of
 conftest.py: P in {1, 2, 4} x R in {P, 2P} x K in {1, 2} with R*K <= 8."""
 import os
 import re
@@ -27,7 +27,7 @@ def body():
         layers.Dense.Params().Set(name='fc0', input_dim=6, output_dim=8, activation='tanh',
                                   dtype=F64),
         MoEFeedForward.Params().Set(name='moe', model_dim=8, hidden_dim=6, num_experts=4,
-                                    capacity_factor=2.0, dtype=F64),
+                                    capacity_factor=2.0, z_loss_weight=0.01, dtype=F64),
         layers.Dense.Params().Set(name='fc2', input_dim=8, output_dim=5, dtype=F64),
     ]
 
@@ -50,24 +50,25 @@ def whole(pipe, per_replica, p):
 
 def step(pipe, p):
     """One SGD step of every replica through ForwardBackward(ReplicaThetas()) (the
-    trainer's form): (loss, whole gradients, whole updated weights)."""
+    trainer's form): (loss and auxiliary losses, whole gradients, whole updated weights)."""
     rng = np.random.default_rng(0)
     x = tf.constant(rng.normal(size=[16, 6]), F64)
     y = tf.constant(rng.integers(0, 5, size=[16]), tf.int32)
 
     @tf.function(autograph=False)
     def run():
-        with fprop_context.training(step=STEP):
+        sink = fprop_context.AuxLossSink()
+        with fprop_context.training(step=STEP), fprop_context.scope(aux_losses=sink):
             loss, grads = pipe.ForwardBackward(pipe.ReplicaThetas(), x, mz.loss_fn, y)
             for theta, g in zip(pipe.ReplicaThetas(), grads):
                 for v, d in zip(tf.nest.flatten(theta), tf.nest.flatten(g)):
                     v.assign_sub(0.1 * d)
-        return loss, grads
+        return [loss, sink.metrics()['aux_loss'], sink.metrics()['z_loss']], grads
     loss, grads = run()
     grads = grads if isinstance(grads, list) else [grads]
     grads = [{q: g.numpy() for q, g in flatten_by_path(gr, 'pipe').items()} for gr in grads]
     weights = [{q: v.numpy() for q, v in vs.items()} for vs in pipe.ReplicaVariablesByPath()]
-    return loss.numpy(), whole(pipe, grads, p), whole(pipe, weights, p)
+    return np.array(loss), whole(pipe, grads, p), whole(pipe, weights, p)
 
 
 _runs = {}
@@ -91,6 +92,7 @@ def test_step_equals_p1(p, r, k):
             np.testing.assert_allclose(got[path], want[path], rtol=1e-5, atol=1e-12,
                                        err_msg=f'{what} {path}')
     assert np.abs(ref_grads['pipe/moe/wi']).max() > 1e-4
+    assert ref_loss[1] > 0.01 and ref_loss[2] > 0  # the auxiliary losses were compared
 
 
 @pytest.mark.parametrize('recompute,schedule,cell_functions', [

@@ -158,6 +158,9 @@ CASES = {
     'PackedTransformerBlock': (lambda: layers.PackedTransformerBlock.Params().Set(
         name='tb', model_dim=8, hidden_dim=12, num_heads=4),
         {'x': [2, 5, 8], 'segment_ids': [2, 5], 'positions': [2, 5]}, True),
+    'PackedMoETransformerBlock': (lambda: layers.PackedMoETransformerBlock.Params().Set(
+        name='tb', model_dim=8, hidden_dim=6, num_heads=2, num_experts=4),
+        {'x': [2, 5, 8], 'segment_ids': [2, 5], 'positions': [2, 5]}, True),
     'DropSkips': (lambda: layers.DropSkips.Params().Set(name='drop_skips'),
                   {'x': [3, 4], 'prev': [3, 2]}, False),
     'AmoebaCell': (lambda: layers.AmoebaCell.Params().Set(

@@ -210,12 +210,14 @@ def _random_theta(layer, seed=0):
 
 
 def _run(layer, theta, x, paddings=None, training=True):
-    """(outputs, {loss name: (value, weight)}) of one call with an aux-loss sink."""
+    """(outputs, {loss name: (value, weight)}, the sink) of one call with an aux-loss
+    sink (its statistics, weight None, are not in the dict)."""
     sink = fprop_context.AuxLossSink()
     scope = fprop_context.scope(training=training, step=1, aux_losses=sink)
     with scope:
         y = layer.FProp(theta, x, paddings)
-    return y, {name: (value, weight) for _, name, value, weight in sink.records}, sink
+    return y, {name: (value, weight) for _, name, value, weight in sink.records
+               if weight is not None}, sink
 
 
 @pytest.mark.parametrize('top_k,training', [(2, True), (2, False), (1, True)])
@@ -242,6 +244,17 @@ def test_layer_matches_numpy(top_k, training):
     assert np.all(y.numpy()[1, 3:] == 0)  # padding: no expert, zeros
     # Training has 4 x C < top_k x 8 slots for the 8 real tokens: some choices dropped.
     assert (np.count_nonzero(weights) < top_k * 8) == training
+    # The statistics: the share of the 8 x top_k choices dropped, each expert's share
+    # of the choices before the drop (at least what it kept).
+    stats = sink.statistics()
+    assert float(stats['dropped_fraction/moe']) == pytest.approx(
+        1 - np.count_nonzero(weights) / (top_k * 8), abs=1e-12)
+    load = stats['expert_load/moe'].numpy()
+    assert load.shape == (4,) and load.sum() == pytest.approx(1.0)
+    kept = np.count_nonzero(weights.reshape(10, 4, -1), axis=(0, 2))
+    assert np.all(load * top_k * 8 >= kept - 1e-9)
+    assert sorted(sink.metrics()) == sorted(['aux_loss', 'dropped_fraction',
+                                             'load_balancing_loss', 'z_loss'])
 
 
 def test_z_loss_is_recorded_only_with_a_weight():

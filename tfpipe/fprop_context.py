@@ -55,19 +55,52 @@ class AuxLossSink:
     `record(layer, name, value, weight)` is called by a layer in FProp. Unlike
     BatchNorm's statistics these must be *differentiated*: whoever runs the forward
     under a tape adds `total()` to the loss it differentiates, in the same trace (the
-    recorded tensors belong to the graph that computed them). Nothing in the pipeline
-    collects them yet (docs/mixture_of_experts.md).
+    recorded tensors belong to the graph that computed them). A PipeliningLayer gives
+    its cells sinks of its own and records into the caller's sink one entry per
+    (layer, name), already summed over its micro-batches (tfpipe/pipeline/aux_losses.py).
     """
 
     def __init__(self):
         self.records: list[tuple[str, str, Any, float]] = []  # (layer path, name, value, weight)
 
     def record(self, layer: Any, name: str, value: Any, weight: float) -> None:
-        self.records.append((layer.path, name, value, weight))
+        self.add(layer.path, name, value, weight)
+
+    def record_statistic(self, layer: Any, name: str, value: Any) -> None:
+        """A value to report, never added to the loss nor differentiated (weight None):
+        e.g. the fraction of tokens an MoE layer dropped, its load per expert."""
+        self.add(layer.path, name, value, None)
+
+    def add(self, path: str, name: str, value: Any, weight: Optional[float]) -> None:
+        """A record of the layer at `path` (the pipeline's form: it holds paths, not
+        layers); weight None for a statistic."""
+        self.records.append((path, name, value, weight))
 
     def total(self) -> Any:
-        """The sum of weight * value over every record (0.0 when none)."""
-        return sum((weight * value for _, _, value, weight in self.records), 0.0)
+        """The sum of weight * value over every loss record (0.0 when none)."""
+        return sum((weight * value for _, _, value, weight in self.records
+                    if weight is not None), 0.0)
+
+    def metrics(self) -> dict[str, Any]:
+        """What a trainer reports: 'aux_loss', the weighted total added to the training
+        loss, and per loss name the unweighted value averaged over the layers that
+        recorded it (a load-balancing loss reads 1.0 for uniform routing whatever the
+        number of MoE layers); scalar statistics likewise, averaged over layers. Empty
+        when nothing was recorded."""
+        if not self.records:
+            return {}
+        by_name: dict[str, list] = {}
+        for _, name, value, _ in self.records:
+            if value.shape.rank == 0:
+                by_name.setdefault(name, []).append(value)
+        out = {'aux_loss': self.total()}
+        out.update((name, sum(values) / len(values)) for name, values in by_name.items())
+        return out
+
+    def statistics(self) -> dict[str, Any]:
+        """Every record by '<name>/<layer path>' (per layer: vectors too, e.g. the load
+        per expert), for TensorBoard."""
+        return {f'{name}/{path}': value for path, name, value, _ in self.records}
 
 
 @dataclasses.dataclass(frozen=True)

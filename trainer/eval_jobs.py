@@ -128,9 +128,12 @@ class Evaler(_PollingJob):
 
         @tf.function(autograph=False)  # as the training step: see docs/own_models_and_data.md
         def metrics(batch):
-            with fprop_context.evaluation():
-                return task.ComputeLoss(task.theta, task.ComputePredictions(task.theta, batch),
-                                        batch)
+            aux = fprop_context.AuxLossSink()  # reported apart, never added to 'loss'
+            with fprop_context.evaluation(), fprop_context.scope(aux_losses=aux):
+                out = task.ComputeLoss(task.theta, task.ComputePredictions(task.theta, batch),
+                                       batch)
+            weight = tf.reduce_sum(task.ExampleWeights(batch))
+            return {**out, **{name: (v, weight) for name, v in aux.metrics().items()}}
         self._metrics = metrics
 
     def process(self, step, writer):

@@ -40,7 +40,7 @@ from typing import Optional, Sequence
 import tensorflow as tf
 from absl import logging
 
-from tfpipe import checkpoint_writer, checkpoints, fprop_context, lr_schedules, memory_stats
+from tfpipe import checkpoint_writer, checkpoints, fprop_context, lr_schedules
 from tfpipe.base_layer import flatten_by_path
 from tfpipe.hyperparams import Params
 from tfpipe.optimizers import BaseOptimizer, clip_by_global_norm
@@ -49,7 +49,7 @@ from tfpipe.pipeline.recorder import Recorder
 from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
 from tfpipe.tasks import classifier
 from tfpipe.tuning import timeline
-from trainer import batch_split, experiment, stop_signals
+from trainer import batch_split, experiment, progress_report, stop_signals
 from trainer.runtime_options import TASK_TRAIN_OPTIONS, RuntimeOptions, check_positive_int
 from trainer.throughput import Progress, Throughput, measure_for
 
@@ -338,19 +338,21 @@ class Trainer:
         return self._build_step(batch, record=True)
 
     def _build_step(self, batch, record: bool):
-        step = self.global_step
+        step, aux = self.global_step, fprop_context.AuxLossSink()  # the body's, reported
         recording = self.task.pipe.RecordTimeline() if record else contextlib.nullcontext()
-        with fprop_context.training(step=step), recording as recorder:
+        with fprop_context.training(step=step), fprop_context.scope(aux_losses=aux), \
+                recording as recorder:
             loss, grads = self.task.ForwardBackward(self.task.theta, batch)
         lr = self.learning_rate * self.schedule.Value(step + 1)  # step + 1: the update number
         norm = guarded_update(
             loss, [flatten_by_path(g, self.task.path) for g in
                    (grads if isinstance(grads, list) else [grads])],
             self.clip_norm, self.optimizers, self.replica_variables, lr, step)
+        aux = {**aux.metrics(), **aux.statistics()}  # 'name' and 'name/layer path'
         if not record:
-            return loss, norm, lr
+            return loss, norm, lr, aux
         self._recorder = recorder
-        return loss, norm, lr, recorder.stamps()
+        return loss, norm, lr, aux, recorder.stamps()
 
     @tf.function(autograph=False)
     def _weights_are_finite(self):
@@ -411,12 +413,12 @@ class Trainer:
             begin = time.monotonic()
             try:
                 if step + 1 == self.trace_step:
-                    loss, norm, lr, stamps = self._recorded_step(batch)
+                    loss, norm, lr, aux, stamps = self._recorded_step(batch)
                     if self._is_chief:
                         self._write_timeline(step + 1, stamps.numpy(), writer)
                 else:
-                    loss, norm, lr = self._step(batch)
-                loss, norm = float(loss), float(norm)
+                    loss, norm, lr, aux = self._step(batch)
+                loss, norm, aux = float(loss), float(norm), {n: v.numpy() for n, v in aux.items()}
             except tf.errors.InvalidArgumentError as e:
                 label = classifier.bad_label(e)
                 if label is None:
@@ -432,7 +434,7 @@ class Trainer:
             self.heartbeat = (step, time.monotonic())
             progress.step_done(step, time.time())
             if step % self.summary_interval == 0 or step == self.max_steps:
-                self._report(writer, progress, step, loss, norm, float(lr))
+                self._report(writer, progress, step, loss, norm, float(lr), aux)
             if step % self.save_interval == 0 or step == self.max_steps:
                 self.save(step)
         if out_of_data:
@@ -473,30 +475,9 @@ class Trainer:
                            per_example * self.batch_size, self._peak_flops, kind, len(used))
 
     def _report(self, writer, progress: Progress, step: int, loss: float, norm: float,
-                lr: float) -> None:
-        steps_per_sec, eta = progress.rate_and_eta(step, time.time())
-        with writer.as_default(step=step):
-            tf.summary.scalar('loss', loss)
-            tf.summary.scalar('learning_rate', lr)
-            tf.summary.scalar('grad_norm', norm)
-            if steps_per_sec is not None:
-                tf.summary.scalar('steps_per_sec', steps_per_sec)
-                tf.summary.scalar('examples_per_sec', steps_per_sec * self.batch_size)
-                for name, value in self._throughput.scalars(steps_per_sec).items():
-                    if name != 'examples_per_sec':
-                        tf.summary.scalar(name, value)
-            peaks = memory_stats.peak_bytes(d.name for d in tf.config.list_logical_devices())
-            for device, peak in peaks.items():
-                tf.summary.scalar(f'peak_bytes/{device}', peak)
-        head = '  '.join(part for part in (
-            f'step {step}/{self.max_steps}  loss {loss:.4f}  lr {lr:.3g}  grad_norm {norm:.3g}',
-            memory_stats.format_peaks(peaks)) if part)
-        if steps_per_sec is None:
-            logging.info('%s  first step %.1fs (includes tracing; rate and ETA from the next '
-                         'steps)', head, progress.first_step_seconds)
-        else:
-            logging.info('%s  %.2f steps/s  %s  ETA %dm%02ds', head, steps_per_sec,
-                         self._throughput.line(steps_per_sec), eta // 60, eta % 60)
+                lr: float, aux: dict) -> None:
+        progress_report.report(writer, progress, self._throughput, step, self.max_steps,
+                               self.batch_size, {'loss': loss, **aux}, norm, lr)
 
     def _write_timeline(self, step: int, stamps, writer) -> None:
         line = timeline.Timeline.from_stamps(self._recorder, stamps)

@@ -1,8 +1,9 @@
 """Byte-level language models of the Python standard library's source (no download)."""
 from model_registry import RegisterSingleTaskModel
-from tfpipe import inputs, lr_schedules, optimizers
+from tfpipe import inputs, layers, lr_schedules, optimizers
 from tfpipe.base_model_params import TfdsModelParams
 from tfpipe.bodies import TRANSFORMER_TIES, transformer_lm_body
+from tfpipe.hyperparams import Params
 from tfpipe.pipeline.pipelining_layer import PipeliningLayer
 from tfpipe.tasks.lm import LanguageModel
 
@@ -96,3 +97,40 @@ class GPT2MediumShapedLM(GPT2SmallShapedLM):
 
     SIZES = (1024, 4096, 16, 24)
     BALANCE = [8, 6, 6, 9]
+
+
+def moe_feed_forwards(task: Params, num_experts: int = 8) -> Params:
+    """`task` with every other block (block1, block3, ...) a PackedMoETransformerBlock of
+    `num_experts` experts, top-2, each expert half the dense hidden width: a token's two
+    experts cost the dense feed-forward's FLOPs (GShard, Switch Transformer).
+
+    Evaluation and decoding never drop a token: eval_capacity_factor = E / top_k gives
+    every expert a slot for every token of the call (C = S), in the evaler's FProp and
+    in each KV-cached generation step alike. Training keeps GShard's capacity factor 2.
+    """
+    body = task.pipeline.body
+    for i, block in enumerate(body):
+        if block.name.startswith('block') and int(block.name[len('block'):]) % 2 == 1:
+            body[i] = layers.PackedMoETransformerBlock.Params().Set(
+                name=block.name, model_dim=block.model_dim, hidden_dim=block.hidden_dim // 2,
+                num_heads=block.num_heads,
+                residual_dropout_keep_prob=block.residual_dropout_keep_prob,
+                num_experts=num_experts, top_k=2, eval_capacity_factor=num_experts / 2)
+    return task
+
+
+@RegisterSingleTaskModel
+class MoETransformerLM(TransformerLM):
+    """TransformerLM with blocks 1 and 3 mixtures of 8 experts (top-2, each expert 128
+    wide): the dense model's active FLOPs per token, 4x its feed-forward weights there."""
+
+    def Task(self):
+        return moe_feed_forwards(super().Task())
+
+
+@RegisterSingleTaskModel
+class TinyMoETransformerLM(TinyTransformerLM):
+    """TinyTransformerLM with block1 a mixture of 8 experts (top-2, each 64 wide): for tests."""
+
+    def Task(self):
+        return moe_feed_forwards(super().Task())

@@ -7,11 +7,13 @@ from tfpipe.layers.dense import Dense, Projection
 from tfpipe.layers.dropout import Dropout
 from tfpipe.layers.embedding import Embedding, PackedPositionEmbedding, PositionEmbedding
 from tfpipe.layers.mixture_of_experts import MoEFeedForward
+from tfpipe.layers.moe_block import PackedMoETransformerBlock
 from tfpipe.layers.normalization import BatchNorm, LayerNorm
 from tfpipe.layers.vocab_parallel import VocabLogits
 
 __all__ = ['AmoebaCell', 'BatchNorm', 'Conv2D', 'Dense', 'DropSkips', 'Dropout', 'Embedding',
            'Flatten', 'GlobalAvgPool', 'LayerNorm', 'MoEFeedForward', 'MultiHeadAttention',
-           'PackedPositionEmbedding', 'PackedTransformerBlock', 'Pooling2D', 'Pop',
+           'PackedMoETransformerBlock', 'PackedPositionEmbedding', 'PackedTransformerBlock',
+           'Pooling2D', 'Pop',
            'PositionEmbedding', 'Projection', 'Residual', 'Sequential', 'Stash',
            'TransformerBlock', 'VocabLogits']

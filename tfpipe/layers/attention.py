@@ -269,27 +269,33 @@ class TransformerBlock(BaseLayer):
             model_dim=p.model_dim, num_heads=p.num_heads, causal=p.causal,
             atten_dropout_keep_prob=p.atten_dropout_keep_prob, dtype=p.dtype))
         self.CreateChild('ffn_ln', ln)
-        # Megatron's pair (tensor_parallel_dense.py): the hidden layer split over the
-        # cell's T devices, one all-reduce of ffn_out's partial sums; Dense at T=1.
-        self.CreateChild('ffn_in', ColumnParallelDense.Params().Set(
-            input_dim=p.model_dim, output_dim=p.hidden_dim, activation='relu', dtype=p.dtype))
-        self.CreateChild('ffn_out', RowParallelDense.Params().Set(
-            input_dim=p.hidden_dim, output_dim=p.model_dim, dtype=p.dtype))
+        self._CreateFeedForward()
         drop = Dropout.Params().Set(keep_prob=p.residual_dropout_keep_prob, dtype=p.dtype)
         self.CreateChild('atten_dropout', drop)
         self.CreateChild('ffn_dropout', drop)
 
-    def _Residuals(self, theta, x, attend):
-        """The block around `attend` (LN'd x -> attention output)."""
+    def _CreateFeedForward(self) -> None:
+        """Megatron's pair (tensor_parallel_dense.py): the hidden layer split over the
+        cell's T devices, one all-reduce of ffn_out's partial sums; Dense at T=1."""
+        p = self.params
+        self.CreateChild('ffn_in', ColumnParallelDense.Params().Set(
+            input_dim=p.model_dim, output_dim=p.hidden_dim, activation='relu', dtype=p.dtype))
+        self.CreateChild('ffn_out', RowParallelDense.Params().Set(
+            input_dim=p.hidden_dim, output_dim=p.model_dim, dtype=p.dtype))
+
+    def _Residuals(self, theta, x, attend, paddings=None):
+        """The block around `attend` (LN'd x -> attention output); paddings ([b, t], 1
+        for padding, or None) reach the feed-forward."""
         def run(name, value):
             return self.children[name].FProp(theta[name], value)
 
         x = x + run('atten_dropout', attend(run('atten_ln', x)))
-        return x + run('ffn_dropout', self._FeedForward(theta, run('ffn_ln', x)))
+        return x + run('ffn_dropout', self._FeedForward(theta, run('ffn_ln', x), paddings))
 
-    def _FeedForward(self, theta, x):
+    def _FeedForward(self, theta, x, paddings=None):
         """ffn_out(ffn_in(x)): with T > 1 each device computes its hidden columns and their
-        partial sum in one `local` call (backward there too), then one all-reduce home."""
+        partial sum in one `local` call (backward there too), then one all-reduce home.
+        A position-wise feed-forward needs no paddings."""
         ffn_in, ffn_out = self.ffn_in, self.ffn_out
         weights = zip(ffn_in.Shards(theta['ffn_in'], 'w'), ffn_in.Shards(theta['ffn_in'], 'b'),
                       ffn_out.Shards(theta['ffn_out'], 'w'))

@@ -129,6 +129,8 @@ class MoEFeedForward(BaseLayer):
                         p.aux_loss_weight)
             if p.z_loss_weight:
                 sink.record(self, 'z_loss', gating.z_loss, p.z_loss_weight)
+            for name, value in moe_gating.routing_statistics(gating).items():
+                sink.record_statistic(self, name, value)
         return tf.reshape(combine(outputs, tf.cast(gating.combine, x.dtype)), shape)
 
     def _Route(self, theta, x: tf.Tensor, real: tf.Tensor,

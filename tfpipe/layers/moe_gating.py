@@ -47,11 +47,14 @@ class Gating:
     combine: [S, E, C]: the weight of that slot's output in token s's output (zero where
       dispatch is zero).
     load_balancing_loss, z_loss: scalars (unweighted).
+    assigned: [E]: the choices of each expert before the capacity drop (a token's
+      first and, kept, second choice; padding none), which `dispatch` keeps at most C of.
     """
     dispatch: tf.Tensor
     combine: tf.Tensor
     load_balancing_loss: tf.Tensor
     z_loss: tf.Tensor
+    assigned: tf.Tensor
 
 
 def router_dtype(dtype: tf.DType) -> tf.DType:
@@ -80,6 +83,17 @@ def load_balancing_loss(gates: tf.Tensor, top1_mask: tf.Tensor,
     mean_gates = tf.reduce_sum(gates, 0) / count
     fraction = tf.reduce_sum(top1_mask, 0) / count
     return num_experts * tf.reduce_sum(mean_gates * fraction)
+
+
+def routing_statistics(gating: 'Gating') -> dict[str, tf.Tensor]:
+    """What routing did to one group, to watch it: 'dropped_fraction', the share of
+    the choices (token, expert) over capacity; 'expert_load' [E], each expert's share
+    of the choices before the drop (1/E each when balanced)."""
+    wanted = tf.reduce_sum(gating.assigned)
+    total = tf.maximum(wanted, 1.0)
+    kept = tf.reduce_sum(gating.dispatch)
+    return {'dropped_fraction': (wanted - kept) / total,
+            'expert_load': gating.assigned / total}
 
 
 def router_z_loss(logits: tf.Tensor, nonpadding: tf.Tensor) -> tf.Tensor:
@@ -129,6 +143,7 @@ def top_k_gating(logits: tf.Tensor, nonpadding: tf.Tensor, top_k: int, capacity:
 
     dispatch = combine = 0.0
     filled = tf.zeros([num_experts], dtype)  # slots taken per expert by earlier choices
+    assigned = tf.add_n([tf.reduce_sum(mask, 0) for _, mask, _ in choices])
     for index, mask, gate in choices:
         position = tf.cumsum(mask, 0, exclusive=True) + filled[None, :]
         mask = mask * tf.cast(position < capacity, dtype)
@@ -139,4 +154,4 @@ def top_k_gating(logits: tf.Tensor, nonpadding: tf.Tensor, top_k: int, capacity:
         combine += gate[:, None, None] * where
     return Gating(dispatch=dispatch, combine=combine,
                   load_balancing_loss=load_balancing_loss(gates, mask_1, real),
-                  z_loss=router_z_loss(logits, real))
+                  z_loss=router_z_loss(logits, real), assigned=assigned)

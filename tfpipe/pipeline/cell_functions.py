@@ -11,7 +11,8 @@ What changes per micro-batch is passed as tensors, so one trace serves them all:
 the example offset (Dropout's mask depends on the global example index) and the
 step. BatchNorm's micro-batch statistics cannot escape a function through the
 context's sink, so the forward function returns them and they are recorded into
-the run's sink outside. A recomputing cell keeps only its input and its backward
+the run's sink outside; so are the auxiliary losses' values (aux_losses.py), and
+the backward function takes their output gradients as arguments. A recomputing cell keeps only its input and its backward
 function recomputes the forward under a tape of its own (statistics discarded),
 then differentiates. A cell that keeps its activations (does not recompute)
 runs its training tasks as the unrolled executor's ops: TensorFlow's gradient of
@@ -59,7 +60,7 @@ from typing import Any, Callable, Optional, Sequence
 import tensorflow as tf
 
 from tfpipe import fprop_context
-from tfpipe.pipeline import accumulate
+from tfpipe.pipeline import accumulate, aux_losses
 from tfpipe.pipeline.cell import Cell
 from tfpipe.pipeline.executor import PipelineRun, float_leaves, on_device_of
 from tfpipe.pipeline.schedule import BACKWARD
@@ -81,6 +82,8 @@ class CellFunctions:
         self.boundary = boundary
         self.stamp_recompute = stamp_recompute
         self._layers: dict[str, Any] = {}  # path -> a layer that recorded statistics
+        # The auxiliary losses' (key, weight) the forward returns values of, in order.
+        self.aux_keys: list[tuple[aux_losses.Key, float]] = []
         # Per flat theta leaf: only gathered from, so summed sparsely outside (learnt while
         # tracing the forward, which always runs before the cell's first backward).
         self.gathered: Optional[tuple[bool, ...]] = None
@@ -90,44 +93,56 @@ class CellFunctions:
         self.forward = tf.function(self._forward, **options)
         self.backward = tf.function(self._backward, **options)
 
-    def _context(self, offset: tf.Tensor, step: Any, sink: fprop_context.BatchStatsSink):
+    def _context(self, offset: tf.Tensor, step: Any, sink: fprop_context.BatchStatsSink,
+                 aux: fprop_context.AuxLossSink):
         return fprop_context.scope(training=self.training, step=step, example_offset=offset,
-                                   batch_stats=sink)
+                                   batch_stats=sink, aux_losses=aux)
 
-    def _forward(self, theta: dict, x: Any, offset: tf.Tensor, step: Any) -> tuple[Any, dict]:
-        """(the cell's output, {layer path: [(count, mean, variance), ...]})."""
-        sink = fprop_context.BatchStatsSink()
-        with tf.device(self.cell.device), self._context(offset, step, sink):
+    def _forward(self, theta: dict, x: Any, offset: tf.Tensor,
+                 step: Any) -> tuple[Any, dict, list]:
+        """(the cell's output, {layer path: [(count, mean, variance), ...]}, the values
+        of the auxiliary losses, in the order of `aux_keys`)."""
+        sink, aux = fprop_context.BatchStatsSink(), fprop_context.AuxLossSink()
+        with tf.device(self.cell.device), self._context(offset, step, sink, aux):
             y = self.cell.forward(theta, x)
         # Layers may be nested (a BatchNorm inside a composite): learnt while tracing.
         self._layers.update((layer.path, layer) for layer, _ in sink.records.values())
         self.gathered = tuple(_only_gathered(t) for t in tf.nest.flatten(theta))
-        return y, {layer.path: stats for layer, stats in sink.records.values()}
+        records = aux_losses.records_of(aux)
+        self.aux_keys = [(key, weight) for key, _, weight in records]
+        return y, {layer.path: stats for layer, stats in sink.records.values()}, [
+            value for _, value, _ in records]
 
     def _backward(self, theta: dict, x: Any, dy: list, offset: tf.Tensor, step: Any,
-                  acc: list) -> tuple:
+                  acc: list, aux_grads: list) -> tuple:
         """Recomputes the forward from `x`, differentiates, and returns (the gradients of
         the boundary's input leaves, per flat weight the running sum `acc` plus its
         gradient): summing here keeps those adds out of the step's graph. Where `acc`
         has a stack, the sum stays on it and a token of the push is returned; where it
         has None (a gathered weight), the weight's own gradient, IndexedSlices or not.
+        aux_grads: per auxiliary loss (`aux_keys`), its output gradient, or None to
+        leave it out.
         With stamp_recompute, also a tf.timestamp taken once the recomputed outputs exist,
         which the differentiation waits for: the end of the recompute."""
         with tf.device(self.cell.device):
             with tf.GradientTape(watch_accessed_variables=False) as tape:
                 tape.watch(float_leaves(x) + tf.nest.flatten(theta))
                 sink = fprop_context.BatchStatsSink(discard=True)
-                with self._context(offset, step, sink):
+                aux = fprop_context.AuxLossSink()
+                with self._context(offset, step, sink, aux):
                     y = self.cell.forward(theta, x)
             x_leaves, y_leaves, _, _ = self.boundary(x, y)
+            wanted = [(value, g) for (_, value, _), g in zip(aux_losses.records_of(aux),
+                                                            aux_grads) if g is not None]
             recomputed = contextlib.nullcontext()
             if self.stamp_recompute:
                 with tf.control_dependencies(tf.nest.flatten(y)):
                     stamp = tf.timestamp(name='recompute_end')
                 recomputed = tf.control_dependencies([stamp])
             with recomputed:
-                grads = tape.gradient(y_leaves, x_leaves + tf.nest.flatten(theta),
-                                      output_gradients=dy,
+                grads = tape.gradient(y_leaves + [v for v, _ in wanted],
+                                      x_leaves + tf.nest.flatten(theta),
+                                      output_gradients=list(dy) + [g for _, g in wanted],
                                       unconnected_gradients=tf.UnconnectedGradients.ZERO)
             dx, dtheta = grads[:len(x_leaves)], grads[len(x_leaves):]
             sums = []
@@ -143,6 +158,10 @@ class CellFunctions:
         for path, entries in stats.items():
             for count, mean, variance in entries:
                 sink.record(self._layers[path], count, mean, variance)
+
+    def aux_records(self, values: list) -> list[aux_losses.Record]:
+        """The auxiliary losses of a forward call from the values it returned."""
+        return [(key, value, weight) for (key, weight), value in zip(self.aux_keys, values)]
 
 
 class FunctionalPipelineRun(PipelineRun):
@@ -189,11 +208,12 @@ class FunctionalPipelineRun(PipelineRun):
             tape = tf.GradientTape(watch_accessed_variables=False)
             with tape:
                 tape.watch(float_leaves(x) + tf.nest.flatten(theta))
-                y, stats = functions.forward(theta, x, offset, step)
-            self.tapes[(k, m)] = (tape, x, [y])
+                y, stats, aux = functions.forward(theta, x, offset, step)
+            self.tapes[(k, m)] = (tape, x, [y], functions.aux_records(aux))
         else:
-            y, stats = functions.forward(theta, x, offset, step)
+            y, stats, aux = functions.forward(theta, x, offset, step)
         functions.record(stats, self.sinks[k])
+        self.aux_forward[(k, m)] = functions.aux_records(aux)
         return y
 
     def _gradients(self, k: int, m: int, dy: list) -> tuple[list, list, list, dict]:
@@ -208,7 +228,10 @@ class FunctionalPipelineRun(PipelineRun):
                                                           functions.gathered))]
         acc = [None if gathered else self._stacks.get((k, i), a)
                for i, (a, gathered) in enumerate(zip(sums, functions.gathered))]
-        dx, out, *stamp = functions.backward(self.thetas[k], x, list(dy), offset, step, acc)
+        aux_grads = [None if g is None else _opaque(g) for g in aux_losses.coefficients(
+            self.aux_forward[(k, m)], self.aux_upstream, self.fractions[m])]
+        dx, out, *stamp = functions.backward(self.thetas[k], x, list(dy), offset, step, acc,
+                                             aux_grads)
         if stamp:  # the recompute ended inside the call: the timeline's split
             self.recorder.split(k, m, BACKWARD, stamp=stamp[0])
         acc = [accumulate.add(s, _static_shape(g, t)) if gathered else g

@@ -1,4 +1,5 @@
-"""Per-layer costs for automatic balancing: parameters, flops, memory or measured time.
+"""Per-layer costs for automatic balancing: parameters, flops, memory or measured time,
+and the balance of a pipeline's params from them (`balance_of`).
 
 The partitioner only sees a list of numbers; this module turns the body's
 layer params into one. By parameter count and by flops nothing is built (both
@@ -14,9 +15,11 @@ from typing import Any, Sequence
 import numpy as np
 import tensorflow as tf
 
+from tfpipe import devices as devices_lib
 from tfpipe import fprop_context
 from tfpipe.base_layer import apply_layer, body_metas
 from tfpipe.hyperparams import Params
+from tfpipe.pipeline import partition
 
 PARTITION_BY = ('params', 'flops', 'memory', 'time')
 
@@ -72,3 +75,32 @@ def sample_input(shape: Sequence[int], dtype: tf.DType) -> tf.Tensor:
     if dtype.is_floating:
         return tf.random.stateless_normal(list(shape), [0, 0], dtype=dtype)
     return tf.zeros(list(shape), dtype)
+
+
+def balance_of(p: Params) -> list[int]:
+    """Layers per cell of a PipeliningLayer's params: its balance (checked), or one
+    solved from the costs its partition_by names (num_cells x virtual_stages cells)."""
+    if p.balance is not None:
+        if p.num_cells is not None and p.num_cells != len(p.balance):
+            raise ValueError(f'num_cells={p.num_cells} disagrees with balance {p.balance}; '
+                             'set only one of them')
+        return partition.validate_balance(p.balance, len(p.body))
+    if p.num_cells is None:
+        raise ValueError('balance is None and num_cells is None: give balance=[...] '
+                         'or num_cells=K for automatic balance')
+    if p.partition_by not in PARTITION_BY:
+        raise ValueError(f'unknown partition_by {p.partition_by!r}; use one of '
+                         f'{list(PARTITION_BY)}')
+    if p.partition_by == 'params':
+        layer_costs = by_params(p.body)
+    elif p.input_shape is None:
+        raise ValueError(f"partition_by={p.partition_by!r} needs p.input_shape (the "
+                         "mini-batch shape, batch first), or use partition_by='params'")
+    elif p.partition_by == 'flops':
+        layer_costs = by_flops(p.body, tf.TensorShape(p.input_shape))
+    elif p.partition_by == 'memory':
+        layer_costs = by_memory(p.body, tf.TensorShape(p.input_shape))
+    else:
+        first = devices_lib.resolve(None if p.devices is None else list(p.devices)[:1], 1)[0]
+        layer_costs = by_time(p.body, sample_input(p.input_shape, p.input_dtype), first)
+    return partition.solve_balance(layer_costs, p.num_cells * p.virtual_stages)

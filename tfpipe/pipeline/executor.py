@@ -31,6 +31,10 @@ Skip connections that span cells (layers.Stash ... layers.Pop) travel through
 portals (see portals.py): from the stashing cell's forward straight to the
 popping cell's, and their gradients straight back.
 
+Auxiliary losses a layer records (a mixture of experts' load-balancing loss) are
+collected per (cell, micro-batch) and differentiated in the same backward as the
+cell's outputs, weighted b_m / N (aux_losses.py); the forward's values are reported.
+
 A task's computation (`_compute_forward`, `_gradients`) is separate from its
 scheduling (device, control dependencies, portals, recorder): cell_functions.py
 replaces the computation by calls of each cell's traced functions.
@@ -43,7 +47,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import tensorflow as tf
 
 from tfpipe import fprop_context
-from tfpipe.pipeline import accumulate, portals
+from tfpipe.pipeline import accumulate, aux_losses, microbatch, portals
 from tfpipe.pipeline.cell import Cell
 from tfpipe.pipeline.recorder import Recorder
 from tfpipe.pipeline.schedule import BACKWARD, BACKWARD_INPUT, FORWARD, RECOMPUTE, Task
@@ -73,7 +77,10 @@ class PipelineRun:
     def __init__(self, cells: Sequence[Cell], thetas: Sequence[dict], micro_inputs: Sequence,
                  offsets: Sequence[int], context: fprop_context.FPropContext,
                  need_input_grads: bool = False, on_output: Optional[OnOutput] = None,
-                 split_backward: bool = False, recorder: Optional[Recorder] = None):
+                 split_backward: bool = False, recorder: Optional[Recorder] = None,
+                 global_batch: Optional[int] = None):
+        """global_batch: the examples of the whole (global) mini-batch, which weigh each
+        micro-batch's auxiliary losses (aux_losses.py); None: this run's."""
         self.cells = list(cells)
         self.recorder = recorder  # stamps every task's start and end when given
         self.thetas = list(thetas)
@@ -90,6 +97,12 @@ class PipelineRun:
         self.input_grads: list = [None] * len(micro_inputs)
         self.theta_grads: list[Optional[list]] = [None] * num_cells
         self.sinks = [fprop_context.BatchStatsSink() for _ in range(num_cells)]
+        sizes = [microbatch.batch_size(x) for x in micro_inputs]
+        self.fractions = [b / (global_batch or sum(sizes)) for b in sizes]
+        # Per (cell, micro-batch): the auxiliary losses its forward recorded (reported).
+        self.aux_forward: dict[tuple[int, int], list[aux_losses.Record]] = {}
+        # Per loss key, the gradient of its reported sum; None: each loss's weight.
+        self.aux_upstream: Optional[dict] = None
         # Per (cell, micro-batch) between a split backward's input and weight parts.
         self._awaiting_weights: dict[tuple[int, int], tuple] = {}
         self._last: dict[str, list[tf.Tensor]] = {}  # device -> outputs of its last task
@@ -128,6 +141,12 @@ class PipelineRun:
                 for layer, stats in sink.records.values():
                     layer.ApplyBatchStatistics(stats)
 
+    def aux_report(self) -> dict:
+        """{(layer path, name): (sum over micro-batches of b_m / N x value, weight)}."""
+        keys = sorted(self.aux_forward)
+        return aux_losses.summed([self.aux_forward[key] for key in keys],
+                                 [self.fractions[m] for _, m in keys])
+
     def theta_grads_of(self, k: int) -> dict:
         """Cell k's accumulated weight gradients, in the structure of its theta."""
         return tf.nest.pack_sequence_as(self.thetas[k], self.theta_grads[k])
@@ -150,14 +169,16 @@ class PipelineRun:
             with tf.device(self.cells[k].device):
                 self.recorder.end(k, m, outputs)
 
-    def _context(self, m: int, sink: fprop_context.BatchStatsSink):
+    def _context(self, m: int, sink: fprop_context.BatchStatsSink,
+                 aux: fprop_context.AuxLossSink):
         ctx = self.context
         # A step variable (the trainer's global_step) is read here: a read inside a
         # tensor-parallel shard's tf.custom_gradient (Dropout.Mask) would make it
         # demand gradients for the variable.
         step = ctx.step.read_value() if isinstance(ctx.step, tf.Variable) else ctx.step
         return fprop_context.scope(training=ctx.training, step=step,
-                                   example_offset=self.offsets[m], batch_stats=sink)
+                                   example_offset=self.offsets[m], batch_stats=sink,
+                                   aux_losses=aux)
 
     def _forward(self, k: int, m: int) -> None:
         cell = self.cells[k]
@@ -190,16 +211,20 @@ class PipelineRun:
         """F(k, m)'s computation (under its device and scope): the cell's output, with a
         tape kept for the backward unless the cell recomputes."""
         cell, theta = self.cells[k], self.thetas[k]
-        with self._context(m, self.sinks[k]):
+        aux = fprop_context.AuxLossSink()
+        with self._context(m, self.sinks[k], aux):
             if cell.recompute or not self.context.training:
-                return cell.forward(theta, x)
-            tape = tf.GradientTape(watch_accessed_variables=False,
-                                   persistent=self.split_backward)
-            with tape:
-                tape.watch(float_leaves(x) + tf.nest.flatten(theta))
-                outs = cell.forward_layers(theta, x)
-            self.tapes[(k, m)] = (tape, x, outs)
-            return outs[-1]
+                y = cell.forward(theta, x)
+            else:
+                tape = tf.GradientTape(watch_accessed_variables=False,
+                                       persistent=self.split_backward)
+                with tape:
+                    tape.watch(float_leaves(x) + tf.nest.flatten(theta))
+                    outs = cell.forward_layers(theta, x)
+                self.tapes[(k, m)] = (tape, x, outs, aux_losses.records_of(aux))
+                y = outs[-1]
+        self.aux_forward[(k, m)] = aux_losses.records_of(aux)
+        return y
 
     def _backward(self, k: int, m: int) -> None:
         cell = self.cells[k]
@@ -219,20 +244,24 @@ class PipelineRun:
         dy = self._incoming_grads(k, m)
         with self._scope(k, m, 'backward_input', extra_deps=dy, inputs=(dy, self._saved(k, m)),
                          recorded_phase=RECOMPUTE if cell.recompute else None):
-            tape, x, outs = self._tape_of(k, m)
+            tape, x, outs, records = self._tape_of(k, m)
             x_leaves, y_leaves, x_parts, x_received = self._boundary(k, x, outs[-1])
             inner = [float_leaves(o) for o in outs[:-1]]
+            values, coefficients = self._aux_targets(m, records)
             with self._after_recompute(k, m, BACKWARD_INPUT, outs):
-                grads = tape.gradient(y_leaves, x_leaves + [t for o in inner for t in o],
-                                      output_gradients=dy,
+                grads = tape.gradient(y_leaves + values,
+                                      x_leaves + [t for o in inner for t in o],
+                                      output_gradients=list(dy) + coefficients,
                                       unconnected_gradients=tf.UnconnectedGradients.ZERO)
             dx, rest = grads[:len(x_leaves)], grads[len(x_leaves):]
             douts, pos = [], 0
             for leaves in inner:
                 douts.append(rest[pos:pos + len(leaves)])
                 pos += len(leaves)
-        # Layer i's weights are differentiated from its output alone, in the W task.
-        self._awaiting_weights[(k, m)] = (tape, inner + [y_leaves], douts + [list(dy)])
+        # Layer i's weights are differentiated from its output (and its own auxiliary
+        # losses) alone, in the W task.
+        self._awaiting_weights[(k, m)] = (tape, inner + [y_leaves], douts + [list(dy)],
+                                          records)
         self._last[cell.device] = list(dx) + [g for d in douts for g in d]
         self._end(k, m, self._last[cell.device])
         self._pass_input_grads(k, m, dx, x_parts, x_received)
@@ -240,13 +269,16 @@ class PipelineRun:
     def _backward_weight(self, k: int, m: int) -> None:
         """W of a split backward: each layer's weight gradients from its output gradient."""
         cell, theta = self.cells[k], self.thetas[k]
-        tape, targets, douts = self._awaiting_weights.pop((k, m))
+        tape, targets, douts, records = self._awaiting_weights.pop((k, m))
         with self._scope(k, m, 'backward_weight', inputs=douts):
             by_layer = {}
             for layer, target, dout in zip(cell.layers, targets, douts):
                 name = layer.params.name
                 flat = tf.nest.flatten(theta[name])
-                grads = tape.gradient(target, flat, output_gradients=dout,
+                values, coefficients = self._aux_targets(
+                    m, aux_losses.under(records, layer.path))
+                grads = tape.gradient(list(target) + values, flat,
+                                      output_gradients=list(dout) + coefficients,
                                       unconnected_gradients=tf.UnconnectedGradients.ZERO)
                 by_layer[name] = tf.nest.pack_sequence_as(theta[name], grads)
             del tape  # frees the activations it held since the input part
@@ -260,18 +292,25 @@ class PipelineRun:
     def _gradients(self, k: int, m: int, dy: list) -> tuple[list, list, list, dict]:
         """B(k, m)'s computation: (input gradients, flat weight gradients) and the
         input's parts for `_pass_input_grads`, recomputing first if the cell does."""
-        tape, x, outs = self._tape_of(k, m)
+        tape, x, outs, records = self._tape_of(k, m)
         x_leaves, y_leaves, x_parts, x_received = self._boundary(k, x, outs[-1])
+        values, coefficients = self._aux_targets(m, records)
         with self._after_recompute(k, m, BACKWARD, outs):
-            grads = tape.gradient(y_leaves, x_leaves + tf.nest.flatten(self.thetas[k]),
-                                  output_gradients=dy,
+            grads = tape.gradient(y_leaves + values,
+                                  x_leaves + tf.nest.flatten(self.thetas[k]),
+                                  output_gradients=list(dy) + coefficients,
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
         return grads[:len(x_leaves)], grads[len(x_leaves):], x_parts, x_received
 
     def _saved(self, k: int, m: int) -> Any:
         """What a backward task starts from besides dy: the input it recomputes from, or
         the forward's recorded tape outputs (the timeline's start waits for them)."""
-        return self.inputs.get((k, m)) if self.cells[k].recompute else self.tapes[(k, m)][1:]
+        return self.inputs.get((k, m)) if self.cells[k].recompute else self.tapes[(k, m)][1:3]
+
+    def _aux_targets(self, m: int, records: list) -> tuple[list, list]:
+        """The auxiliary losses a backward of micro-batch m differentiates beside the
+        cell's outputs, and their output gradients (aux_losses.py)."""
+        return aux_losses.targets(records, self.aux_upstream, self.fractions[m])
 
     def _after_recompute(self, k: int, m: int, phase: str, outs: list):
         """With a timeline: ends the recompute event when the recomputed outputs exist
@@ -287,19 +326,21 @@ class PipelineRun:
         portal_dy = self.portal_grads.pop((k, m), {})
         return dy + [g for key in sorted(portal_dy) for g in portal_dy[key]]
 
-    def _tape_of(self, k: int, m: int) -> tuple[tf.GradientTape, Any, list]:
-        """The tape of F(k, m) and the outputs of each of the cell's layers: recorded by
-        the forward, or recomputed now (under the caller's device and scope)."""
+    def _tape_of(self, k: int, m: int) -> tuple[tf.GradientTape, Any, list, list]:
+        """The tape of F(k, m), the outputs of each of the cell's layers and the
+        auxiliary losses: recorded by the forward, or recomputed now (under the caller's
+        device and scope; the recomputed losses are differentiated, never reported)."""
         cell, theta = self.cells[k], self.thetas[k]
         if not cell.recompute:
             return self.tapes.pop((k, m))
         x = tf.nest.map_structure(tf.identity, self.inputs.pop((k, m)))
         tape = tf.GradientTape(watch_accessed_variables=False, persistent=self.split_backward)
+        aux = fprop_context.AuxLossSink()
         with tape:
             tape.watch(float_leaves(x) + tf.nest.flatten(theta))
-            with self._context(m, fprop_context.BatchStatsSink(discard=True)):
+            with self._context(m, fprop_context.BatchStatsSink(discard=True), aux):
                 outs = cell.forward_layers(theta, x)
-        return tape, x, outs
+        return tape, x, outs, aux_losses.records_of(aux)
 
     def _boundary(self, k: int, x: Any, y: Any) -> tuple[list, list, list, dict]:
         """The leaves to differentiate: the cell's input (main part first, then the skips

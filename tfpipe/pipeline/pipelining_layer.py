@@ -38,11 +38,10 @@ from typing import Any, Callable, Iterator
 
 import tensorflow as tf
 
-from tfpipe import devices as devices_lib
 from tfpipe import fprop_context
 from tfpipe.base_layer import BaseLayer, body_meta
-from tfpipe.pipeline import (across_clients, costs, expert_parallel, microbatch, partition,
-                             recorder, replicas, schedule, tensor_parallel, ties)
+from tfpipe.pipeline import (across_clients, aux_losses, costs, expert_parallel, microbatch,
+                             partition, recorder, replicas, schedule, tensor_parallel, ties)
 from tfpipe.pipeline.cell import RECOMPUTE_POLICIES, Cell, cell_dtypes, recompute_flags
 from tfpipe.pipeline.cell_functions import FunctionalPipelineRun
 from tfpipe.pipeline.executor import PipelineRun, float_leaves, is_differentiable
@@ -143,7 +142,7 @@ class PipeliningLayer(BaseLayer):
         # and the pipeline's outputs stay float32.
         flags = None
         try:
-            self.balance = tuple(self._Balance())
+            self.balance = tuple(costs.balance_of(p))
             if len(self.balance) % v:
                 raise ValueError(f'balance {list(self.balance)} has {len(self.balance)} cells, '
                                  f'not a multiple of virtual_stages={v}: give K*{v} entries')
@@ -185,35 +184,6 @@ class PipeliningLayer(BaseLayer):
         self._peers: across_clients.Peers | None = None
         self._global_batch: int | None = None  # a client fed only its share (JoinClients)
         self._defer_gradient_sum = False  # DeferGradientSum
-
-    def _Balance(self) -> list[int]:
-        p = self.params
-        if p.balance is not None:
-            if p.num_cells is not None and p.num_cells != len(p.balance):
-                raise ValueError(f'num_cells={p.num_cells} disagrees with balance {p.balance}; '
-                                 'set only one of them')
-            return partition.validate_balance(p.balance, len(p.body))
-        if p.num_cells is None:
-            raise ValueError('balance is None and num_cells is None: give balance=[...] '
-                             'or num_cells=K for automatic balance')
-        if p.partition_by not in costs.PARTITION_BY:
-            raise ValueError(f'unknown partition_by {p.partition_by!r}; use one of '
-                             f'{list(costs.PARTITION_BY)}')
-        if p.partition_by == 'params':
-            layer_costs = costs.by_params(p.body)
-        elif p.input_shape is None:
-            raise ValueError(f"partition_by={p.partition_by!r} needs p.input_shape (the "
-                             "mini-batch shape, batch first), or use partition_by='params'")
-        elif p.partition_by == 'flops':
-            layer_costs = costs.by_flops(p.body, tf.TensorShape(p.input_shape))
-        elif p.partition_by == 'memory':
-            layer_costs = costs.by_memory(p.body, tf.TensorShape(p.input_shape))
-        else:
-            first = devices_lib.resolve(None if p.devices is None else list(p.devices)[:1],
-                                        1)[0]
-            layer_costs = costs.by_time(p.body, costs.sample_input(p.input_shape, p.input_dtype),
-                                        first)
-        return partition.solve_balance(layer_costs, p.num_cells * p.virtual_stages)
 
     # -- Replicas ------------------------------------------------------------------------
 
@@ -365,10 +335,12 @@ class PipeliningLayer(BaseLayer):
         ctx = fprop_context.current()
         if not ctx.training:
             micro, offsets, groups = self._Split(inputs, self.devices[0])
-            runs = self._Runs(self._ReadThetas(theta), micro, offsets, groups, ctx)
+            runs = self._Runs(self._ReadThetas(theta), micro, offsets, groups, ctx,
+                              global_batch=microbatch.batch_size(inputs))
             for run, group in zip(runs, groups):
                 run.run(t for tick in self._Ticks('fill_drain', len(group)) for t in tick
                         if t.phase == schedule.FORWARD)
+            aux_losses.record_into(ctx.aux_losses, self._AuxReport(runs))
             return self._Merge([y for run in runs for y in run.outputs])
         return self._TrainingFProp([cell.read_theta(theta) for cell in self.cells], inputs, ctx,
                                    scope)
@@ -396,8 +368,14 @@ class PipeliningLayer(BaseLayer):
         else:
             replicas.apply_batch_stats(self.replica_cells, [run.sinks for run in runs])
 
+    def _AuxReport(self, runs: list[PipelineRun]) -> dict:
+        """The auxiliary losses of all replicas' micro-batches, summed (aux_losses.py)."""
+        return aux_losses.merge([run.aux_report() for run in runs], self.devices[-1])
+
     def _TrainingFProp(self, thetas: list[dict], inputs: Any, ctx, scope: str) -> Any:
-        """The whole pipeline as one custom-gradient op of (inputs, replica 0's theta)."""
+        """The whole pipeline as one custom-gradient op of (inputs, replica 0's theta)
+        whose outputs are the body's and the summed auxiliary losses, recorded into the
+        caller's sink: their gradients there weigh the losses in each cell's backward."""
         if isinstance(ctx.step, tf.Variable):
             # Read here: the custom gradient refuses variables that it does not get as
             # inputs, and Dropout (or a cell function's step argument) reads the step.
@@ -415,7 +393,8 @@ class PipeliningLayer(BaseLayer):
                 'FProp under an outer GradientTape cannot do (the tape issues every backward '
                 'after all forwards); train with ForwardBackward(theta, inputs, loss_fn, '
                 "targets), or set schedule='fill_drain'")
-        out_structure = []
+        out_structure, aux_report = [], {}
+        batch = microbatch.batch_size(inputs)
 
         @tf.custom_gradient
         def pipelined(*args):
@@ -436,15 +415,21 @@ class PipeliningLayer(BaseLayer):
                             for a in leaves]))
                 local_thetas.append(local)
             micro, offsets, groups = self._Split(x, self.devices[0])
-            runs = self._Runs(local_thetas, micro, offsets, groups, ctx, need_input_grads=True)
+            runs = self._Runs(local_thetas, micro, offsets, groups, ctx, need_input_grads=True,
+                              global_batch=batch)
             for run, group in zip(runs, groups):
                 run.run(t for tick in self._Ticks(self.params.schedule, len(group)) for t in tick
                         if t.phase == schedule.FORWARD)
             self._ApplyBatchStats(runs, groups, len(micro))
             y = self._Merge([out for run in runs for out in run.outputs])
             out_structure.append(y)
+            aux_report.update(self._AuxReport(runs))
+            num_outputs = len(tf.nest.flatten(y))
 
             def grad(*dys):
+                upstream = {key: d for key, d in zip(aux_report, dys[num_outputs:])
+                            if d is not None}
+                dys = dys[:num_outputs]
                 # Re-enter the forward's name scope, so that backward ops are found
                 # beside the forward ones ('pipe/cell_k/backward_m').
                 with tf.name_scope(scope or self.params.name):
@@ -455,15 +440,20 @@ class PipeliningLayer(BaseLayer):
                         micro_dy = microbatch.split(dy, len(micro))
                     for run, group in zip(runs, groups):
                         run.set_output_grads([float_leaves(micro_dy[m]) for m in group])
+                        run.aux_upstream = upstream
                         run.run(t for tick in self._Ticks(self.params.schedule, len(group))
                                 for t in tick if t.phase == schedule.BACKWARD)
                     return self._InputGrads(x, runs) + [
                         g for cell_grads in self._SumOverReplicas(runs) for g in cell_grads]
 
-            return tf.nest.flatten(y), grad
+            return tf.nest.flatten(y) + [value for value, _ in aux_report.values()], grad
 
-        flat_y = pipelined(*flat_inputs, *[v for f in flat_thetas for v in f])
-        return tf.nest.pack_sequence_as(out_structure[0], flat_y)
+        flat_out = pipelined(*flat_inputs, *[v for f in flat_thetas for v in f])
+        num_outputs = len(tf.nest.flatten(out_structure[0]))
+        aux_losses.record_into(ctx.aux_losses, {
+            key: (value, weight) for (key, (_, weight)), value in
+            zip(aux_report.items(), flat_out[num_outputs:])})
+        return tf.nest.pack_sequence_as(out_structure[0], flat_out[:num_outputs])
 
     def _SumOverReplicas(self, runs: list[PipelineRun]) -> list[list[tf.Tensor]]:
         """Each cell's flat weight gradients summed over replicas on replica 0's device."""
@@ -491,8 +481,10 @@ class PipeliningLayer(BaseLayer):
 
         `loss_fn(outputs, targets)` gets one micro-batch's outputs and targets and
         returns one loss per example (shape [b]); `loss` is the mean over all N
-        examples, exact for uneven micro-batches. `grads` has the structure of
-        `theta`; each cell's gradients are summed over micro-batches on its device.
+        examples, exact for uneven micro-batches. `grads`, of `loss` plus the body's
+        weighted auxiliary losses (aux_losses.py; their sums go to the context's
+        AuxLossSink, if any), has the structure of `theta`; each cell's gradients are
+        summed over micro-batches on its device.
         With R > 1 replicas `theta` may be one theta (read by every replica; the
         gradients are summed onto its devices) or the list `ReplicaThetas()`: then
         `grads` is a list of R dicts, each cell's gradients all-reduced over its R
@@ -549,7 +541,7 @@ class PipeliningLayer(BaseLayer):
         ticks = [self._Ticks(self.params.schedule, len(group)) for group in groups]
         runs = [self._NewRun(cells, cell_thetas, [micro[m] for m in group],
                              [offsets[m] for m in group], ctx, on_output=on_output_of(group),
-                             split_backward=schedule.phases_of(t) != (schedule.FORWARD,
+                             global_batch=n, split_backward=schedule.phases_of(t) != (schedule.FORWARD,
                                                                       schedule.BACKWARD))
                 for cells, cell_thetas, group, t in zip(self.replica_cells, thetas, groups,
                                                         ticks)]
@@ -558,8 +550,13 @@ class PipeliningLayer(BaseLayer):
         self._ApplyBatchStats(runs, groups, len(micro))
         with tf.device(self.devices[-1]), tf.name_scope('loss'):
             loss = tf.add_n(losses)
+        report = self._AuxReport(runs)
         if self._peers is not None:
-            loss, = across_clients.all_reduce_sum(self._peers, [loss], self.devices[-1])
+            loss, *aux = across_clients.all_reduce_sum(
+                self._peers, [loss] + [value for value, _ in report.values()], self.devices[-1])
+            report = {key: (value, weight) for (key, (_, weight)), value in
+                      zip(report.items(), aux)}
+        aux_losses.record_into(ctx.aux_losses, report)
         if not isinstance(theta, list):
             grads: dict = {}
             for k, cell_grads in enumerate(self._SumOverReplicas(runs)):

@@ -1,0 +1,73 @@
+"""The registered MoE language model (lm.pystdlib.TinyMoETransformerLM) through one short
+trainer run with its evaler on dev and decoder on test: the progress lines show the
+auxiliary loss and routing, the evaler reports them apart from its loss and drops no
+token, the decoder writes continuations, and KV-cached generation from the checkpoint
+equals uncached generation (decoding routes every token: C = S)."""
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import model_registry
+from tfpipe import checkpoints, layers, lm_inputs
+from tests import trainer_helpers as th
+
+MODEL = 'lm.pystdlib.TinyMoETransformerLM'
+STEPS = 4
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory):
+    logdir = str(tmp_path_factory.mktemp('moe_lm') / 'run')
+    result = th.run(MODEL, logdir, str(tmp_path_factory.mktemp('unused_tfds')),
+                    '--job=trainer,evaler_dev,decoder_test', f'--max_steps={STEPS}',
+                    '--gin_bindings=trainer.eval_poll_max_seconds=1',
+                    '--gin_bindings=trainer.summary_interval_steps=1',
+                    th.overrides(**{'task.eval.samples_per_summary': 32}), timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return th.TrainedRun(logdir, result.stderr)
+
+
+def test_every_other_block_is_a_mixture_of_experts():
+    task = model_registry.get_params(MODEL).task
+    blocks = [p for p in task.pipeline.body if p.name.startswith('block')]
+    assert [p.cls for p in blocks] == [layers.PackedTransformerBlock,
+                                       layers.PackedMoETransformerBlock]
+    moe, dense = blocks[1], blocks[0]
+    assert (moe.num_experts, moe.top_k, 2 * moe.hidden_dim) == (8, 2, dense.hidden_dim)
+    assert moe.eval_capacity_factor * moe.top_k == moe.num_experts  # C = S in evaluation
+
+
+def test_progress_lines_show_the_aux_loss_and_routing(trained):
+    line = [l for l in trained.stderr.splitlines() if f'step {STEPS}/{STEPS}' in l][-1]
+    match = re.search(r'loss ([\d.]+)  aux_loss ([\d.]+)  load_balancing_loss ([\d.]+)  '
+                      r'dropped_fraction ([\d.]+)', line)
+    assert match, line
+    assert 0 < float(match.group(2)) < 0.1 and float(match.group(3)) > 0
+
+
+def test_evaler_reports_aux_loss_apart_and_drops_nothing(trained):
+    with open(os.path.join(trained.logdir, 'eval_dev', f'score-{STEPS}.txt')) as f:
+        scores = {k: float(v) for k, v in (line.split(': ') for line in f)}
+    assert scores['dropped_fraction'] == 0.0
+    assert 0 < scores['aux_loss'] < 0.1
+    np.testing.assert_allclose(scores['aux_loss'], 0.01 * scores['load_balancing_loss'],
+                               rtol=1e-4)
+    np.testing.assert_allclose(scores['loss'], scores['log_pplx'], rtol=1e-6)  # no aux in it
+
+
+def test_decoder_and_cached_generation(trained):
+    with open(os.path.join(trained.logdir, 'decoder_test', f'decoder_out-{STEPS}.jsonl')) as f:
+        records = [json.loads(line) for line in f]
+    assert records and all(r['greedy']['ids'] for r in records)
+    task = model_registry.get_params(MODEL).task.Instantiate()
+    checkpoints.restore(checkpoints.make(task.VariablesByPath()),
+                        checkpoints.latest(os.path.join(trained.logdir, 'train')),
+                        partial=True)
+    prompt = tf.constant([[lm_inputs.EOD_ID, 105, 109, 112, 111, 114, 116]], tf.int32)
+    cached, _ = task.generator.generate(task.theta['pipe'], prompt, 6)
+    uncached, _ = task.generator.generate(task.theta['pipe'], prompt, 6, cached=False)
+    np.testing.assert_array_equal(cached.numpy(), uncached.numpy())
