@@ -119,14 +119,16 @@ def test_a_stage_with_expert_parallelism_is_refused_in_one_line(values):
     assert sharding.stage_of(_train_params(), 4, expert_parallel=2) == 'none'
 
 
-class _PipelineRun(tp_optimizers.Run):
+class PipelineRun(tp_optimizers.Run):
     """tests/test_tensor_parallel_optimizers.py's pipeline (float64, Dropout, T-way split
-    layers, an fc3 bias of 5 that neither R divides) and the trainer's update: stage 2 or
-    one unsharded optimizer per replica. `train` returns the loss of every step."""
+    layers, an fc3 bias of 5 that neither R divides) and the trainer's update at `stage`
+    (task.train.sharding: one unsharded optimizer per replica, stage 1 or stage 2).
+    `train` continues from the global step (inputs of each step fixed by the step, as a
+    resumed trainer's) and returns the loss of every step."""
 
-    def __init__(self, t, k, r, stage2, rule):
-        super().__init__(t, k, r, sharded=False, rule=rule)
-        if stage2:
+    def __init__(self, t, k, r, stage, rule):
+        super().__init__(t, k, r, sharded=stage == sharding.OPTIMIZER_STATES, rule=rule)
+        if stage == sharding.GRADIENTS:
             self.pipe.DeferGradientSum()
             self.optimizer = self.optimizers = ShardedOptimizer(rule, self.variables,
                                                                 shard_gradients=True)
@@ -135,6 +137,7 @@ class _PipelineRun(tp_optimizers.Run):
         with fprop_context.training(step=self.global_step):
             loss, grads = self.pipe.ForwardBackward(self.pipe.ReplicaThetas(), x,
                                                     mz.loss_fn, y)
+        grads = grads if isinstance(grads, list) else [grads]
         guarded_update(loss, [flatten_by_path(g, 'pipe') for g in grads], 0.5,
                        self.optimizers, self.variables, tf.constant(tp_optimizers.LR,
                                                                     tf.float64),
@@ -142,7 +145,8 @@ class _PipelineRun(tp_optimizers.Run):
         return loss
 
     def train(self, steps):
-        return [float(self._step(*tp_optimizers.inputs(s))) for s in range(steps)]
+        return [float(self._step(*tp_optimizers.inputs(int(self.global_step.numpy()))))
+                for _ in range(steps)]
 
 
 PIPELINE_GRID = [  # (optimizer, T, K, R): R in {2, 4} x K in {1, 2}, T=2 at one point
@@ -154,7 +158,8 @@ PIPELINE_GRID = [  # (optimizer, T, K, R): R in {2, 4} x K in {1, 2}, T=2 at one
 def test_stage2_pipeline_trains_as_unsharded(name, t, k, r):
     """Loss at every step, every replica's weights and the whole slots within 1e-5."""
     rule = OPTIMIZERS[name].Copy().Set(name=name)
-    ref, run = _PipelineRun(t, k, r, False, rule), _PipelineRun(t, k, r, True, rule)
+    ref = PipelineRun(t, k, r, sharding.NONE, rule)
+    run = PipelineRun(t, k, r, sharding.GRADIENTS, rule)
     np.testing.assert_allclose(run.train(3), ref.train(3), rtol=1e-5)
     for copy, ref_copy in zip(run.variables, ref.variables):
         for path, var in ref_copy.items():
