@@ -171,3 +171,70 @@ def test_stage2_pipeline_trains_as_unsharded(name, t, k, r):
             np.testing.assert_allclose(run.optimizer.GetSlot(path, slot).numpy(),
                                        ref.optimizer.GetSlot(path, slot).numpy(),
                                        rtol=1e-5, atol=1e-8, err_msg=f'{path}/{slot}')
+
+
+def _conv_bn_run(stage, dtype, fprop_dtype=None, steps=3):
+    """model_zoo's conv net with two BatchNorm layers, R=2 x K=2 x M=2, trained by the
+    trainer's update with Adam at `stage`. Returns the loss of every step, and every
+    replica's variables (BN moving statistics included) after the first and the last."""
+    body = mz.conv_body(dtype, batch_norm=True)
+    pipe = mz.pipeline(body, 2, 2, num_replicas=2, fprop_dtype=fprop_dtype)
+    copies = pipe.ReplicaVariablesByPath()
+    variables = [{p: v for p, v in copy.items() if v.trainable} for copy in copies]
+    rule = OPTIMIZERS['adam']
+    if stage == sharding.GRADIENTS:
+        pipe.DeferGradientSum()
+        optimizer = ShardedOptimizer(rule, variables, shard_gradients=True)
+    else:
+        optimizer = [rule.Instantiate() for _ in variables]
+        for opt, v in zip(optimizer, variables):
+            opt.CreateSlots(v)
+    x, y = mz.inputs_for(body, dtype)
+    global_step = tf.Variable(0, dtype=tf.int64)
+
+    @tf.function
+    def step():
+        with fprop_context.training(step=global_step):
+            loss, grads = pipe.ForwardBackward(pipe.ReplicaThetas(), x, mz.loss_fn, y)
+        guarded_update(loss, [flatten_by_path(g, 'pipe') for g in grads], 0.5, optimizer,
+                       variables, tf.constant(0.01), global_step)
+        return loss
+
+    def snapshot():
+        return [{p: v.numpy() for p, v in copy.items()} for copy in copies]
+
+    losses = [float(step())]
+    first = snapshot()
+    losses += [float(step()) for _ in range(steps - 1)]
+    return losses, first, snapshot()
+
+
+def _moving_statistics(copy):
+    return {p: v for p, v in copy.items() if '/moving_' in p}
+
+
+@pytest.mark.parametrize('dtype,fprop_dtype', [(tf.float64, None), (tf.float32, tf.bfloat16)],
+                         ids=['float64', 'bfloat16'])
+def test_stage2_keeps_batch_norm_statistics_over_replicas_and_bfloat16(dtype, fprop_dtype):
+    """BatchNorm's moving statistics combine the micro-batches of both replicas as the
+    unsharded run does: after the first step (same weights) bit for bit on every replica,
+    after three within 1e-5 in float64. With bfloat16 activations (float32 variables and
+    gradient sums) the first step is bit for bit too, and three steps within the 2% that
+    tests/test_pipeline_bfloat16.py allows bfloat16 against float32."""
+    ref_losses, ref_first, ref_last = _conv_bn_run(sharding.NONE, dtype, fprop_dtype)
+    losses, first, last = _conv_bn_run(sharding.GRADIENTS, dtype, fprop_dtype)
+    assert losses[0] == ref_losses[0]
+    statistics = _moving_statistics(ref_first[0])
+    assert len(statistics) == 4  # bn0 and bn1: mean and variance
+    for r in range(2):
+        for path, value in _moving_statistics(first[r]).items():
+            np.testing.assert_array_equal(value, ref_first[0][path], err_msg=f'{path} {r}')
+        assert first[r].keys() == ref_first[0].keys()
+    assert not np.allclose(ref_last[0]['pipe/bn0/moving_mean'], 0.0)  # the statistics moved
+    tolerance = dict(rtol=1e-5, atol=1e-8) if fprop_dtype is None else dict(rtol=0.02,
+                                                                             atol=1e-3)
+    np.testing.assert_allclose(losses, ref_losses, rtol=tolerance['rtol'])
+    for r in range(2):
+        for path, value in ref_last[r].items():
+            np.testing.assert_allclose(last[r][path], value, **tolerance,
+                                       err_msg=f'{path} replica {r}')
