@@ -88,6 +88,32 @@ def test_reduce_scatter_leaves_each_replica_its_part_of_the_sum():
         assert parts[3][path].shape[0] < whole.shape[0]  # a part, not the whole
 
 
+def _all_gathers(fn, *args):
+    """The number of all-gathers in `fn`'s traced graph, its branches included."""
+    graph = fn.get_concrete_function(*args).graph.as_graph_def()
+    ops = [n.op for n in graph.node] + [n.op for f in graph.library.function for n in f.node_def]
+    return ops.count('CollectiveGather')
+
+
+@pytest.mark.parametrize('name,gathers', [('adam', 2), ('adafactor', 2 + 2 * 2)])
+def test_stage2_gathers_a_whole_gradient_only_for_a_rule_that_reads_one(name, gathers):
+    """One all-gather per replica of the updated weights (all variables on one device
+    here: one buffer), and Adafactor's whole gradient of each of its 2 factored
+    variables (rank >= 2), per replica; Adam reads none. (Reading a part's gradient shape
+    used to all-gather the whole gradient of every variable, for every rule.)"""
+    variables = _replica_variables(2)
+    optimizer = ShardedOptimizer(OPTIMIZERS[name], variables, shard_gradients=True)
+    global_step = tf.Variable(0, dtype=tf.int64)
+
+    @tf.function
+    def step(shares):
+        return guarded_update(tf.constant(1.0), shares, CLIP, optimizer, variables,
+                              tf.constant(0.05), global_step)
+
+    shares = [{p: tf.constant(g) for p, g in s.items()} for s in _shares(0, 2)]
+    assert _all_gathers(step, shares) == gathers
+
+
 def _train_params(**values):
     p = Params()
     p.Define('sharding', 'none', '')
