@@ -13,7 +13,19 @@ Prints, in one run:
     accumulates its micro-batches' gradients whole until its last backward
     (docs/optimizer_sharding.md), so its peak is not lowered by the gradients;
   - the step time of each stage relative to unsharded at R=2, all three built in one
-    process (R*K logical CPUs sharing this host's cores) and timed in alternating rounds.
+    process (R*K logical CPUs sharing this host's cores) and timed in alternating rounds;
+    beside it, the time of the stage's exchanges alone and their share of the step.
+    "Exchanges alone" is a tf.function that runs only the collectives the stage's step
+    runs, on tensors of the step's shapes, dtypes and devices (the weights stand in for
+    the gradient sums), with the step's packing: 'none' the pipeline's all-reduce of each
+    cell's gradients (replicas.all_reduce_sum); 'optimizer_states' that all-reduce and
+    ShardedOptimizer's all-gather of the updated parts; 'gradients' its reduce-scatter,
+    the scalar sum of the clipping norm and the all-gather. The all-gather runs through
+    ShardedOptimizer.Apply with plain SGD at learning rate 0, which adds one elementwise
+    op per element of a replica's 1/R part and leaves the weights as they are. Alone,
+    nothing overlaps the exchanges, so the share is an upper bound of what they cost the
+    step; on logical CPUs of one process they are copies in one host's memory, not a
+    network's traffic.
 
 Run (from the repository root):
     PYTHONPATH=. python benchmarks/zero_stages_benchmark.py            # a few minutes
@@ -36,13 +48,15 @@ from benchmarks.optimizer_sharding_benchmark import (  # noqa: E402
     NUM_CELLS, dense_data, dense_pipeline, loss_fn, parse_args)
 
 STAGES = ('none', 'optimizer_states', 'gradients')
+KINDS = ('step', 'exchanges')  # what time_stages times of each stage
 
 
 def build(args, num_replicas: int, stage: str):
-    """(step, reduced, state): the trainer's step; a function running the step's forward,
-    backward and reduction that returns (device, bytes) of each gradient tensor a replica
-    holds for its update, read from the traced graph's placement; and per device
-    [params, weight bytes, slot bytes, 0]."""
+    """(step, exchanges, reduced, state): the trainer's step; the step's exchanges alone
+    (`exchanges_of`); a function running the step's forward, backward and reduction that
+    returns (device, bytes) of each gradient tensor a replica holds for its update, read
+    from the traced graph's placement; and per device [params, weight bytes, slot bytes,
+    0]."""
     import tensorflow as tf
 
     from tfpipe import fprop_context, optimizers
@@ -101,7 +115,42 @@ def build(args, num_replicas: int, stage: str):
             entry[1] += var.shape.num_elements() * var.dtype.size
     for var in slot_vars:
         state[replicas_device(var.device)][2] += var.shape.num_elements() * var.dtype.size
-    return step, lambda: (reduced(), held)[1], state
+    return step, exchanges_of(replica_variables, stage), lambda: (reduced(), held)[1], state
+
+
+def exchanges_of(replica_variables, stage: str):
+    """A tf.function running only the collectives of `stage`'s step (module docstring)."""
+    import tensorflow as tf
+
+    from tfpipe import optimizers
+    from tfpipe.pipeline import replicas
+    from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
+
+    paths = sorted(replica_variables[0])
+    devices = [variables[paths[0]].device for variables in replica_variables]
+    # Plain SGD at learning rate 0: Apply's all-gather, the weights left as they are.
+    gather = None if stage == 'none' else ShardedOptimizer(
+        optimizers.SGD.Params(), replica_variables, shard_gradients=stage == 'gradients')
+    still = tf.constant(0.0)
+
+    @tf.function
+    def exchanges():
+        grads = []  # stand-ins of the gradient sums, each on its cell's device
+        for variables in replica_variables:
+            grads.append({})
+            for p in paths:
+                with tf.device(variables[p].device):
+                    grads[-1][p] = variables[p].read_value()
+        if stage == 'gradients':
+            parts, norm = gather.ClipParts(gather.ReduceScatter(grads), 1.0)
+            gather.Apply(still, parts, replica_variables)
+            return norm
+        summed = replicas.all_reduce_sum([[g[p] for p in paths] for g in grads], devices)
+        if gather is not None:
+            gather.Apply(still, [dict(zip(paths, s)) for s in summed], replica_variables)
+        return tf.add_n([tf.reduce_sum(s[0]) for s in summed])
+
+    return exchanges
 
 
 def replicas_device(name: str) -> str:
@@ -117,7 +166,7 @@ def probe_state(args, num_replicas: int) -> dict:
     tfpipe.configure_logical_cpus(num_replicas * NUM_CELLS)
     out = {}
     for stage in STAGES if num_replicas > 1 else ('none',):
-        step, reduced, state = build(args, num_replicas, stage)
+        step, _, reduced, state = build(args, num_replicas, stage)
         for device, size in reduced():
             state[replicas_device(device)][3] += size
         float(step())  # the step runs: the figures are of a working configuration
@@ -127,21 +176,29 @@ def probe_state(args, num_replicas: int) -> dict:
 
 
 def time_stages(args, num_replicas: int) -> dict:
-    """Median step time of each stage and its paired ratio to unsharded, one process."""
+    """Per stage, in one process: [median step time, paired ratio to unsharded, median
+    time of the exchanges alone, paired median of exchanges / step]."""
     import tfpipe
     tfpipe.configure_logical_cpus(num_replicas * NUM_CELLS)
-    steps = {stage: build(args, num_replicas, stage)[0] for stage in STAGES}
-    for fn in steps.values():
+    built = {stage: build(args, num_replicas, stage)[:2] for stage in STAGES}
+    runs = {(stage, kind): fn for stage, fns in built.items() for kind, fn in zip(KINDS, fns)}
+    for fn in runs.values():
         for _ in range(2):
             float(fn())  # trace and warm up
-    times: dict = {stage: [] for stage in STAGES}
+    times: dict = {key: [] for key in runs}
     for i in range(args.rounds):
-        for stage in (STAGES if i % 2 == 0 else STAGES[::-1]):
+        for key in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
             start = time.perf_counter()
-            float(steps[stage]())
-            times[stage].append(time.perf_counter() - start)
-    return {stage: [statistics.median(times[stage]),
-                    statistics.median(b / a for a, b in zip(times['none'], times[stage]))]
+            float(runs[key]())
+            times[key].append(time.perf_counter() - start)
+
+    def paired(a, b):
+        return statistics.median(y / x for x, y in zip(times[a], times[b]))
+
+    return {stage: [statistics.median(times[(stage, 'step')]),
+                    paired(('none', 'step'), (stage, 'step')),
+                    statistics.median(times[(stage, 'exchanges')]),
+                    paired((stage, 'step'), (stage, 'exchanges'))]
             for stage in STAGES}
 
 
@@ -175,10 +232,11 @@ def main(args) -> int:
                        'gradients': 4 + 12 / r}[stage]
             print(f'  {r}  {stage:16}  {weights:6.2f}  {grads:5.2f}  {slots:5.2f}  '
                   f'{weights + grads + slots:6.2f} ({formula:g})')
-    t = run_probe(args, 'time:2')
-    for stage, (seconds, ratio) in t.items():
-        print(f'  R=2 {stage:16}: step {1e3 * seconds:7.1f} ms, {ratio:.2f}x unsharded '
-              '(paired median)')
+    print('  R=2 stage             step ms  x unsharded  exchanges alone ms  share of step'
+          '  (paired medians)')
+    for stage, (step, ratio, exchanges, share) in run_probe(args, 'time:2').items():
+        print(f'      {stage:16}  {1e3 * step:7.1f}  {ratio:11.2f}  {1e3 * exchanges:18.1f}  '
+              f'{100 * share:12.0f}%')
     return 0
 
 

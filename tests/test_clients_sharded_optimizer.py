@@ -137,3 +137,40 @@ def test_stage2_clients_train_as_one_unsharded_process(runs, tmp_path, data_dir,
                            *_flags(STEPS, **{'task.train.sharding': 'gradients'})))
     _assert_same_losses(chief, runs['reference'], range(1, STEPS + 1))
     _assert_same_checkpoint(chief, runs['reference'], STEPS)
+
+
+# Bad stages, each in a cluster whose other members never start: refused before the
+# cluster starts, so each process exits 2 at once instead of waiting for its peers.
+BAD_STAGES = {
+    'unknown': ('trainer', 2, 1, {'task.train.sharding': 'gradient'},
+                "unknown task.train.sharding='gradient' (did you mean 'gradients'?)"),
+    'one_client': ('trainer', 1, 0, {'task.train.sharding': 'gradients'},
+                   "task.train.sharding='gradients' with 1 replica does nothing"),
+    'experts': ('trainer', 2, 0, {'task.train.sharding': 'gradients',
+                                  'task.pipeline.expert_parallel': 2},
+                "task.train.sharding='gradients' with task.pipeline.expert_parallel=2 is "
+                'not built'),
+    'workers': ('worker', 2, None, {'task.train.sharding': 'weights',
+                                    'task.pipeline.num_replicas': 2},
+                "task.train.sharding='weights' (ZeRO stage 3) is not built yet"),
+}
+
+
+def test_a_bad_stage_is_refused_before_the_cluster_starts(tmp_path, data_dir, processes):
+    """Trainer clients (the non-chief too), a cluster of one client, and the single-client
+    trainer over --job=worker servers: one error line, exit 2, within the 60 s the
+    cluster would wait for its missing members, and nothing in any logdir."""
+    procs = {}
+    for name, (job, count, task, overrides, _) in BAD_STAGES.items():
+        spec = f'{job}=' + ','.join(f'127.0.0.1:{free_port()}' for _ in range(count))
+        flags = [*_flags(2, **overrides), f'--cluster_spec={spec}',
+                 '--cluster_wait_seconds=60', *([] if task is None else [f'--task={task}'])]
+        procs[name] = processes.start(th.command(MODEL, str(tmp_path / name), data_dir,
+                                                 *flags))
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=300)
+        lines = [line for line in err.splitlines() if line.startswith('error: ')]
+        assert proc.returncode == 2 and len(lines) == 1, (name, err[-3000:])
+        assert BAD_STAGES[name][-1] in lines[0], (name, lines[0])
+        assert 'did not come up' not in err, name
+    assert os.listdir(tmp_path) == []

@@ -88,6 +88,32 @@ def test_reduce_scatter_leaves_each_replica_its_part_of_the_sum():
         assert parts[3][path].shape[0] < whole.shape[0]  # a part, not the whole
 
 
+def _all_gathers(fn, *args):
+    """The number of all-gathers in `fn`'s traced graph, its branches included."""
+    graph = fn.get_concrete_function(*args).graph.as_graph_def()
+    ops = [n.op for n in graph.node] + [n.op for f in graph.library.function for n in f.node_def]
+    return ops.count('CollectiveGather')
+
+
+@pytest.mark.parametrize('name,gathers', [('adam', 2), ('adafactor', 2 + 2 * 2)])
+def test_stage2_gathers_a_whole_gradient_only_for_a_rule_that_reads_one(name, gathers):
+    """One all-gather per replica of the updated weights (all variables on one device
+    here: one buffer), and Adafactor's whole gradient of each of its 2 factored
+    variables (rank >= 2), per replica; Adam reads none. (Reading a part's gradient shape
+    used to all-gather the whole gradient of every variable, for every rule.)"""
+    variables = _replica_variables(2)
+    optimizer = ShardedOptimizer(OPTIMIZERS[name], variables, shard_gradients=True)
+    global_step = tf.Variable(0, dtype=tf.int64)
+
+    @tf.function
+    def step(shares):
+        return guarded_update(tf.constant(1.0), shares, CLIP, optimizer, variables,
+                              tf.constant(0.05), global_step)
+
+    shares = [{p: tf.constant(g) for p, g in s.items()} for s in _shares(0, 2)]
+    assert _all_gathers(step, shares) == gathers
+
+
 def _train_params(**values):
     p = Params()
     p.Define('sharding', 'none', '')
@@ -119,14 +145,16 @@ def test_a_stage_with_expert_parallelism_is_refused_in_one_line(values):
     assert sharding.stage_of(_train_params(), 4, expert_parallel=2) == 'none'
 
 
-class _PipelineRun(tp_optimizers.Run):
+class PipelineRun(tp_optimizers.Run):
     """tests/test_tensor_parallel_optimizers.py's pipeline (float64, Dropout, T-way split
-    layers, an fc3 bias of 5 that neither R divides) and the trainer's update: stage 2 or
-    one unsharded optimizer per replica. `train` returns the loss of every step."""
+    layers, an fc3 bias of 5 that neither R divides) and the trainer's update at `stage`
+    (task.train.sharding: one unsharded optimizer per replica, stage 1 or stage 2).
+    `train` continues from the global step (inputs of each step fixed by the step, as a
+    resumed trainer's) and returns the loss of every step."""
 
-    def __init__(self, t, k, r, stage2, rule):
-        super().__init__(t, k, r, sharded=False, rule=rule)
-        if stage2:
+    def __init__(self, t, k, r, stage, rule):
+        super().__init__(t, k, r, sharded=stage == sharding.OPTIMIZER_STATES, rule=rule)
+        if stage == sharding.GRADIENTS:
             self.pipe.DeferGradientSum()
             self.optimizer = self.optimizers = ShardedOptimizer(rule, self.variables,
                                                                 shard_gradients=True)
@@ -135,6 +163,7 @@ class _PipelineRun(tp_optimizers.Run):
         with fprop_context.training(step=self.global_step):
             loss, grads = self.pipe.ForwardBackward(self.pipe.ReplicaThetas(), x,
                                                     mz.loss_fn, y)
+        grads = grads if isinstance(grads, list) else [grads]
         guarded_update(loss, [flatten_by_path(g, 'pipe') for g in grads], 0.5,
                        self.optimizers, self.variables, tf.constant(tp_optimizers.LR,
                                                                     tf.float64),
@@ -142,7 +171,8 @@ class _PipelineRun(tp_optimizers.Run):
         return loss
 
     def train(self, steps):
-        return [float(self._step(*tp_optimizers.inputs(s))) for s in range(steps)]
+        return [float(self._step(*tp_optimizers.inputs(int(self.global_step.numpy()))))
+                for _ in range(steps)]
 
 
 PIPELINE_GRID = [  # (optimizer, T, K, R): R in {2, 4} x K in {1, 2}, T=2 at one point
@@ -154,7 +184,8 @@ PIPELINE_GRID = [  # (optimizer, T, K, R): R in {2, 4} x K in {1, 2}, T=2 at one
 def test_stage2_pipeline_trains_as_unsharded(name, t, k, r):
     """Loss at every step, every replica's weights and the whole slots within 1e-5."""
     rule = OPTIMIZERS[name].Copy().Set(name=name)
-    ref, run = _PipelineRun(t, k, r, False, rule), _PipelineRun(t, k, r, True, rule)
+    ref = PipelineRun(t, k, r, sharding.NONE, rule)
+    run = PipelineRun(t, k, r, sharding.GRADIENTS, rule)
     np.testing.assert_allclose(run.train(3), ref.train(3), rtol=1e-5)
     for copy, ref_copy in zip(run.variables, ref.variables):
         for path, var in ref_copy.items():
@@ -166,3 +197,70 @@ def test_stage2_pipeline_trains_as_unsharded(name, t, k, r):
             np.testing.assert_allclose(run.optimizer.GetSlot(path, slot).numpy(),
                                        ref.optimizer.GetSlot(path, slot).numpy(),
                                        rtol=1e-5, atol=1e-8, err_msg=f'{path}/{slot}')
+
+
+def _conv_bn_run(stage, dtype, fprop_dtype=None, steps=3):
+    """model_zoo's conv net with two BatchNorm layers, R=2 x K=2 x M=2, trained by the
+    trainer's update with Adam at `stage`. Returns the loss of every step, and every
+    replica's variables (BN moving statistics included) after the first and the last."""
+    body = mz.conv_body(dtype, batch_norm=True)
+    pipe = mz.pipeline(body, 2, 2, num_replicas=2, fprop_dtype=fprop_dtype)
+    copies = pipe.ReplicaVariablesByPath()
+    variables = [{p: v for p, v in copy.items() if v.trainable} for copy in copies]
+    rule = OPTIMIZERS['adam']
+    if stage == sharding.GRADIENTS:
+        pipe.DeferGradientSum()
+        optimizer = ShardedOptimizer(rule, variables, shard_gradients=True)
+    else:
+        optimizer = [rule.Instantiate() for _ in variables]
+        for opt, v in zip(optimizer, variables):
+            opt.CreateSlots(v)
+    x, y = mz.inputs_for(body, dtype)
+    global_step = tf.Variable(0, dtype=tf.int64)
+
+    @tf.function
+    def step():
+        with fprop_context.training(step=global_step):
+            loss, grads = pipe.ForwardBackward(pipe.ReplicaThetas(), x, mz.loss_fn, y)
+        guarded_update(loss, [flatten_by_path(g, 'pipe') for g in grads], 0.5, optimizer,
+                       variables, tf.constant(0.01), global_step)
+        return loss
+
+    def snapshot():
+        return [{p: v.numpy() for p, v in copy.items()} for copy in copies]
+
+    losses = [float(step())]
+    first = snapshot()
+    losses += [float(step()) for _ in range(steps - 1)]
+    return losses, first, snapshot()
+
+
+def _moving_statistics(copy):
+    return {p: v for p, v in copy.items() if '/moving_' in p}
+
+
+@pytest.mark.parametrize('dtype,fprop_dtype', [(tf.float64, None), (tf.float32, tf.bfloat16)],
+                         ids=['float64', 'bfloat16'])
+def test_stage2_keeps_batch_norm_statistics_over_replicas_and_bfloat16(dtype, fprop_dtype):
+    """BatchNorm's moving statistics combine the micro-batches of both replicas as the
+    unsharded run does: after the first step (same weights) bit for bit on every replica,
+    after three within 1e-5 in float64. With bfloat16 activations (float32 variables and
+    gradient sums) the first step is bit for bit too, and three steps within the 2% that
+    tests/test_pipeline_bfloat16.py allows bfloat16 against float32."""
+    ref_losses, ref_first, ref_last = _conv_bn_run(sharding.NONE, dtype, fprop_dtype)
+    losses, first, last = _conv_bn_run(sharding.GRADIENTS, dtype, fprop_dtype)
+    assert losses[0] == ref_losses[0]
+    statistics = _moving_statistics(ref_first[0])
+    assert len(statistics) == 4  # bn0 and bn1: mean and variance
+    for r in range(2):
+        for path, value in _moving_statistics(first[r]).items():
+            np.testing.assert_array_equal(value, ref_first[0][path], err_msg=f'{path} {r}')
+        assert first[r].keys() == ref_first[0].keys()
+    assert not np.allclose(ref_last[0]['pipe/bn0/moving_mean'], 0.0)  # the statistics moved
+    tolerance = dict(rtol=1e-5, atol=1e-8) if fprop_dtype is None else dict(rtol=0.02,
+                                                                             atol=1e-3)
+    np.testing.assert_allclose(losses, ref_losses, rtol=tolerance['rtol'])
+    for r in range(2):
+        for path, value in ref_last[r].items():
+            np.testing.assert_allclose(last[r][path], value, **tolerance,
+                                       err_msg=f'{path} replica {r}')

@@ -43,9 +43,12 @@ class Split:
 
     def __init__(self, parts: Sequence[Any], devices: Sequence[str], axis: Optional[int]):
         self.parts, self.devices, self.axis = list(parts), list(devices), axis
-        dims = parts[0].grad.shape.as_list()
+        # The weight's shape, not the gradient's (the same): with sharded gradients (ZeRO
+        # stage 2) a part's whole `grad` is all-gathered when first read, which only a rule
+        # reading whole-weight statistics of the gradient may pay for.
+        dims = parts[0].weight.shape.as_list()
         if axis is not None:
-            dims[axis] = sum(int(p.grad.shape[axis]) for p in parts)
+            dims[axis] = sum(int(p.weight.shape[axis]) for p in parts)
         self.shape = tf.TensorShape(dims)
 
     @property

@@ -219,6 +219,8 @@ def main(argv) -> int:
     if FLAGS.mode == 'export':
         return _export(params)
     if cluster is not None:
+        if FLAGS.mode == 'sync' and 'trainer' in jobs:
+            _check_sharding(params, params.task.pipeline.num_replicas)
         cluster_lib.connect(cluster, FLAGS.cluster_wait_seconds)
     if FLAGS.mode == 'generate':
         return generate_mode.run(params, FLAGS.logdir)
@@ -276,6 +278,7 @@ def _run_client(client_cluster) -> int:
     _configure_devices()
     params, options = _load_params_and_options()
     clients.check_num_replicas(params.task.pipeline.num_replicas, client_cluster.count)
+    _check_sharding(params, client_cluster.count)
     params.task.pipeline.num_replicas = 1  # this process holds one replica of R
     options.apply_to(params)  # the fingerprint holds what the trainer will run
     agreed = client_agreement.fingerprint(FLAGS.model, params, client_cluster,
@@ -294,6 +297,15 @@ def _run_client(client_cluster) -> int:
     for lock in locks:
         lock.release()
     return code
+
+
+def _check_sharding(params, count: int) -> None:
+    """Refuses a bad task.train.sharding over `count` replicas (tfpipe/pipeline/sharding.py)
+    before the cluster starts: the trainer checks it again when it builds its optimizer,
+    but that is after the clients (or the workers) connect, so a client would first wait
+    for all the others and a missing one would hide the real error behind a time-out."""
+    from tfpipe.pipeline import sharding
+    sharding.stage_of(params.task.train, count, params.task.pipeline.expert_parallel)
 
 
 def _list_models() -> int:
