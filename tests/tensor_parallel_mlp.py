@@ -71,22 +71,22 @@ class Step:
     """One SGD step of a pipeline (`step`): the whole weights it started from, its loss,
     whole gradients and updated whole weights, and what its trace shows, so that tests of
     placement and memory read the very step whose numbers are checked: the traced
-    function and, for each of (replica 0's) theta's variables, the variable's device,
-    its gradient's device and the gradient's bytes."""
+    function and {path: (variable's device, its gradient's device, the gradient's bytes)}
+    of (replica 0's) theta."""
 
     initial: dict
     loss: np.ndarray
     grads: dict
     weights: dict
     function: object
-    placed: list
+    placed: dict
 
 
 def step(pipe, replica_thetas=False) -> Step:
     """One SGD step through ForwardBackward (the trainer's form with replica_thetas)."""
     x, y = inputs()
     initial = whole(pipe, {p: v.numpy() for p, v in pipe.VariablesByPath().items()})
-    placed = []
+    placed = {}
 
     @tf.function(autograph=False)
     def run():
@@ -102,8 +102,10 @@ def step(pipe, replica_thetas=False) -> Step:
                 for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads)):
                     v.assign_sub(0.1 * g)
                 theta = pipe.theta
-        placed.extend((v.device, g.device, g.shape.num_elements() * g.dtype.size)
-                      for v, g in zip(tf.nest.flatten(theta), tf.nest.flatten(grads)))
+        variables = flatten_by_path(theta, 'pipe')
+        placed.update({path: (variables[path].device, g.device,
+                              g.shape.num_elements() * g.dtype.size)
+                       for path, g in flatten_by_path(grads, 'pipe').items()})
         return loss, grads
     loss, grads = run()
     grads = {p: g.numpy() for p, g in flatten_by_path(grads, 'pipe').items()}

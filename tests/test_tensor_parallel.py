@@ -152,9 +152,9 @@ def test_each_shard_computes_and_sums_on_its_device(recompute, cell_functions):
         assert (device, 'forward', 'MatMul') in seen, device
         assert (device, 'backward', 'MatMul') in seen, device
         assert any(d == device and op == 'CollectiveReduce' for d, _, op in seen), device
-    shards = [(v, g) for v, g, _ in result.placed if trace.device_index(v) in ('CPU:1', 'CPU:3')]
+    shards = [(v, g) for v, g, _ in result.placed.values() if trace.device_index(v) in ('CPU:1', 'CPU:3')]
     assert len(shards) == 6  # fc0 w, b; mlp fc1 w, b; mlp fc2 w; fc3 w: one shard each
-    for v, g, _ in result.placed:
+    for v, g, _ in result.placed.values():
         assert trace.device_index(g) == trace.device_index(v), (v, g)
     assert [cell.shard_devices for cell in pipe.cells] == [
         tuple(f'/job:localhost/replica:0/task:0/device:CPU:{i}' for i in pair)
@@ -171,7 +171,7 @@ def state_bytes_by_device(pipe, result):
     out = {}
     for var in list(variables.values()) + optimizer.slot_variables:
         out[var.device] = out.get(var.device, 0) + var.shape.num_elements() * var.dtype.size
-    for _, device, size in result.placed:
+    for _, device, size in result.placed.values():
         out[device] += size
     return out
 
