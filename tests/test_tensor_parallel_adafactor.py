@@ -72,9 +72,10 @@ def t1(runs, config):
     return runs(config, 1, 1, 1, False)[1]
 
 
-# Each (T, sharded) with beta1 0 and > 0; T=4 sharded and the restores below use the Runs
-# these train.
-THREE_STEPS = [('plain', 2, 1, 1, False), ('plain', 4, 1, 1, False), ('plain', 2, 2, 2, True),
+# Every pair of values of two of config, T, K and (R, sharded) that the tests ever covered:
+# each (T, sharded) with beta1 0 and > 0, each config at T=2 (momentum's in the restore
+# test's source) and each T at K=1 and 2. The restores below go into the Runs these train.
+THREE_STEPS = [('plain', 4, 1, 1, False), ('plain', 2, 2, 2, True),
                ('momentum', 4, 2, 1, False), ('momentum', 4, 1, 2, True),
                ('unfactored', 2, 1, 1, False)]
 
