@@ -170,6 +170,10 @@ MODULE_GROUPS = {
     'tests/test_keras_pipeline.py': 'keras_pipeline',
     'tests/test_lm_generation.py': 'lm_generation',
     'tests/test_pipeline_timeline.py': 'pipeline_timeline',
+    # Both read the LM trained at T=2 (module fixture lm_jobs).
+    'tests/test_trainer_tensor_parallel.py::test_lm_trains_and_exports_at_t2': 'tp_lm_jobs',
+    'tests/test_trainer_tensor_parallel.py::'
+    'test_lm_evaler_and_decoder_at_t2_equal_t1_on_the_same_checkpoint': 'tp_lm_jobs',
 }
 # Work units (groups, or test ID prefixes of single long tests) to start first, longest
 # first; the rest follow in file order.
@@ -182,7 +186,8 @@ LONGEST_FIRST = [
     'trainer_bad_input', 'slurm',
     # Single tests of 12-45 s wall each (2026-11-27): file order ran them last, and the
     # last two (test_trainer_tensor_parallel's, 22 s each) left one worker alone for 37 s.
-    'tests/test_memory_prediction.py', 'keras_pipeline', 'tests/test_trainer_tensor_parallel.py',
+    'tests/test_memory_prediction.py', 'keras_pipeline', 'tp_lm_jobs',
+    'tests/test_trainer_tensor_parallel.py',
     'tests/test_trainer_schedules.py', 'tests/test_pipeline_memory.py', 'tests/test_threads.py',
     'tests/test_tensor_parallel_16.py', 'tests/test_tensor_parallel_lm.py::test_trainer_',
     'tests/test_inputs_and_tasks.py::test_seq2seq_', 'pipeline_timeline', 'lm_generation',

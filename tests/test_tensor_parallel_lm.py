@@ -136,19 +136,8 @@ def test_heads_not_divisible_by_t_name_the_layer_and_the_fix():
         lm_task(4, heads=2)
 
 
-LM_MODEL = 'lm.pystdlib.TinyTransformerLM'  # 2 heads, K=2
-
-
-def test_trainer_trains_and_exports_the_registered_lm_at_t2(tmp_path):
-    logdir = str(tmp_path / 'run')
-    result = th.run(LM_MODEL, logdir, 'unused', *th.fast_flags(2, 2),
-                    th.overrides(**{'task.pipeline.tensor_parallel': 2}))
-    assert result.returncode == 0, result.stderr[-3000:]
-    losses = th.losses_by_step(os.path.join(logdir, 'train'))
-    assert sorted(losses) == [1, 2] and all(np.isfinite(list(losses.values())))
-    exported = th.run(LM_MODEL, logdir, 'unused', '--mode=export')
-    assert exported.returncode == 0, exported.stderr[-3000:]
-    assert os.path.exists(os.path.join(logdir, 'export', '2', 'saved_model.pb'))
+LM_MODEL = 'lm.pystdlib.TinyTransformerLM'  # 2 heads, K=2 (trained and exported at T=2 by
+# tests/test_trainer_tensor_parallel.py)
 
 
 def test_trainer_refuses_heads_not_divisible_by_t_before_the_logdir(tmp_path):
