@@ -170,11 +170,22 @@ MODULE_GROUPS = {
     'tests/test_keras_pipeline.py': 'keras_pipeline',
     'tests/test_lm_generation.py': 'lm_generation',
     'tests/test_pipeline_timeline.py': 'pipeline_timeline',
+    # Each shares its traced steps between its tests (a trace is most of a test's time).
+    'tests/test_tensor_parallel.py': 'tensor_parallel',
+    'tests/test_tensor_parallel_adafactor.py': 'tensor_parallel_adafactor',
+    'tests/test_tensor_parallel_lm.py': 'tensor_parallel_lm',
+    'tests/test_tensor_parallel_optimizers.py': 'tensor_parallel_optimizers',
+    'tests/test_tensor_parallel_ties.py': 'tensor_parallel_ties',
+    # Both read the LM trained at T=2 (module fixture lm_jobs).
+    'tests/test_trainer_tensor_parallel.py::test_lm_trains_and_exports_at_t2': 'tp_lm_jobs',
+    'tests/test_trainer_tensor_parallel.py::'
+    'test_lm_evaler_and_decoder_at_t2_equal_t1_on_the_same_checkpoint': 'tp_lm_jobs',
 }
 # Work units (groups, or test ID prefixes of single long tests) to start first, longest
 # first; the rest follow in file order.
 LONGEST_FIRST = [
-    'clients_exact', 'clients', 'launcher', 'lm', 'clients_sharded',
+    'clients_exact', 'clients', 'launcher', 'lm', 'clients_sharded', 'tensor_parallel',
+    'tensor_parallel_adafactor', 'tensor_parallel_lm',
     'cluster_trainer', 'export', 'logdir_experiment',
     'tests/test_check_pipeline.py::test_check_pipeline_passes_on_registered_models',
     'tests/test_trainer_replicas.py', 'tests/test_trainer.py::test_kill_9',
@@ -182,9 +193,10 @@ LONGEST_FIRST = [
     'trainer_bad_input', 'slurm',
     # Single tests of 12-45 s wall each (2026-11-27): file order ran them last, and the
     # last two (test_trainer_tensor_parallel's, 22 s each) left one worker alone for 37 s.
-    'tests/test_memory_prediction.py', 'keras_pipeline', 'tests/test_trainer_tensor_parallel.py',
+    'tests/test_memory_prediction.py', 'keras_pipeline', 'tp_lm_jobs',
+    'tests/test_trainer_tensor_parallel.py',
     'tests/test_trainer_schedules.py', 'tests/test_pipeline_memory.py', 'tests/test_threads.py',
-    'tests/test_tensor_parallel_16.py', 'tests/test_tensor_parallel_lm.py::test_trainer_',
+    'tests/test_tensor_parallel_16.py',
     'tests/test_inputs_and_tasks.py::test_seq2seq_', 'pipeline_timeline', 'lm_generation',
 ]
 

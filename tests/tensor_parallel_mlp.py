@@ -7,6 +7,8 @@ Shared by tests/test_tensor_parallel.py (8 logical CPUs) and the 16-device
 child of tests/test_tensor_parallel_16.py (its own TensorFlow), so that both
 build and compare the same pipeline.
 """
+import dataclasses
+
 import numpy as np
 import tensorflow as tf
 
@@ -64,9 +66,27 @@ def whole(pipe, values_by_path):
     return out
 
 
-def step(pipe, replica_thetas=False):
+@dataclasses.dataclass
+class Step:
+    """One SGD step of a pipeline (`step`): the whole weights it started from, its loss,
+    whole gradients and updated whole weights, and what its trace shows, so that tests of
+    placement and memory read the very step whose numbers are checked: the traced
+    function and {path: (variable's device, its gradient's device, the gradient's bytes)}
+    of (replica 0's) theta."""
+
+    initial: dict
+    loss: np.ndarray
+    grads: dict
+    weights: dict
+    function: object
+    placed: dict
+
+
+def step(pipe, replica_thetas=False) -> Step:
     """One SGD step through ForwardBackward (the trainer's form with replica_thetas)."""
     x, y = inputs()
+    initial = whole(pipe, {p: v.numpy() for p, v in pipe.VariablesByPath().items()})
+    placed = {}
 
     @tf.function(autograph=False)
     def run():
@@ -76,16 +96,22 @@ def step(pipe, replica_thetas=False):
                 for theta, g in zip(pipe.ReplicaThetas(), grads):
                     for v, d in zip(tf.nest.flatten(theta), tf.nest.flatten(g)):
                         v.assign_sub(0.1 * d)
-                grads = grads[0]
+                theta, grads = pipe.ReplicaThetas()[0], grads[0]
             else:
                 loss, grads = pipe.ForwardBackward(pipe.theta, x, mz.loss_fn, y)
                 for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads)):
                     v.assign_sub(0.1 * g)
+                theta = pipe.theta
+        variables = flatten_by_path(theta, 'pipe')
+        placed.update({path: (variables[path].device, g.device,
+                              g.shape.num_elements() * g.dtype.size)
+                       for path, g in flatten_by_path(grads, 'pipe').items()})
         return loss, grads
     loss, grads = run()
     grads = {p: g.numpy() for p, g in flatten_by_path(grads, 'pipe').items()}
     weights = {p: v.numpy() for p, v in pipe.VariablesByPath().items()}
-    return loss.numpy(), whole(pipe, grads), whole(pipe, weights)
+    return Step(initial, loss.numpy(), whole(pipe, grads), whole(pipe, weights),
+                run.get_concrete_function(), placed)
 
 
 _reference = {}
@@ -94,10 +120,9 @@ _reference = {}
 def reference():
     """The T=1, K=1 pipeline's initial weights and SGD step, computed once per process."""
     if not _reference:
-        pipe = tp_pipeline(1, 1, m=3)
-        _reference['initial'] = whole(pipe, {p: v.numpy()
-                                             for p, v in pipe.VariablesByPath().items()})
-        _reference['loss'], _reference['grads'], _reference['weights'] = step(pipe)
+        ref = step(tp_pipeline(1, 1, m=3))
+        _reference.update(initial=ref.initial, loss=ref.loss, grads=ref.grads,
+                          weights=ref.weights)
     return _reference
 
 
@@ -108,12 +133,15 @@ def assert_same(actual, expected, what):
                                    err_msg=f'{what} {path}')
 
 
-def check(pipe, replica_thetas=False):
+def check(pipe, replica_thetas=False) -> None:
     """`pipe` starts from the reference's weights and takes its step within 1e-5."""
+    check_step(step(pipe, replica_thetas))
+
+
+def check_step(result: Step) -> None:
+    """`result` started from the reference's weights and took its step within 1e-5."""
     ref = reference()
-    initial = whole(pipe, {p: v.numpy() for p, v in pipe.VariablesByPath().items()})
-    assert_same(initial, ref['initial'], 'initial weights')
-    loss, grads, weights = step(pipe, replica_thetas)
-    np.testing.assert_allclose(loss, ref['loss'], rtol=1e-5)
-    assert_same(grads, ref['grads'], 'grads')
-    assert_same(weights, ref['weights'], 'updated weights')
+    assert_same(result.initial, ref['initial'], 'initial weights')
+    np.testing.assert_allclose(result.loss, ref['loss'], rtol=1e-5)
+    assert_same(result.grads, ref['grads'], 'grads')
+    assert_same(result.weights, ref['weights'], 'updated weights')

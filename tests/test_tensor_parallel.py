@@ -3,10 +3,18 @@
 The MLP of tests/tensor_parallel_mlp.py (Megatron's layers, float64, so that
 1e-5 relative tests the mathematics). Loss, gradients and weights after an SGD
 step are compared as whole weights (shards concatenated) with the same pipeline
-at T=1, on the 8 logical CPUs of conftest.py: every (T, K, R) with T in
-{1, 2, 4}, K in {1, 2}, R in {1, 2} and R*K*T <= 8 (all but T=4, K=2, R=2, which
-tests/test_tensor_parallel_16.py runs on 16), and every recompute policy x
-schedule x executor at T=2, K=2 and T=4, K=1.
+at T=1, K=1, R=1, on the 8 logical CPUs of conftest.py: every other (T, K, R)
+with T in {1, 2, 4}, K in {1, 2}, R in {1, 2} and R*K*T <= 8 (all but T=4, K=2,
+R=2, which tests/test_tensor_parallel_16.py runs on 16), and every recompute policy x
+schedule x executor at T=2, K=2 and T=4, K=1 as a covering design (POLICIES):
+every pair of values of any two of (T and K), recompute, schedule and executor
+is stepped, e.g. each (T, K) with every policy, both schedules and both
+executors, and each policy with both schedules and both executors.
+
+Tracing a step is most of a test's time, so each grid point's step is traced and
+run once per process (`stepped`) and every test of that point reads it: the
+equality tests, the placement test (its traced graph) and the memory test (its
+gradients' devices).
 """
 import numpy as np
 import pytest
@@ -14,28 +22,45 @@ import tensorflow as tf
 
 import tfpipe
 from tests import model_zoo as mz
-from tests.tensor_parallel_mlp import (STEP, assert_same, check, inputs, reference, tp_body,
-                                       tp_pipeline, whole)
+from tests.tensor_parallel_mlp import (STEP, assert_same, check, check_step, inputs,
+                                       reference, step, tp_body, tp_pipeline, whole)
 from tfpipe import checkpoints, fprop_context
 from tfpipe.base_layer import flatten_by_path
 from tfpipe.pipeline import partition
 
-CORNERS = [(t, k, r) for t in (1, 2, 4) for k in (1, 2) for r in (1, 2) if t * k * r <= 8]
+# T=1, K=1, R=1 is the reference itself (tests/tensor_parallel_mlp.py's `reference`).
+CORNERS = [(t, k, r) for t in (1, 2, 4) for k in (1, 2) for r in (1, 2)
+           if t * k * r <= 8 and (t, k, r) != (1, 1, 1)]
+# (T, K, recompute, schedule, cell_functions): every pair of values of any two of the four
+# axes (T, K together) in 8 steps, not the 24 of the full product: tracing a step is most
+# of a test's time. T=2, K=2 takes the four fill_drain steps the placement test reads.
+POLICIES = [(2, 2, 'always', 'fill_drain', True), (2, 2, 'always', 'fill_drain', False),
+            (2, 2, 'never', 'fill_drain', True), (2, 2, 'never', 'fill_drain', False),
+            (2, 2, 'except_last', '1f1b', False), (4, 1, 'always', '1f1b', False),
+            (4, 1, 'never', '1f1b', True), (4, 1, 'except_last', 'fill_drain', True)]
+
+_stepped = {}
+
+
+def stepped(t, k, r=1, recompute='always', schedule='fill_drain', cell_functions=True):
+    """(pipeline, its `step`) at one grid point, built, traced and run once per process."""
+    key = (t, k, r, recompute, schedule, cell_functions)
+    if key not in _stepped:
+        pipe = tp_pipeline(t, k, r, recompute=recompute, schedule=schedule,
+                           cell_functions=cell_functions)
+        _stepped[key] = pipe, step(pipe, replica_thetas=r > 1)
+    return _stepped[key]
 
 
 @pytest.mark.parametrize('t,k,r', CORNERS)
 def test_step_equals_t1(t, k, r):
-    pipe = tp_pipeline(t, k, r)
-    check(pipe, replica_thetas=r > 1)
+    check_step(stepped(t, k, r)[1])
 
 
-@pytest.mark.parametrize('cell_functions', [True, False], ids=['functions', 'unrolled'])
-@pytest.mark.parametrize('schedule', ['fill_drain', '1f1b'])
-@pytest.mark.parametrize('recompute', ['always', 'except_last', 'never'])
-@pytest.mark.parametrize('t,k', [(2, 2), (4, 1)])
+@pytest.mark.parametrize('t,k,recompute,schedule,cell_functions', POLICIES)
 def test_every_policy_schedule_and_executor(t, k, recompute, schedule, cell_functions):
-    check(tp_pipeline(t, k, recompute=recompute, schedule=schedule,
-                      cell_functions=cell_functions))
+    check_step(stepped(t, k, recompute=recompute, schedule=schedule,
+                       cell_functions=cell_functions)[1])
 
 
 def train_and_save(pipe, directory):
@@ -53,7 +78,7 @@ def train_and_save(pipe, directory):
                         variables)
     run()
     path = checkpoints.make(pipe.VariablesByPath(), optimizer=optimizer).save(
-        str(directory / 'ckpt'), options=checkpoints.io_options())
+        str(directory), options=checkpoints.io_options())
     return path, optimizer, variables
 
 
@@ -77,12 +102,25 @@ def whole_state(pipe, optimizer, variables):
     return out
 
 
-@pytest.mark.parametrize('saved,loaded', [((2, 2, 1), (1, 1, 1)), ((2, 2, 1), (4, 1, 2)),
-                                          ((1, 2, 2), (2, 2, 1)), ((4, 1, 1), (2, 2, 2))])
-def test_checkpoint_restores_into_any_t_k_r(saved, loaded, tmp_path):
-    source = tp_pipeline(*saved)
-    path, *saved_state = train_and_save(source, tmp_path)
-    state = whole_state(source, *saved_state)
+@pytest.fixture(scope='module')
+def saved(tmp_path_factory):
+    """saved(t, k, r): (checkpoint path, whole state) of that pipeline after one Adam step,
+    trained and saved once per module (two tests restore the same source)."""
+    directory, out = tmp_path_factory.mktemp('tp_checkpoints'), {}
+
+    def get(t, k, r):
+        if (t, k, r) not in out:
+            source = tp_pipeline(t, k, r)
+            path, *state = train_and_save(source, directory / f't{t}k{k}r{r}')
+            out[t, k, r] = path, whole_state(source, *state)
+        return out[t, k, r]
+    return get
+
+
+@pytest.mark.parametrize('source,loaded', [((2, 2, 1), (1, 1, 1)), ((2, 2, 1), (4, 1, 2)),
+                                           ((1, 2, 2), (2, 2, 1)), ((4, 1, 1), (2, 2, 2))])
+def test_checkpoint_restores_into_any_t_k_r(saved, source, loaded):
+    path, state = saved(*source)
     target = tp_pipeline(*loaded)
     got = whole_state(target, *restored(target, path))
     assert sorted(got) == sorted(state)
@@ -101,23 +139,14 @@ def test_checkpoint_restores_into_any_t_k_r(saved, loaded, tmp_path):
 @pytest.mark.parametrize('cell_functions', [True, False], ids=['functions', 'unrolled'])
 @pytest.mark.parametrize('recompute', ['always', 'never'])
 def test_each_shard_computes_and_sums_on_its_device(recompute, cell_functions):
-    """Read from the traced graph (functions included): every device of every cell runs
-    forward and gradient matmuls and collectives, nothing the pipeline built is
-    unplaced, and each shard's weight gradient sum comes out on the shard's device."""
+    """Read from the traced step (functions included) whose numbers test_every_policy_...
+    checks: every device of every cell runs forward and gradient matmuls and collectives,
+    nothing the pipeline built is unplaced, and each shard's weight gradient sum comes out
+    on the shard's device."""
     from tests.test_pipeline_placement import derived_gradient, phase_of, pipeline_nodes
     from tfpipe.tuning import trace
-    pipe = tp_pipeline(2, 2, recompute=recompute, cell_functions=cell_functions)
-    x, y = inputs()
-    placed = []
-
-    @tf.function(autograph=False)
-    def run():
-        with fprop_context.training(step=STEP):
-            loss, grads = pipe.ForwardBackward(pipe.theta, x, mz.loss_fn, y)
-        for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads)):
-            placed.append((v.device, g.device))
-        return loss
-    nodes = pipeline_nodes(run.get_concrete_function())
+    pipe, result = stepped(2, 2, recompute=recompute, cell_functions=cell_functions)
+    nodes = pipeline_nodes(result.function)
     unplaced = [n.name for n in nodes if not n.device and not derived_gradient(n)]
     assert not unplaced, unplaced[:10]
     seen = {(trace.device_index(n.device), phase_of(n.name), n.op) for n in nodes if n.device}
@@ -125,35 +154,26 @@ def test_each_shard_computes_and_sums_on_its_device(recompute, cell_functions):
         assert (device, 'forward', 'MatMul') in seen, device
         assert (device, 'backward', 'MatMul') in seen, device
         assert any(d == device and op == 'CollectiveReduce' for d, _, op in seen), device
-    shards = [(v, g) for v, g in placed if trace.device_index(v) in ('CPU:1', 'CPU:3')]
+    shards = [(v, g) for v, g, _ in result.placed.values() if trace.device_index(v) in ('CPU:1', 'CPU:3')]
     assert len(shards) == 6  # fc0 w, b; mlp fc1 w, b; mlp fc2 w; fc3 w: one shard each
-    for v, g in placed:
+    for v, g, _ in result.placed.values():
         assert trace.device_index(g) == trace.device_index(v), (v, g)
     assert [cell.shard_devices for cell in pipe.cells] == [
         tuple(f'/job:localhost/replica:0/task:0/device:CPU:{i}' for i in pair)
         for pair in ((0, 1), (2, 3))]
 
 
-def state_bytes_by_device(pipe):
+def state_bytes_by_device(pipe, result):
     """Measured: the bytes of the weights, Adam's slots and the gradient sums that the
-    traced step leaves on each device (a gradient's device read from the graph)."""
+    traced step (`result`) leaves on each device (a gradient's device read from the
+    graph)."""
     optimizer = tfpipe.optimizers.Adam.Params().Set(name='adam').Instantiate()
     variables = {p: v for p, v in pipe.VariablesByPath().items() if v.trainable}
     optimizer.CreateSlots(variables)
     out = {}
     for var in list(variables.values()) + optimizer.slot_variables:
         out[var.device] = out.get(var.device, 0) + var.shape.num_elements() * var.dtype.size
-    x, y = inputs()
-    sums = []
-
-    @tf.function(autograph=False)
-    def run():
-        with fprop_context.training(step=STEP):
-            _, grads = pipe.ForwardBackward(pipe.theta, x, mz.loss_fn, y)
-        sums.extend((g.device, g.shape.num_elements() * g.dtype.size)
-                    for g in tf.nest.flatten(grads))
-    run.get_concrete_function()
-    for device, size in sums:
+    for _, device, size in result.placed.values():
         out[device] += size
     return out
 
@@ -177,12 +197,12 @@ def predicted_state_by_device(pipe):
 
 
 def test_split_state_falls_to_one_over_t_as_predicted():
-    whole = tp_pipeline(1, 2)
-    t1 = state_bytes_by_device(whole)
+    whole = stepped(1, 2)[0]
+    t1 = state_bytes_by_device(*stepped(1, 2))
     assert predicted_state_by_device(whole) == pytest.approx(t1, rel=0.15)
     for t in (2, 4):
-        pipe = tp_pipeline(t, 2)
-        measured = state_bytes_by_device(pipe)
+        pipe = stepped(t, 2)[0]
+        measured = state_bytes_by_device(*stepped(t, 2))
         assert predicted_state_by_device(pipe) == pytest.approx(measured, rel=0.15)
         assert sorted(measured) == sorted(d for cell in pipe.cells for d in cell.shard_devices)
         for cell, home in zip(pipe.cells, whole.cells):

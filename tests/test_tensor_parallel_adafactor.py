@@ -16,6 +16,11 @@ One LM step at T=4 (an embedding and a vocabulary-parallel softmax split by
 rows, unevenly, attention and MLP weights by rows and columns) equals T=1's. Only partial
 sums cross devices in the traced update; inspect_model's prediction places each
 device's slot bytes exactly.
+
+Each Run (rule, T, K, R, sharded) is built, traced and trained once per module
+(`runs`); the restore tests restore into Runs trained there, which is also a check
+that a restore overwrites every value (the restored checkpoint is saved back
+exactly).
 """
 import numpy as np
 import pytest
@@ -41,40 +46,49 @@ def adafactor(config):
     return optimizers.Adafactor.Params().Set(name='adafactor', **CONFIGS[config])
 
 
-_t1 = {}
-
-
-def t1_checkpoints(config, directory):
-    """The T=1 unsharded run's checkpoints after 2 and 3 steps, once per config."""
-    if config not in _t1:
-        run = Run(t=1, k=1, r=1, sharded=False, rule=adafactor(config))
-        run.train(2)
-        step2 = run.save(directory / f't1_{config}_2')
-        run.train(1)
-        _t1[config] = {2: step2, 3: run.save(directory / f't1_{config}_3')}
-    return _t1[config]
-
-
 @pytest.fixture(scope='module')
-def t1(tmp_path_factory):
-    directory = tmp_path_factory.mktemp('tp_adafactor')
-    return lambda config: t1_checkpoints(config, directory)
+def runs(tmp_path_factory):
+    """runs(config, t, k, r, sharded): (that Run, {2: its checkpoint after 2 steps, 3: after
+    3}), trained once per module. Tracing a Run's step is most of its cost, so the tests
+    that restore a checkpoint restore it into a Run already trained here (which must then
+    overwrite every value) rather than build and trace another."""
+    directory, out = tmp_path_factory.mktemp('tp_adafactor'), {}
+
+    def get(config, t, k, r, sharded):
+        key = (config, t, k, r, sharded)
+        if key not in out:
+            run = Run(t=t, k=k, r=r, sharded=sharded, rule=adafactor(config))
+            name = '_'.join(map(str, key))
+            run.train(2)
+            step2 = run.save(directory / f'{name}_2')
+            run.train(1)
+            out[key] = run, {2: step2, 3: run.save(directory / f'{name}_3')}
+        return out[key]
+    return get
 
 
-@pytest.mark.parametrize('config,t,k,r,sharded', [
-    ('plain', 2, 1, 1, False), ('plain', 4, 1, 1, False), ('plain', 2, 2, 2, True),
-    ('momentum', 4, 2, 1, False), ('momentum', 2, 1, 2, True),
-    ('unfactored', 2, 1, 1, False)])
-def test_three_steps_save_the_t1_checkpoint(t1, tmp_path, config, t, k, r, sharded):
-    run = Run(t=t, k=k, r=r, sharded=sharded, rule=adafactor(config))
-    run.train(3)
-    saved = contents(run.save(tmp_path / 'ckpt'))
+def t1(runs, config):
+    """The T=1 unsharded run's checkpoints after 2 and 3 steps."""
+    return runs(config, 1, 1, 1, False)[1]
+
+
+# Every pair of values of two of config, T, K and (R, sharded) that the tests ever covered:
+# each (T, sharded) with beta1 0 and > 0, each config at T=2 (momentum's in the restore
+# test's source) and each T at K=1 and 2. The restores below go into the Runs these train.
+THREE_STEPS = [('plain', 4, 1, 1, False), ('plain', 2, 2, 2, True),
+               ('momentum', 4, 2, 1, False), ('momentum', 4, 1, 2, True),
+               ('unfactored', 2, 1, 1, False)]
+
+
+@pytest.mark.parametrize('config,t,k,r,sharded', THREE_STEPS)
+def test_three_steps_save_the_t1_checkpoint(runs, config, t, k, r, sharded):
+    saved = contents(runs(config, t, k, r, sharded)[1][3])
     assert not any('shard' in key for key in saved), sorted(saved)
     if config != 'unfactored':  # factored moments of the whole shapes, under whole keys
         assert saved[SLOTS.format('pipe-fc0-w', 'vr')].shape == (6,)
         assert saved[SLOTS.format('pipe-fc0-w', 'vc')].shape == (8,)
         assert saved[SLOTS.format('pipe-fc3-w', 'vr')].shape == (8,)
-    assert_same(saved, contents(t1(config)[3]), rtol=1e-5)
+    assert_same(saved, contents(t1(runs, config)[3]), rtol=1e-5)
 
 
 def test_factored_slots_split_like_the_weight_or_held_by_every_shard():
@@ -96,29 +110,23 @@ def test_factored_slots_split_like_the_weight_or_held_by_every_shard():
     assert variables['pipe/fc0/w_shard0'].device != variables['pipe/fc0/w_shard1'].device
 
 
-@pytest.fixture(scope='module')
-def t2_step2(tmp_path_factory):
-    """A T=2 (K=2, unsharded) run's checkpoint after 2 'momentum' steps."""
-    run = Run(t=2, k=2, r=1, sharded=False, rule=adafactor('momentum'))
-    run.train(2)
-    return run.save(tmp_path_factory.mktemp('tp_adafactor_t2') / 'ckpt')
-
-
-@pytest.mark.parametrize('t,k,r,sharded', [(1, 1, 1, False), (4, 1, 1, False),
+@pytest.mark.parametrize('t,k,r,sharded', [(1, 1, 1, False), (4, 2, 1, False),
                                            (4, 1, 2, True)])
-def test_t2_checkpoint_restores_exactly_and_continues_as_t1(t1, t2_step2, tmp_path, t, k, r,
-                                                            sharded):
-    target = Run(t=t, k=k, r=r, sharded=sharded, rule=adafactor('momentum')).restore(t2_step2)
+def test_t2_checkpoint_restores_exactly_and_continues_as_t1(runs, tmp_path, t, k, r, sharded):
+    """A T=2 (K=2, unsharded) run's checkpoint after 2 'momentum' steps (the T=1 run's)."""
+    t2_step2 = runs('momentum', 2, 2, 1, False)[1][2]
+    assert_same(contents(t2_step2), contents(t1(runs, 'momentum')[2]), rtol=1e-5)
+    target = runs('momentum', t, k, r, sharded)[0].restore(t2_step2)
     assert_same(contents(target.save(tmp_path / 'restored')), contents(t2_step2), rtol=0)
     target.train(1)
-    assert_same(contents(target.save(tmp_path / 'next')), contents(t1('momentum')[3]),
+    assert_same(contents(target.save(tmp_path / 'next')), contents(t1(runs, 'momentum')[3]),
                 rtol=1e-5)
 
 
-def test_t1_checkpoint_continues_at_t4(t1, tmp_path):
-    target = Run(t=4, k=1, r=1, sharded=False, rule=adafactor('plain')).restore(t1('plain')[2])
+def test_t1_checkpoint_continues_at_t4(runs, tmp_path):
+    target = runs('plain', 4, 1, 1, False)[0].restore(t1(runs, 'plain')[2])
     target.train(1)
-    assert_same(contents(target.save(tmp_path / 'next')), contents(t1('plain')[3]),
+    assert_same(contents(target.save(tmp_path / 'next')), contents(t1(runs, 'plain')[3]),
                 rtol=1e-5)
 
 

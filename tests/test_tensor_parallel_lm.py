@@ -23,12 +23,36 @@ from tests.tensor_parallel_lm_task import (assert_same_step, lm_task, reference,
 from tfpipe import checkpoints, fprop_context, generation
 
 
+_stepped, _evaluated = {}, {}
+
+
+def stepped(t, k=1, r=1, m=1):
+    """(task, its `sgd_step` on the reference batch) at one grid point, once per process:
+    the step test and the checkpoint test read the same traced step."""
+    if (t, k, r, m) not in _stepped:
+        task = lm_task(t, k, r, m)
+        _stepped[t, k, r, m] = task, sgd_step(task, reference()[0])
+    return _stepped[t, k, r, m]
+
+
+def evaluated(t):
+    """(task, its evaluation logits and metrics on the generated batch) at T=t, K=1, once
+    per process: the placement and the metrics tests read the same evaluation."""
+    if t not in _evaluated:
+        task, batch = lm_task(t), lm.generated_batch()
+        with fprop_context.evaluation():
+            logits = task.ComputePredictions(task.theta, batch)
+        metrics = {k: v[0].numpy() for k, v in task.ComputeLoss(task.theta, logits,
+                                                                  batch).items()}
+        _evaluated[t] = task, logits, metrics
+    return _evaluated[t]
+
+
 # (T, K, R, M): M=2 where micro-batches add something (dropout offsets, 1F1B's order).
 @pytest.mark.parametrize('t, k, r, m', [(2, 1, 1, 1), (2, 2, 1, 2), (4, 1, 1, 1), (4, 2, 1, 1),
                                         (2, 2, 2, 1)])
 def test_step_equals_the_t1_step(t, k, r, m):
-    batch, ref = reference()
-    assert_same_step(sgd_step(lm_task(t, k, r, m), batch), ref)
+    assert_same_step(stepped(t, k, r, m)[1], reference()[1])
 
 
 @pytest.mark.parametrize('t, k, recompute, schedule', [
@@ -40,7 +64,7 @@ def test_recompute_policies_and_schedules_equal_the_t1_step(t, k, recompute, sch
 
 
 def test_layers_are_split_over_the_cells_devices():
-    task = lm_task(4)
+    task, logits, _ = evaluated(4)
     devices = [tf.DeviceSpec.from_string(d) for d in task.pipe.cells[0].shard_devices]
     assert len(set(devices)) == 4
 
@@ -57,20 +81,11 @@ def test_layers_are_split_over_the_cells_devices():
     assert placed(task.pipe.block0.atten.post) == (
         [([4, 16], d) for d in devices] + [([16], devices[0])])
     assert {d for _, d in placed(task.pipe.block0.atten_ln)} == {devices[0]}
-    with fprop_context.evaluation():
-        logits = task.ComputePredictions(task.theta, lm.generated_batch())
     assert [s.shape[-1] for s in logits] == [65, 65, 64, 64]
 
 
 def test_eval_metrics_equal_the_t1_metrics():
-    batch = lm.generated_batch()
-    metrics = []
-    for t in (1, 4):
-        task = lm_task(t)
-        with fprop_context.evaluation():
-            logits = task.ComputePredictions(task.theta, batch)
-        metrics.append({k: v[0].numpy() for k, v in task.ComputeLoss(
-            task.theta, logits, batch).items()})
+    metrics = [evaluated(t)[2] for t in (1, 4)]
     for name in metrics[0]:
         np.testing.assert_allclose(metrics[1][name], metrics[0][name], rtol=1e-9)
 
@@ -96,9 +111,7 @@ def test_generation_with_t2_gives_the_t1_tokens():
 
 
 def test_checkpoint_moves_between_t4_t1_and_t2(tmp_path):
-    batch, _ = reference()
-    trained = lm_task(4)
-    sgd_step(trained, batch)
+    trained = stepped(4)[0]  # after the step test_step_equals_the_t1_step checks
     path = checkpoints.make(trained.VariablesByPath()).write(str(tmp_path / 'ckpt'))
     saved = tf.train.list_variables(path)
     assert not [key for key, _ in saved if 'shard' in key]  # whole weights only
@@ -123,19 +136,8 @@ def test_heads_not_divisible_by_t_name_the_layer_and_the_fix():
         lm_task(4, heads=2)
 
 
-LM_MODEL = 'lm.pystdlib.TinyTransformerLM'  # 2 heads, K=2
-
-
-def test_trainer_trains_and_exports_the_registered_lm_at_t2(tmp_path):
-    logdir = str(tmp_path / 'run')
-    result = th.run(LM_MODEL, logdir, 'unused', *th.fast_flags(2, 2),
-                    th.overrides(**{'task.pipeline.tensor_parallel': 2}))
-    assert result.returncode == 0, result.stderr[-3000:]
-    losses = th.losses_by_step(os.path.join(logdir, 'train'))
-    assert sorted(losses) == [1, 2] and all(np.isfinite(list(losses.values())))
-    exported = th.run(LM_MODEL, logdir, 'unused', '--mode=export')
-    assert exported.returncode == 0, exported.stderr[-3000:]
-    assert os.path.exists(os.path.join(logdir, 'export', '2', 'saved_model.pb'))
+LM_MODEL = 'lm.pystdlib.TinyTransformerLM'  # 2 heads, K=2 (trained and exported at T=2 by
+# tests/test_trainer_tensor_parallel.py)
 
 
 def test_trainer_refuses_heads_not_divisible_by_t_before_the_logdir(tmp_path):

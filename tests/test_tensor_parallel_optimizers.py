@@ -116,7 +116,9 @@ def assert_same(actual, expected, rtol):
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
     """Checkpoints after 2 and 3 Adam steps at T=1 unsharded; after 2 at R=2 x K=2 x T=2
-    sharded, whose replica copies are returned too."""
+    sharded, whose replica copies are returned too; and both Runs, into which the tests
+    restore (tracing a Run's step is most of its cost; a restore must then overwrite every
+    value the Run trained)."""
     directory = tmp_path_factory.mktemp('tp_sharded')
     reference = Run(t=1, k=1, r=1, sharded=False)
     reference.train(2)
@@ -127,6 +129,7 @@ def runs(tmp_path_factory):
     split.train(2)
     out['t2_step2'] = split.save(directory / 't2_step2')
     out['t2_replicas'] = [{p: v.numpy() for p, v in copy.items()} for copy in split.variables]
+    out['t1_run'], out['t2_run'] = reference, split
     return out
 
 
@@ -141,14 +144,16 @@ def test_sharded_t2_steps_equal_t1_and_save_whole_weights_and_slots(runs):
 
 
 def test_t1_checkpoint_continues_at_t2_sharded(runs, tmp_path):
-    target = Run(t=2, k=2, r=2, sharded=True).restore(runs['t1_step2'])
+    target = runs['t2_run'].restore(runs['t1_step2'])
     target.train(1)
     assert_same(contents(target.save(tmp_path / 'ckpt')), contents(runs['t1_step3']),
                 rtol=1e-5)
 
 
 def test_t2_sharded_checkpoint_continues_at_t1(runs, tmp_path):
-    target = Run(t=1, k=1, r=1, sharded=False).restore(runs['t2_step2'])
+    target = runs['t1_run'].restore(runs['t2_step2'])
+    assert_same(contents(target.save(tmp_path / 'restored')), contents(runs['t2_step2']),
+                rtol=0)
     target.train(1)
     assert_same(contents(target.save(tmp_path / 'ckpt')), contents(runs['t1_step3']),
                 rtol=1e-5)

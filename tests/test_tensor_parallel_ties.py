@@ -20,7 +20,7 @@ import tfpipe
 from tests import model_zoo as mz
 from tests import tensor_parallel_lm_task as lm_tp
 from tests import trainer_helpers as th
-from tests.tensor_parallel_mlp import STEP, assert_same, inputs, step, whole
+from tests.tensor_parallel_mlp import STEP, assert_same, inputs, step
 from tfpipe import fprop_context, layers
 from tfpipe.base_layer import flatten_by_path
 from tfpipe.layers.tensor_parallel_dense import ColumnParallelDense, RowParallelDense
@@ -89,17 +89,27 @@ def reference():
     return _reference
 
 
+_tied = {}
+
+
+def tied_step(t, k, r):
+    """(pipeline, its `step`) at (t, k, r), built, traced and run once per process: the
+    equality and the gradient placement tests read the same traced step."""
+    if (t, k, r) not in _tied:
+        pipe = tied_pipeline(t, k, r)
+        _tied[t, k, r] = pipe, step(pipe, replica_thetas=r > 1)
+    return _tied[t, k, r]
+
+
 @pytest.mark.parametrize('t,k,r', [(2, 2, 1), (2, 2, 2), (4, 2, 1)])
 def test_tied_split_weights_equal_the_unpartitioned_model(t, k, r):
     ref = reference()
-    pipe = tied_pipeline(t, k, r)
+    pipe, result = tied_step(t, k, r)
     assert not any('col_b' in p or 'row_b' in p for p in pipe.VariablesByPath())
-    assert_same(whole(pipe, {p: v.numpy() for p, v in pipe.VariablesByPath().items()}),
-                ref['initial'], 'initial weights')
-    loss, grads, weights = step(pipe, replica_thetas=r > 1)
-    np.testing.assert_allclose(loss, ref['loss'], rtol=1e-5)
-    assert_same(grads, ref['grads'], 'grads')
-    assert_same(weights, ref['weights'], 'updated weights')
+    assert_same(result.initial, ref['initial'], 'initial weights')
+    np.testing.assert_allclose(result.loss, ref['loss'], rtol=1e-5)
+    assert_same(result.grads, ref['grads'], 'grads')
+    assert_same(result.weights, ref['weights'], 'updated weights')
 
 
 def gradient_devices(pipe, loss_fn, *args):
@@ -119,13 +129,15 @@ def gradient_devices(pipe, loss_fn, *args):
 def test_tied_shards_gradients_are_summed_on_the_shards_devices():
     """Each shard's gradient (its own use's plus the other cell's) ends on the shard's
     device, as an untied shard's does, not on its cell's home device: for the MLP's
-    ties and for the LM's vocabulary-parallel embedding and softmax (T=2, K=2)."""
-    pipe = tied_pipeline(2, 2)
-    x, y = inputs()
+    ties (the traced step the test above checks) and for the LM's vocabulary-parallel
+    embedding and softmax (T=2, K=2)."""
+    pipe, result = tied_step(2, 2, 1)
     task = lm_tp.lm_task(2, 2)
     batch, _ = lm_tp.reference()
+    mlp = {path: (v, g) for path, (v, g, _) in result.placed.items()}
+    assert sorted(mlp) == sorted(pipe.VariablesByPath())
     for name, placed in [
-            ('mlp', gradient_devices(pipe, mz.loss_fn, x, y)),
+            ('mlp', mlp),
             ('lm', gradient_devices(task.pipe, task.PerExampleLoss, task.PipelineInputs(batch),
                                     task.PipelineTargets(batch)))]:
         assert any(path.endswith(('col_a/w_shard1', 'embedding/emb_shard1'))

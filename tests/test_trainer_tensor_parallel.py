@@ -3,7 +3,7 @@
 Bad input (a width T does not divide, more devices than there are) is one line
 naming the layer or the count, exit 2, before the logdir exists. A run trained
 at T=2 resumes at T=1 from its checkpoint (one whole copy per weight and slot).
-The LM trained at T=2 gets from its evaler and decoder jobs (which build the
+The LM trained at T=2 exports, and gets from its evaler and decoder jobs (which build the
 recorded T=2) the scores and greedy decodes of the same jobs at T=1 on the same
 checkpoint; the MT model trained with Adafactor at T=2 has the T=1 run's losses.
 """
@@ -70,8 +70,9 @@ def side_by_side(*runs):
 
 @pytest.fixture(scope='module')
 def lm_jobs(tmp_path_factory, data_dir):
-    """TinyTransformerLM trained 2 steps at T=2; then its evaler on dev and decoder on test
-    on two copies of the logdir: as recorded (T=2) and with tensor_parallel=1."""
+    """TinyTransformerLM trained 2 steps at T=2 ('trained'); then, side by side, its export
+    and its evaler on dev and decoder on test on two copies of the logdir: as recorded
+    (T=2) and with tensor_parallel=1."""
     root = tmp_path_factory.mktemp('lm_t2')
     trained = str(root / 'run')
     side_by_side((LM, trained, data_dir, *th.fast_flags(2, 2),
@@ -79,10 +80,17 @@ def lm_jobs(tmp_path_factory, data_dir):
     copies = {t: str(root / f't{t}') for t in (2, 1)}
     for copy in copies.values():
         shutil.copytree(trained, copy)
-    side_by_side((LM, copies[2], data_dir, '--job=evaler_dev,decoder_test'),
+    side_by_side((LM, trained, data_dir, '--mode=export'),
+                 (LM, copies[2], data_dir, '--job=evaler_dev,decoder_test'),
                  (LM, copies[1], data_dir, '--job=evaler_dev,decoder_test',
                   th.overrides(**{'task.pipeline.tensor_parallel': 1})))
-    return copies
+    return {'trained': trained, **copies}
+
+
+def test_lm_trains_and_exports_at_t2(lm_jobs):
+    losses = th.losses_by_step(os.path.join(lm_jobs['trained'], 'train'))
+    assert sorted(losses) == [1, 2] and all(np.isfinite(list(losses.values())))
+    assert os.path.exists(os.path.join(lm_jobs['trained'], 'export', '2', 'saved_model.pb'))
 
 
 def scores(path):
