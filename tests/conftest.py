@@ -176,6 +176,10 @@ MODULE_GROUPS = {
     'tests/test_tensor_parallel_lm.py': 'tensor_parallel_lm',
     'tests/test_tensor_parallel_optimizers.py': 'tensor_parallel_optimizers',
     'tests/test_tensor_parallel_ties.py': 'tensor_parallel_ties',
+    # Each shares one module fixture: a 4-step MoE LM trainer run with its evaler and
+    # decoder (~160 s), and one chain of stage-changing resumes (~130 s).
+    'tests/test_moe_lm.py': 'moe_lm',
+    'tests/test_sharded_resume.py': 'sharded_resume',
     # Both read the LM trained at T=2 (module fixture lm_jobs).
     'tests/test_trainer_tensor_parallel.py::test_lm_trains_and_exports_at_t2': 'tp_lm_jobs',
     'tests/test_trainer_tensor_parallel.py::'
@@ -184,7 +188,8 @@ MODULE_GROUPS = {
 # Work units (groups, or test ID prefixes of single long tests) to start first, longest
 # first; the rest follow in file order.
 LONGEST_FIRST = [
-    'clients_exact', 'clients', 'launcher', 'lm', 'clients_sharded', 'tensor_parallel',
+    'clients_exact', 'clients', 'launcher', 'lm', 'moe_lm', 'clients_sharded',
+    'sharded_resume', 'tensor_parallel',
     'tensor_parallel_adafactor', 'tensor_parallel_lm',
     'cluster_trainer', 'export', 'logdir_experiment',
     'tests/test_check_pipeline.py::test_check_pipeline_passes_on_registered_models',
