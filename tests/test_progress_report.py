@@ -34,7 +34,10 @@ def report(tmp_path, caplog, losses):
     writer = tf.summary.create_file_writer(str(tmp_path))
     progress = Progress(10, 0.0)
     progress.step_done(1, 1.0)
-    with caplog.at_level(logging.INFO):
+    # absl's own logger: a test that parsed the trainer's flags in this process has set its
+    # level from absl's --verbosity default (WARNING), which the root logger's level does
+    # not override.
+    with caplog.at_level(logging.INFO, logger='absl'):
         progress_report.report(writer, progress, Throughput('examples', 8, None, None), 1, 10,
                                8, losses, 0.5, 0.1)
     writer.flush()
