@@ -60,9 +60,13 @@ def targets(records: Sequence[Record], upstream: Optional[dict[Key, Any]],
             fraction: float) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
     """The loss values a backward differentiates and their output gradients
     (`coefficients`), without those left out."""
-    pairs = [(value, g) for (_, value, _), g in zip(records, coefficients(records, upstream,
-                                                                           fraction))
-             if g is not None]
+    return select(records, coefficients(records, upstream, fraction))
+
+
+def select(records: Sequence[Record],
+           grads: Sequence[Optional[tf.Tensor]]) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
+    """(values, output gradients) of the records whose gradient is not None."""
+    pairs = [(value, g) for (_, value, _), g in zip(records, grads) if g is not None]
     return [v for v, _ in pairs], [g for _, g in pairs]
 
 

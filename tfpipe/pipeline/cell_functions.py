@@ -12,8 +12,8 @@ the example offset (Dropout's mask depends on the global example index) and the
 step. BatchNorm's micro-batch statistics cannot escape a function through the
 context's sink, so the forward function returns them and they are recorded into
 the run's sink outside; so are the auxiliary losses' values (aux_losses.py), and
-the backward function takes their output gradients as arguments. A recomputing cell keeps only its input and its backward
-function recomputes the forward under a tape of its own (statistics discarded),
+the backward function takes their output gradients as arguments. A recomputing cell
+keeps only its input and its backward function recomputes the forward under a tape of its own (statistics discarded),
 then differentiates. A cell that keeps its activations (does not recompute)
 runs its training tasks as the unrolled executor's ops: TensorFlow's gradient of
 a function call, which would have to keep the call's intermediates, measured
@@ -132,17 +132,15 @@ class CellFunctions:
                 with self._context(offset, step, sink, aux):
                     y = self.cell.forward(theta, x)
             x_leaves, y_leaves, _, _ = self.boundary(x, y)
-            wanted = [(value, g) for (_, value, _), g in zip(aux_losses.records_of(aux),
-                                                            aux_grads) if g is not None]
+            values, coefficients = aux_losses.select(aux_losses.records_of(aux), aux_grads)
             recomputed = contextlib.nullcontext()
             if self.stamp_recompute:
                 with tf.control_dependencies(tf.nest.flatten(y)):
                     stamp = tf.timestamp(name='recompute_end')
                 recomputed = tf.control_dependencies([stamp])
             with recomputed:
-                grads = tape.gradient(y_leaves + [v for v, _ in wanted],
-                                      x_leaves + tf.nest.flatten(theta),
-                                      output_gradients=list(dy) + [g for _, g in wanted],
+                grads = tape.gradient(y_leaves + values, x_leaves + tf.nest.flatten(theta),
+                                      output_gradients=list(dy) + coefficients,
                                       unconnected_gradients=tf.UnconnectedGradients.ZERO)
             dx, dtheta = grads[:len(x_leaves)], grads[len(x_leaves):]
             sums = []

@@ -541,7 +541,8 @@ class PipeliningLayer(BaseLayer):
         ticks = [self._Ticks(self.params.schedule, len(group)) for group in groups]
         runs = [self._NewRun(cells, cell_thetas, [micro[m] for m in group],
                              [offsets[m] for m in group], ctx, on_output=on_output_of(group),
-                             global_batch=n, split_backward=schedule.phases_of(t) != (schedule.FORWARD,
+                             global_batch=n,
+                             split_backward=schedule.phases_of(t) != (schedule.FORWARD,
                                                                       schedule.BACKWARD))
                 for cells, cell_thetas, group, t in zip(self.replica_cells, thetas, groups,
                                                         ticks)]
