@@ -418,7 +418,7 @@ class Trainer:
                         self._write_timeline(step + 1, stamps.numpy(), writer)
                 else:
                     loss, norm, lr, aux = self._step(batch)
-                loss, norm, aux = float(loss), float(norm), {n: v.numpy() for n, v in aux.items()}
+                loss, norm = float(loss), float(norm)
             except tf.errors.InvalidArgumentError as e:
                 label = classifier.bad_label(e)
                 if label is None:
@@ -434,7 +434,9 @@ class Trainer:
             self.heartbeat = (step, time.monotonic())
             progress.step_done(step, time.time())
             if step % self.summary_interval == 0 or step == self.max_steps:
-                self._report(writer, progress, step, loss, norm, float(lr), aux)
+                # The auxiliary losses reach the host only on the steps that report them.
+                self._report(writer, progress, step, loss, norm, float(lr),
+                             {n: v.numpy() for n, v in aux.items()})
             if step % self.save_interval == 0 or step == self.max_steps:
                 self.save(step)
         if out_of_data:
