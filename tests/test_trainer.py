@@ -20,6 +20,13 @@ def test_train_then_evaler_and_decoder(tmp_path, data_dir, trained_4_steps):
     assert 'first step' in first and 'steps/s' not in first  # tracing is not a step rate
     last = next(line for line in stderr.splitlines() if 'step 4/4' in line)
     assert re.search(r'steps/s  [0-9.]+ examples/s  MFU [0-9.]+%  HFU [0-9.]+%', last), last
+    # Before the first step traced, the host memory it adds, predicted: a lower bound of
+    # what the allocator then measured (which also holds the weights and slots).
+    need = re.search(r'host memory: the first step needs at least ([\d.]+) MiB more',
+                     stderr)
+    assert need and stderr.index(need.group(0)) < stderr.index('step 1/4'), stderr[-3000:]
+    peak = re.search(r'peak CPU:0 ([\d.]+) MiB', last)
+    assert peak and 0 < float(need.group(1)) <= float(peak.group(1)), (need, last)
     logdir = trained_4_steps.copy_to(tmp_path / 'run')
     train_dir = os.path.join(logdir, 'train')
     assert checkpoints.step_of(checkpoints.latest(train_dir)) == 4

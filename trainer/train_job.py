@@ -48,7 +48,7 @@ from tfpipe.pipeline import across_clients, replicas, sharding
 from tfpipe.pipeline.recorder import Recorder
 from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
 from tfpipe.tasks import classifier
-from tfpipe.tuning import timeline
+from tfpipe.tuning import first_step_memory, timeline
 from trainer import batch_split, experiment, progress_report, stop_signals
 from trainer.runtime_options import TASK_TRAIN_OPTIONS, RuntimeOptions, check_positive_int
 from trainer.throughput import Progress, Throughput, measure_for
@@ -410,6 +410,13 @@ class Trainer:
             if self.heartbeat is None:
                 self._log_input_bytes()
                 self._throughput = self._measure_throughput(batch)
+                # Before the first step traces: a model too big for the host says so.
+                need = first_step_memory.predict(
+                    self.task.pipe, self.params.task.pipeline.body,
+                    self.task.PipelineInputs(batch),
+                    [v for variables in self.replica_variables for v in variables.values()])
+                if need is not None:
+                    (logging.warning if need.exceeds else logging.info)('%s', need.line())
             begin = time.monotonic()
             try:
                 if step + 1 == self.trace_step:
