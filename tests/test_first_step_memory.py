@@ -71,3 +71,26 @@ def test_the_hosts_available_memory_is_read():
     with open('/proc/meminfo') as f:
         total = int(next(line for line in f if line.startswith('MemTotal')).split()[1]) * 1024
     assert 0 < available <= total
+
+
+def test_a_layer_without_fprop_meta_gets_no_prediction_and_no_error():
+    class Opaque(layers.Dense):
+        @classmethod
+        def FPropMeta(cls, p, x_shape):
+            raise NotImplementedError('Opaque does not implement FPropMeta')
+
+    body = [Opaque.Params().Set(name='fc0', input_dim=6, output_dim=5)]
+    pipe = tfpipe.PipeliningLayer.Params().Set(name='pipe', body=body, balance=[1]).Instantiate()
+    assert first_step_memory.predict(pipe, body, tf.zeros([4, 6]), []) is None
+
+
+@pytest.mark.parametrize('overrides', [
+    dict(schedule='interleaved_1f1b', virtual_stages=2, balance=[1, 1, 1, 1], num_micro_batches=2),
+    dict(tensor_parallel=2, balance=[1, 1, 1], num_micro_batches=2)])
+def test_interleaved_and_tensor_parallel_pipelines_are_predicted(overrides):
+    body = [layers.Dense.Params().Set(name=f'fc{i}', input_dim=8, output_dim=8)
+            for i in range(len(overrides['balance']))]
+    pipe = tfpipe.PipeliningLayer.Params().Set(name='pipe', body=body, **overrides).Instantiate()
+    need = first_step_memory.predict(pipe, body, tf.zeros([8, 8]),
+                                     list(pipe.VariablesByPath().values()))
+    assert need.held > 0 and need.working > 0 and need.total > need.gradient_sums

@@ -95,12 +95,16 @@ def predict(pipe, body: Sequence[Params], inputs: Any,
             trainable: Sequence[tf.Variable]) -> Optional[FirstStepNeed]:
     """What `pipe`'s first step on `inputs` (this process's batch, as the pipeline
     takes it) adds to the host, `trainable` being every replica's trainable variables
-    in this process; None when the cells are not this host's logical CPUs."""
+    in this process; None when the cells are not this host's logical CPUs or a layer
+    has no `FPropMeta` (a user's layer need not: then inspect_model is the way)."""
     cells = [cell for replica in pipe.replica_cells for cell in replica]
     if memory_stats.allocator_devices([c.device for c in cells]) != ['CPU:0']:
         return None
     shapes = tf.nest.map_structure(lambda t: tf.TensorShape(t.shape), inputs)
-    profiles = static_profiles(body, shapes)
+    try:
+        profiles = static_profiles(body, shapes)
+    except NotImplementedError:
+        return None
     m = pipe.params.num_micro_batches
     micro_batch = tf.nest.flatten(shapes)[0][0] / (pipe.num_replicas * m)
     ranges = cell_ranges(pipe.balance)
