@@ -21,9 +21,16 @@ What is pipelined exactly, and what is refused (with an error naming the layer):
 - `BatchNormalization` is refused: its moving statistics would be updated once
   per micro-batch; use `tfpipe.layers.BatchNorm` (micro-batch statistics,
   one full-batch update of the moving statistics) in a tfpipe model instead.
-- Layers with non-trainable state (stateful RNNs), weight or activity
-  regularizers, layers that appear twice (shared weights) and functional models
-  with branches are refused.
+- Losses a layer adds in `call()` (`self.add_loss`, and Keras'
+  `activity_regularizer`, which Keras divides by the batch size) are trained
+  and reported as Keras does, in `fit`'s and `evaluate`'s `loss`: each
+  micro-batch's value counts b/N, like the compiled loss, so a loss that is a
+  mean over the batch's examples (or does not depend on them) is exact; one
+  that sums over examples would count 1/M of itself (say so if you have one).
+- Layers with non-trainable state (stateful RNNs), weight regularizers (Keras
+  computes them from the variables when the loss is read, outside the
+  executor's tapes), layers that appear twice (shared weights) and functional
+  models with branches are refused.
 """
 from __future__ import annotations
 
@@ -79,8 +86,14 @@ class _KerasLayer:
         if isinstance(self.layer, keras.layers.Dropout):
             return self._dropout(x, ctx)
         mapping = list(zip(self.layer.trainable_variables, theta))
-        with keras.StatelessScope(state_mapping=mapping):
-            return self.layer(x, training=ctx.training)
+        with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+            y = self.layer(x, training=ctx.training)
+        # A loss the layer adds (add_loss, activity_regularizer) is an auxiliary loss
+        # of the pipeline: differentiated beside the cell's outputs, weighted b/N.
+        for i, loss in enumerate(scope.losses):
+            if ctx.aux_losses is not None:
+                ctx.aux_losses.add(self.params.name, f'add_loss_{i}', loss, 1.0)
+        return y
 
     def _dropout(self, x: tf.Tensor, ctx: fprop_context.FPropContext) -> tf.Tensor:
         """tfpipe's stateless mask: a function of (layer, step, example index) only."""
@@ -141,10 +154,11 @@ def _refusal(layer: keras.layers.Layer) -> Optional[str]:
         if state:
             return (f'{where} has non-trainable state {state}, which the pipeline would '
                     'update once per micro-batch')
-        regularizers = [a for a in ('kernel_regularizer', 'bias_regularizer',
-                                    'activity_regularizer') if getattr(sub, a, None)]
+        regularizers = [a for a in ('kernel_regularizer', 'bias_regularizer')
+                        if getattr(sub, a, None)]
         if regularizers:
-            return f'{where} has {regularizers[0]}; remove it or add the penalty to the loss'
+            return (f'{where} has {regularizers[0]}; remove it, or add the penalty in a '
+                    'layer\'s call() with add_loss (trained by the pipeline)')
     return None
 
 
@@ -186,8 +200,10 @@ def _layers_of(model: Union[keras.Model, Sequence[keras.layers.Layer]]) -> list:
 
 
 def _copy(layer: keras.layers.Layer) -> keras.layers.Layer:
-    """A layer of the same config, built (under the caller's device) if `layer` is."""
-    return keras.layers.deserialize(keras.layers.serialize(layer))
+    """A layer of the same config, built (under the caller's device) if `layer` is. Its
+    own class is passed along, so a user's layer needs no Keras registration."""
+    return keras.layers.deserialize(keras.layers.serialize(layer),
+                                    custom_objects={type(layer).__name__: type(layer)})
 
 
 def _read(variable: keras.Variable) -> tf.Tensor:
@@ -291,13 +307,35 @@ class PipelinedModel(keras.Model):
         return optimizer.iterations if optimizer is not None else 0
 
     def call(self, x: Any, training: bool = False) -> Any:
-        """Forward tasks only (predict, evaluate, or a plain call)."""
+        """Forward tasks only (predict, or a plain call: the losses layers add are
+        left out of `self.losses`; `evaluate` reports them)."""
+        return self._forward(x, training)[0]
+
+    def _forward(self, x: Any, training: bool) -> tuple[Any, tf.Tensor]:
+        """The outputs and the sum of the losses the layers added (weighted b/N)."""
         micro, offsets = self._split(x)
         ctx = fprop_context.FPropContext(training=bool(training), step=self._step())
         run = PipelineRun(self.cells, self._thetas(), micro, offsets, ctx)
         run.run(t for tick in self._ticks('fill_drain', len(micro)) for t in tick
                 if t.phase == schedule.FORWARD)
-        return self._merge(run.outputs)
+        return self._merge(run.outputs), self._added_losses(run)
+
+    def _added_losses(self, run: PipelineRun) -> tf.Tensor:
+        with tf.device(self.cells[-1].device), tf.name_scope('added_losses'):
+            return tf.add_n([tf.constant(0.0)] + [
+                weight * tf.cast(value, tf.float32)
+                for value, weight in run.aux_report().values()])
+
+    def test_step(self, data: Any) -> dict:
+        """Keras' evaluation step, with the losses the layers added in the `loss`, as
+        Keras' own test_step has them (through `self.losses`, which a pipelined call
+        does not fill)."""
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        y_pred, added = self._forward(x, training=False)
+        loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                 training=False)
+        self._loss_tracker.update_state(loss + added, sample_weight=microbatch.batch_size(x))
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def train_step(self, data: Any) -> dict:
         """One GPipe step: the schedule's forward and backward tasks, then one update.
@@ -339,7 +377,7 @@ class PipelinedModel(keras.Model):
                 grads += cell_grads[adapter.params.name]
         self.optimizer.apply_gradients(zip(_once_all_summed(grads), variables))
         with tf.device(self.cells[-1].device), tf.name_scope('loss'):
-            loss = tf.add_n(losses)
+            loss = tf.add_n(losses) + self._added_losses(run)  # Keras' loss includes them
         self._loss_tracker.update_state(loss, sample_weight=n)
         return self.compute_metrics(x, y, self._merge(run.outputs), sample_weight=sample_weight)
 
