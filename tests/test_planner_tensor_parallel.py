@@ -1,4 +1,5 @@
 """The planner's third axis: T devices per cell (tensor parallelism) beside K and M."""
+import dataclasses
 import json
 import os
 
@@ -56,6 +57,11 @@ def test_profiles_say_which_share_of_a_layer_splits_and_its_all_reduces():
         (0.0, 0), (0.0, 0), (1.0, 1), (1.0, 1), (1.0, 1)]
     assert profiles[2].per_device(4) == pytest.approx(0.25)
     assert profiles[0].per_device(4) == 1.0
+    # inspect_model's profile (bytes alone) has the same bytes and splits, and no times.
+    untimed = profile.profile_body(_tp_body(), sample, '/CPU:0', [2, 4], timed=False)
+    assert all(p.forward is None and p.backward is None for p in untimed)
+    assert ([dataclasses.replace(p, forward=None, backward=None) for p in profiles]
+            == untimed)
 
 
 def test_a_cell_of_t_devices_holds_and_computes_a_tth_and_all_reduces_activations():

@@ -1,53 +1,23 @@
-"""Thread flags reach TensorFlow: read back from tf.config.threading in a fresh process."""
-import subprocess
+"""Thread flags reach TensorFlow: read back from tf.config.threading in a process whose
+runtime starts after them (tests/thread_probe.py)."""
 import sys
 
 import pytest
 
 from tests import trainer_helpers
 
-_PROBE = '''
-import sys
-from absl import flags
-import tensorflow as tf
-if sys.argv[1:2] == ['--fake_gpu']:  # the trainer's GPU branch, on a machine without GPUs
-    sys.argv.pop(1)
-    physical = tf.config.list_physical_devices
-    tf.config.list_physical_devices = lambda kind=None: (
-        ['fake GPU'] if kind == 'GPU' else physical(kind))
-from trainer import main
-flags.FLAGS(['trainer'] + sys.argv[1:])
-main._configure_devices()
-print(tf.config.threading.get_intra_op_parallelism_threads(),
-      tf.config.threading.get_inter_op_parallelism_threads(),
-      len(tf.config.list_logical_devices('CPU')))
-'''
 
-_LIBRARY_PROBE = '''
-import sys
-import tensorflow as tf
-import tfpipe
-if sys.argv[1:2] == ['--inter_set_before']:  # a program that sized a pool itself keeps it
-    tf.config.threading.set_inter_op_parallelism_threads(int(sys.argv.pop(2)))
-    sys.argv.pop(1)
-tfpipe.configure_logical_cpus(3, *[None if a == 'None' else int(a) for a in sys.argv[1:]])
-print(tf.config.threading.get_intra_op_parallelism_threads(),
-      tf.config.threading.get_inter_op_parallelism_threads(),
-      len(tf.config.list_logical_devices('CPU')))
-'''
-
-
-def _run(code, *args, extra_env=None):
-    env = trainer_helpers.env()
-    env.update(extra_env or {})
-    out = subprocess.run([sys.executable, '-c', code, *args], env=env, cwd=trainer_helpers.REPO,
-                         capture_output=True, text=True, timeout=300)
+def _run(mode, *args, extra_env=None):
+    """tests/thread_probe.py's (intra-op threads, inter-op threads, logical CPUs), forked
+    before TensorFlow's runtime starts (trainer_helpers.run_command)."""
+    out = trainer_helpers.run_command([sys.executable, '-m', 'tests.thread_probe', mode, *args],
+                                      extra_env)
     assert out.returncode == 0, out.stderr[-3000:]
     return [int(v) for v in out.stdout.split()[-3:]]
 
 
 def _probe(*flags, extra_env=None):
-    return _run(_PROBE, '--run_locally=cpu', '--num_logical_cpus=3', *flags,
+    return _run('trainer', '--run_locally=cpu', '--num_logical_cpus=3', *flags,
                 extra_env=extra_env)
 
 
@@ -74,14 +44,15 @@ def test_zero_flags_restore_tensorflows_own_default():
 
 def test_the_library_takes_the_same_default_on_logical_cpus():
     from tfpipe import devices
-    assert _run(_LIBRARY_PROBE) == [*devices.default_threads(3), 3]
-    assert _run(_LIBRARY_PROBE, '0', 'None') == [0, devices.default_threads(3)[1], 3]
-    assert _run(_LIBRARY_PROBE, '--inter_set_before', '5') == [
+    assert _run('library') == [*devices.default_threads(3), 3]
+    assert _run('library', '0', 'None') == [0, devices.default_threads(3)[1], 3]
+    assert _run('library', '--inter_set_before', '5') == [
         devices.default_threads(3)[0], 5, 3]
 
 
 def test_gpus_keep_tensorflows_default():
-    assert _run(_PROBE, '--fake_gpu', '--run_locally=gpu', '--inter_op_threads=3')[:2] == [0, 3]
+    assert _run('trainer', '--fake_gpu', '--run_locally=gpu',
+                '--inter_op_threads=3')[:2] == [0, 3]
 
 
 def test_default_threads_share_the_cores_among_logical_cpus(monkeypatch):

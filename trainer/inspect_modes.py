@@ -34,12 +34,14 @@ def _sample_inputs(params: Params, task) -> tuple[object, int]:
     return inputs, int(tf.nest.flatten(inputs)[0].shape[0])
 
 
-def profile_model(params: Params, task, max_micro_batches: int) -> list[profile.LayerProfile]:
-    """Every body layer of the model profiled on its first cell's device, on a real batch."""
+def profile_model(params: Params, task, max_micro_batches: int,
+                  timed: bool = True) -> list[profile.LayerProfile]:
+    """Every body layer of the model profiled on its first cell's device, on a real batch
+    (bytes alone unless `timed`: profile.profile_body)."""
     sample, batch_size = _sample_inputs(params, task)
     sizes = profile.profiling_batch_sizes(batch_size, max_micro_batches)
     return profile.profile_body(params.task.pipeline.body, sample, task.pipe.devices[0], sizes,
-                                params.task.train.optimizer)
+                                params.task.train.optimizer, timed=timed)
 
 
 def inspect_model(params: Params) -> None:
@@ -52,7 +54,7 @@ def inspect_model(params: Params) -> None:
     print(f'balance {list(pipe.balance)}  micro-batches {m}  recompute {pipe.params.recompute}'
           f'  replicas {pipe.num_replicas}  tensor_parallel {pipe.params.tensor_parallel}')
     print_placement(pipe)
-    profiles = profile_model(params, task, m)
+    profiles = profile_model(params, task, m, timed=False)  # bytes: nothing here reads time
     batch = params.input.train.batch_size // pipe.num_replicas  # each replica's share
     shards = slot_shards(params)
     for r, cells in enumerate(pipe.replica_cells):

@@ -55,8 +55,9 @@ class LayerProfile:
     """
 
     name: str
-    forward: Affine
-    backward: Affine  # the gradient computation alone (a recompute adds one forward)
+    # None when profiled for memory alone (`profile_body(timed=False)`, inspect_model).
+    forward: Optional[Affine]
+    backward: Optional[Affine]  # the gradient computation alone (a recompute adds one forward)
     param_bytes: float
     slot_bytes: float
     input_bytes_per_example: float
@@ -164,7 +165,7 @@ def _scaled(layer_times: list[list[float]], body_times: list[float]) -> list[lis
 
 def profile_body(body: Sequence[Params], sample: Any, device: str,
                  batch_sizes: Sequence[int], optimizer: Optional[Params] = None,
-                 repeats: int = 5) -> list[LayerProfile]:
+                 repeats: int = 5, timed: bool = True) -> list[LayerProfile]:
     """Builds `body` on `device` once and measures every layer at each batch size.
 
     `sample` is a mini-batch of the body's input (nested structures allowed) at
@@ -172,6 +173,10 @@ def profile_body(body: Sequence[Params], sample: Any, device: str,
     output. The whole body is timed too, and the layers' times are scaled to add
     up to it. Training mode (BatchNorm batch statistics, dropout on) with
     statistics discarded, so profiling changes nothing.
+
+    Not `timed`: bytes alone, forward and backward None. The memory prediction
+    (inspect_model) reads no time, and timing is most of the profile's cost: three
+    tf.functions traced and called 7 times per layer and batch size.
     """
     from tfpipe.layers.composite import Sequential  # local: composite imports base_layer only
 
@@ -186,28 +191,32 @@ def profile_body(body: Sequence[Params], sample: Any, device: str,
             for layer in seq.layers:
                 def apply(theta, v, layer=layer):
                     return apply_layer(layer, theta, v)
-                timings.append(_timings(apply, layer.theta, x, sizes, repeats))
+                if timed:
+                    timings.append(_timings(apply, layer.theta, x, sizes, repeats))
                 y = apply(layer.theta, x)
                 shapes.append((_bytes_per_example(x), _bytes_per_example(y)))
                 x = y
 
-            def apply_body(thetas, v):
-                for layer, theta in zip(seq.layers, thetas):
-                    v = apply_layer(layer, theta, v)
-                return v
-            body_f, body_b = _timings(apply_body, [layer.theta for layer in seq.layers],
-                                      tf.nest.map_structure(lambda t: t[:sizes[-1]], sample),
-                                      sizes, repeats)
-    forwards = _scaled([t[0] for t in timings], body_f)
-    backwards = _scaled([t[1] for t in timings], body_b)
+            if timed:
+                def apply_body(thetas, v):
+                    for layer, theta in zip(seq.layers, thetas):
+                        v = apply_layer(layer, theta, v)
+                    return v
+                body_f, body_b = _timings(apply_body, [layer.theta for layer in seq.layers],
+                                          tf.nest.map_structure(lambda t: t[:sizes[-1]],
+                                                                sample), sizes, repeats)
+    if timed:
+        forwards = [Affine.fit(sizes, t) for t in _scaled([t[0] for t in timings], body_f)]
+        backwards = [Affine.fit(sizes, t) for t in _scaled([t[1] for t in timings], body_b)]
+    else:
+        forwards = backwards = [None] * len(seq.layers)
     profiles = []
     for layer, forward, backward, (in_bytes, out_bytes) in zip(seq.layers, forwards, backwards,
                                                                 shapes):
         variables = layer.trainable_variables
         split_fraction, all_reduces = tensor_split.layer_split(layer)
         profiles.append(LayerProfile(
-            name=layer.params.name, forward=Affine.fit(sizes, forward),
-            backward=Affine.fit(sizes, backward),
+            name=layer.params.name, forward=forward, backward=backward,
             param_bytes=float(sum(v.shape.num_elements() * v.dtype.size for v in variables)),
             slot_bytes=slot_bytes_of(optimizer, variables),
             input_bytes_per_example=in_bytes, output_bytes_per_example=out_bytes,
