@@ -125,11 +125,21 @@ def _train_params(**values):
     ({'sharding': 'gradient'}, 2, "did you mean 'gradients'"),
     ({'sharding': 'gradients'}, 1, 'with 1 replica does nothing'),
     ({'sharding': 'gradients', 'shard_optimizer_states': True}, 2, 'contradicts'),
-    ({'sharding': 'weights'}, 2, 'not built yet')])
+    ({'sharding': 'weights', 'shard_optimizer_states': True}, 2, 'contradicts'),
+    ({'sharding': 'weights'}, 1, 'with 1 replica does nothing'),
+    ({'sharding': 'weight'}, 2, "did you mean 'weights'")])
 def test_bad_stages_are_refused_in_one_line(values, count, message):
     with pytest.raises(ValueError, match=message) as e:
         sharding.stage_of(_train_params(**values), count)
     assert '\n' not in str(e.value)
+
+
+def test_stage3_across_trainer_clients_is_refused_in_one_line():
+    with pytest.raises(ValueError, match='across trainer clients is not built') as e:
+        sharding.stage_of(_train_params(sharding='weights'), 2, clients=True)
+    assert '\n' not in str(e.value)
+    assert sharding.stage_of(_train_params(sharding='weights'), 2) == 'weights'
+    assert sharding.stage_of(_train_params(sharding='gradients'), 2, clients=True) == 'gradients'
 
 
 def test_the_older_switch_means_optimizer_states():
@@ -147,17 +157,24 @@ def test_a_stage_with_expert_parallelism_is_refused_in_one_line(values):
 
 class PipelineRun(tp_optimizers.Run):
     """tests/test_tensor_parallel_optimizers.py's pipeline (float64, Dropout, T-way split
-    layers, an fc3 bias of 5 that neither R divides) and the trainer's update at `stage`
-    (task.train.sharding: one unsharded optimizer per replica, stage 1 or stage 2).
-    `train` continues from the global step (inputs of each step fixed by the step, as a
-    resumed trainer's) and returns the loss of every step."""
+    layers, an fc3 bias of 5 that neither R divides; `pipeline_params` set on it) and the
+    trainer's update at `stage` (task.train.sharding: one unsharded optimizer per replica,
+    stage 1, 2 or 3). `train` continues from the global step (inputs of each step fixed by
+    the step, as a resumed trainer's) and returns the loss of every step."""
 
-    def __init__(self, t, k, r, stage, rule):
-        super().__init__(t, k, r, sharded=stage == sharding.OPTIMIZER_STATES, rule=rule)
+    def __init__(self, t, k, r, stage, rule, **pipeline_params):
+        super().__init__(t, k, r, sharded=stage == sharding.OPTIMIZER_STATES, rule=rule,
+                         **pipeline_params)
         if stage == sharding.GRADIENTS:
             self.pipe.DeferGradientSum()
             self.optimizer = self.optimizers = ShardedOptimizer(rule, self.variables,
                                                                 shard_gradients=True)
+        if stage == sharding.WEIGHTS:
+            self.pipe.ShardWeights()
+            shards = self.pipe.weight_shards
+            self.variables = shards.parts
+            self.optimizer = self.optimizers = ShardedOptimizer(rule, self.variables,
+                                                                weight_shapes=shards.shapes)
 
     def _build_step(self, x, y):
         with fprop_context.training(step=self.global_step):
