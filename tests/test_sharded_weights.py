@@ -10,10 +10,14 @@ and Adafactor (factored, momentum, parameter scale: its whole-weight statistic g
 the weight) at K in {1, 2}, R in {2, 4}, and both the cell-function and the unrolled
 executor (with recompute on and off).
 """
+import gc
+import weakref
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests import test_tensor_parallel_optimizers as tp_optimizers
 from tests.test_sharded_gradients import PipelineRun
 from tests.test_sharded_optimizer import OPTIMIZERS
 from tfpipe.pipeline import sharding
@@ -96,3 +100,18 @@ def test_a_step_gathers_each_cells_weights_once(trained):
     if rule.cls.__name__ == 'Adafactor':
         extra = sum(1 + (v.shape.rank >= 2) for v in ref.variables[0].values())
     assert ops.count('CollectiveGather') == r_count * (cells + extra)
+
+
+def test_sharding_the_weights_frees_the_whole_copies():
+    """The layers drop every replica's whole trainable variables for the parts, so nothing
+    keeps them alive (between steps a replica holds 1/R of its weights, not 1 + 1/R);
+    the non-trainable ones stay."""
+    pipe = tp_optimizers.pipeline(1, 2, 2)
+    copies = pipe.ReplicaVariablesByPath()
+    whole = [weakref.ref(v) for copy in copies for v in copy.values() if v.trainable]
+    kept = {path for path, v in copies[0].items() if not v.trainable}
+    del copies
+    pipe.ShardWeights()
+    gc.collect()
+    assert whole and all(ref() is None for ref in whole)
+    assert {path for path, v in pipe.VariablesByPath().items() if not v.trainable} == kept

@@ -224,9 +224,10 @@ class BaseLayer(tf.Module):
     def ReplaceVariables(self, replacements: dict[int, tf.Variable]) -> None:
         """Puts replacements[id(v)] in place of each own or descendant variable v that it
         names (ZeRO stage 3 swaps whole weights for a replica's parts:
-        tfpipe/pipeline/sharded_weights.py); the replaced variables are dropped."""
-        for name, var in list(self._vars.items()):
-            self._vars[name] = replacements.get(id(var), var)
+        tfpipe/pipeline/sharded_weights.py); the replaced variables are dropped. A new
+        dict, not item assignment: TensorFlow's tracked dict keeps every variable ever
+        stored in it alive."""
+        self._vars = {name: replacements.get(id(var), var) for name, var in self._vars.items()}
         for child in self._children.values():
             child.ReplaceVariables(replacements)
 
