@@ -115,3 +115,12 @@ def test_sharding_the_weights_frees_the_whole_copies():
     gc.collect()
     assert whole and all(ref() is None for ref in whole)
     assert {path for path, v in pipe.VariablesByPath().items() if not v.trainable} == kept
+
+
+def test_stage3_with_tensor_parallel_cells_is_refused_in_one_line():
+    pipe = tp_optimizers.pipeline(2, 1, 2)
+    with pytest.raises(ValueError, match=r"sharding='weights' with tensor_parallel > 1 is "
+                                         'not built') as e:
+        pipe.ShardWeights()
+    assert '\n' not in str(e.value)
+    assert pipe.weight_shards is None

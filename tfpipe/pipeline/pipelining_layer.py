@@ -235,13 +235,9 @@ class PipeliningLayer(BaseLayer):
         self._defer_gradient_sum = True
 
     def ShardWeights(self) -> None:
-        """ZeRO stage 3: each replica keeps 1/R of every trainable weight between steps, and
-        a step all-gathers each cell's weights once (tfpipe/pipeline/sharded_weights.py);
-        the gradients are left per replica for the optimizer's reduce-scatter."""
-        if self._peers is not None:
-            raise ValueError(f"{self.path}: task.train.sharding='weights' across trainer "
-                             "clients is not built: use 'gradients' there")
-        self.weight_shards = sharded_weights.WeightShards(self)
+        """ZeRO stage 3: each replica keeps 1/R of every weight between steps, gathered once
+        a step (sharded_weights.py); the gradients are left for the reduce-scatter."""
+        self.weight_shards = sharded_weights.WeightShards(self, self._peers is not None)
         self.DeferGradientSum()
 
     @contextlib.contextmanager

@@ -82,14 +82,15 @@ class _WholeWeight(tf.Module):
 
 class WeightShards:
     """Every replica's part of every trainable weight of `pipe` (a PipeliningLayer), which
-    it swaps into the pipeline's layers in place of the whole variables."""
+    it swaps into the pipeline's layers in place of the whole variables; refused (one
+    line) for what is not built, e.g. `across_clients` (the pipeline is one client's)."""
 
-    def __init__(self, pipe: Any):
+    def __init__(self, pipe: Any, across_clients: bool = False):
         p = pipe.params
         unbuilt = [what for what, on in (('tensor_parallel > 1', p.tensor_parallel > 1),
                                          ('tied_weights', bool(pipe.ties)),
-                                         ('expert_parallel > 1', p.expert_parallel > 1))
-                   if on]
+                                         ('expert_parallel > 1', p.expert_parallel > 1),
+                                         ('trainer clients', across_clients)) if on]
         if unbuilt:
             raise ValueError(f"{pipe.path}: task.train.sharding='weights' with "
                              f"{', '.join(unbuilt)} is not built: use 'gradients' there")
