@@ -98,7 +98,7 @@ class WeightShards:
                  for copy in pipe.ReplicaVariablesByPath()]
         self.num_shards = len(whole)
         self.shapes = {path: tf.TensorShape(v.shape) for path, v in whole[0].items()}
-        self.parts = [{path: self._part(r, path, var) for path, var in copy.items()}
+        self.parts = [{path: self._part(r, var) for path, var in copy.items()}
                       for r, copy in enumerate(whole)]
         # The replicas' copies of one variable: one all-gather group (a cell's devices).
         self._devices = {path: tuple(copy[path].device for copy in self.parts)
@@ -115,7 +115,7 @@ class WeightShards:
                 for layer in cell.layers:
                     layer.ReplaceVariables(replacements)
 
-    def _part(self, r: int, path: str, var: tf.Variable) -> tf.Variable:
+    def _part(self, r: int, var: tf.Variable) -> tf.Variable:
         """Replica r's part of `var` (its current value), padded to ceil(n/R), on its device."""
         n = var.shape.num_elements()
         start, stop = shard_bounds(n, self.num_shards)[r]
@@ -130,6 +130,7 @@ class WeightShards:
         return self._wholes[path].value()
 
     def is_part(self, var: Any) -> bool:
+        """Whether `var` is one of the parts (a layer's variable that stands for a weight)."""
         return id(var) in self._path_of
 
     def Bytes(self) -> tuple[int, int]:
