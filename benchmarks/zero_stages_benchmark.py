@@ -4,14 +4,17 @@ A weight-dominated stack (Dense layers, a small batch) trained with Adam by the
 trainer's step (ForwardBackward + trainer.train_job.guarded_update), K=2 cells.
 Prints, in one run:
   - per device, at R = 1, 2, 4 for each stage ('none', 'optimizer_states',
-    'gradients'): weights and Adam slots in bytes per parameter of that device,
-    counted from the variables placed there, and the gradient sums a device holds
-    for the update, counted from the reduced tensors themselves (the all-reduced
-    sums, or stage 2's reduce-scattered parts, with their devices in the traced graph).
-    Formulas: 16 unsharded; 4 + 4 + 8/R stage 1; 4 + 4/R + 8/R stage 2. Stage 2's
+    'gradients', 'weights'): weights and Adam slots in bytes per parameter of that
+    device (parameters of the whole weights its cells hold or hold parts of), counted
+    from the variables placed there, and the gradient sums a device holds for the
+    update, counted from the reduced tensors themselves (the all-reduced sums, or the
+    reduce-scattered parts of stages 2 and 3, with their devices in the traced graph).
+    Formulas: 16 unsharded; 4 + 4 + 8/R stage 1; 4 + 4/R + 8/R stage 2; 16/R stage 3
+    (its weights are the padded parts held between steps). Stage 2's and 3's gradient
     figure is what a device holds from the reduction to the update: a cell still
-    accumulates its micro-batches' gradients whole until its last backward
-    (docs/optimizer_sharding.md), so its peak is not lowered by the gradients;
+    accumulates its micro-batches' gradients whole until its last backward, and stage 3
+    holds its cell's gathered weights whole during the step (docs/optimizer_sharding.md),
+    so neither transient is in these figures;
   - the step time of each stage relative to unsharded at R=2, all three built in one
     process (R*K logical CPUs sharing this host's cores) and timed in alternating rounds;
     beside it, the time of the stage's exchanges alone and their share of the step.
@@ -20,7 +23,9 @@ Prints, in one run:
     the gradient sums), with the step's packing: 'none' the pipeline's all-reduce of each
     cell's gradients (replicas.all_reduce_sum); 'optimizer_states' that all-reduce and
     ShardedOptimizer's all-gather of the updated parts; 'gradients' its reduce-scatter,
-    the scalar sum of the clipping norm and the all-gather. The all-gather runs through
+    the scalar sum of the clipping norm and the all-gather; 'weights' the all-gather of
+    each cell's weights before the forward (the gathered weights then stand in for the
+    gradient sums), the reduce-scatter and the norm's sum. The all-gather runs through
     ShardedOptimizer.Apply with plain SGD at learning rate 0, which adds one elementwise
     op per element of a replica's 1/R part and leaves the weights as they are. Alone,
     nothing overlaps the exchanges, so the share is an upper bound of what they cost the
@@ -47,7 +52,7 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 from benchmarks.optimizer_sharding_benchmark import (  # noqa: E402
     NUM_CELLS, dense_data, dense_pipeline, loss_fn, parse_args)
 
-STAGES = ('none', 'optimizer_states', 'gradients')
+STAGES = ('none', 'optimizer_states', 'gradients', 'weights')
 KINDS = ('step', 'exchanges')  # what time_stages times of each stage
 
 
@@ -65,6 +70,9 @@ def build(args, num_replicas: int, stage: str):
     from trainer.train_job import guarded_update
 
     pipe = dense_pipeline(args, f'pipe_{num_replicas}_{stage}', num_replicas)
+    whole_shapes = {p: v.shape for p, v in pipe.ReplicaVariablesByPath()[0].items()}
+    if stage == 'weights':
+        pipe.ShardWeights()  # the layers now hold each replica's parts
     replica_variables = pipe.ReplicaVariablesByPath()
     adam = optimizers.Adam.Params()
     if stage == 'none':
@@ -76,7 +84,8 @@ def build(args, num_replicas: int, stage: str):
         if stage == 'gradients':
             pipe.DeferGradientSum()
         optimizer = ShardedOptimizer(adam, replica_variables,
-                                     shard_gradients=stage == 'gradients')
+                                     shard_gradients=stage == 'gradients',
+                                     weight_shapes=whole_shapes if stage == 'weights' else None)
         slot_vars = [part for path in replica_variables[0] for name in ('m', 'v')
                      for part in optimizer.SlotParts(path, name)]
     batch = args.batch_per_replica * num_replicas
@@ -101,7 +110,7 @@ def build(args, num_replicas: int, stage: str):
     @tf.function
     def reduced():
         _, grads = forward_backward()
-        if stage == 'gradients':
+        if stage in ('gradients', 'weights'):
             grads = optimizer.ReduceScatter(grads)
         held.extend((g.device, g.shape.num_elements() * g.dtype.size)
                     for replica_grads in grads for g in replica_grads.values())
@@ -109,32 +118,40 @@ def build(args, num_replicas: int, stage: str):
 
     state = {}
     for variables in replica_variables:
-        for var in variables.values():
+        for path, var in variables.items():
             entry = state.setdefault(replicas_device(var.device), [0, 0, 0, 0])
-            entry[0] += var.shape.num_elements()
+            entry[0] += whole_shapes[path].num_elements()
             entry[1] += var.shape.num_elements() * var.dtype.size
     for var in slot_vars:
         state[replicas_device(var.device)][2] += var.shape.num_elements() * var.dtype.size
-    return step, exchanges_of(replica_variables, stage), lambda: (reduced(), held)[1], state
+    return step, exchanges_of(pipe, replica_variables, stage), lambda: (reduced(), held)[1], \
+        state
 
 
-def exchanges_of(replica_variables, stage: str):
+def exchanges_of(pipe, replica_variables, stage: str):
     """A tf.function running only the collectives of `stage`'s step (module docstring)."""
     import tensorflow as tf
 
     from tfpipe import optimizers
+    from tfpipe.base_layer import flatten_by_path
     from tfpipe.pipeline import replicas
     from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
 
     paths = sorted(replica_variables[0])
     devices = [variables[paths[0]].device for variables in replica_variables]
     # Plain SGD at learning rate 0: Apply's all-gather, the weights left as they are.
+    shards = pipe.weight_shards
     gather = None if stage == 'none' else ShardedOptimizer(
-        optimizers.SGD.Params(), replica_variables, shard_gradients=stage == 'gradients')
+        optimizers.SGD.Params(), replica_variables, shard_gradients=stage == 'gradients',
+        weight_shapes=shards.shapes if shards else None)
     still = tf.constant(0.0)
 
     @tf.function
     def exchanges():
+        if shards is not None:  # gathered once per step; the wholes stand in for the sums
+            grads = [flatten_by_path(t, pipe.path)
+                     for t in shards.gathered(pipe.ReplicaThetas())]
+            return gather.ClipParts(gather.ReduceScatter(grads), 1.0)[1]
         grads = []  # stand-ins of the gradient sums, each on its cell's device
         for variables in replica_variables:
             grads.append({})
@@ -229,7 +246,7 @@ def main(args) -> int:
     for r in (1, 2, 4):
         for stage, (weights, slots, grads) in run_probe(args, f'state:{r}').items():
             formula = {'none': 16, 'optimizer_states': 8 + 8 / r,
-                       'gradients': 4 + 12 / r}[stage]
+                       'gradients': 4 + 12 / r, 'weights': 16 / r}[stage]
             print(f'  {r}  {stage:16}  {weights:6.2f}  {grads:5.2f}  {slots:5.2f}  '
                   f'{weights + grads + slots:6.2f} ({formula:g})')
     print('  R=2 stage             step ms  x unsharded  exchanges alone ms  share of step'

@@ -151,8 +151,11 @@ BAD_STAGES = {
                 "task.train.sharding='gradients' with task.pipeline.expert_parallel=2 is "
                 'not built'),
     'workers': ('worker', 2, None, {'task.train.sharding': 'weights',
-                                    'task.pipeline.num_replicas': 2},
-                "task.train.sharding='weights' (ZeRO stage 3) is not built yet"),
+                                    'task.pipeline.num_replicas': 1},
+                "task.train.sharding='weights' with 1 replica does nothing"),
+    'stage3_clients': ('trainer', 2, 0, {'task.train.sharding': 'weights'},
+                       "task.train.sharding='weights' (ZeRO stage 3) across trainer clients "
+                       'is not built'),
 }
 
 

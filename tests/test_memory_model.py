@@ -140,5 +140,7 @@ def test_inspect_model_divides_sharded_slot_bytes_by_r(data_dir, capsys):
     assert len(whole) == len(sharded) == 8  # 2 replicas x 2 cells, cells then devices
     assert min(whole) > 0
     assert sharded == pytest.approx([w / 2 for w in whole], rel=1e-3)
-    # ZeRO stage 2 shards the slots as stage 1 does (its gradient sums are predicted whole).
+    # ZeRO stages 2 and 3 shard the slots as stage 1 does (stage 2's gradient sums and
+    # stage 3's weights, whole during a step, are predicted whole).
     assert _inspected_slot_mib(data_dir, capsys, False, 'gradients') == sharded
+    assert _inspected_slot_mib(data_dir, capsys, False, 'weights') == sharded

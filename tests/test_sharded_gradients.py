@@ -8,6 +8,8 @@ replica), reduce-scatters them, clips by the norm summed over the parts and
 updates its part: same weights on every replica and same slots within 1e-5, for
 variables that R does not divide.
 """
+import functools
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -125,11 +127,21 @@ def _train_params(**values):
     ({'sharding': 'gradient'}, 2, "did you mean 'gradients'"),
     ({'sharding': 'gradients'}, 1, 'with 1 replica does nothing'),
     ({'sharding': 'gradients', 'shard_optimizer_states': True}, 2, 'contradicts'),
-    ({'sharding': 'weights'}, 2, 'not built yet')])
+    ({'sharding': 'weights', 'shard_optimizer_states': True}, 2, 'contradicts'),
+    ({'sharding': 'weights'}, 1, 'with 1 replica does nothing'),
+    ({'sharding': 'weight'}, 2, "did you mean 'weights'")])
 def test_bad_stages_are_refused_in_one_line(values, count, message):
     with pytest.raises(ValueError, match=message) as e:
         sharding.stage_of(_train_params(**values), count)
     assert '\n' not in str(e.value)
+
+
+def test_stage3_across_trainer_clients_is_refused_in_one_line():
+    with pytest.raises(ValueError, match='across trainer clients is not built') as e:
+        sharding.stage_of(_train_params(sharding='weights'), 2, clients=True)
+    assert '\n' not in str(e.value)
+    assert sharding.stage_of(_train_params(sharding='weights'), 2) == 'weights'
+    assert sharding.stage_of(_train_params(sharding='gradients'), 2, clients=True) == 'gradients'
 
 
 def test_the_older_switch_means_optimizer_states():
@@ -147,17 +159,24 @@ def test_a_stage_with_expert_parallelism_is_refused_in_one_line(values):
 
 class PipelineRun(tp_optimizers.Run):
     """tests/test_tensor_parallel_optimizers.py's pipeline (float64, Dropout, T-way split
-    layers, an fc3 bias of 5 that neither R divides) and the trainer's update at `stage`
-    (task.train.sharding: one unsharded optimizer per replica, stage 1 or stage 2).
-    `train` continues from the global step (inputs of each step fixed by the step, as a
-    resumed trainer's) and returns the loss of every step."""
+    layers, an fc3 bias of 5 that neither R divides; `pipeline_params` set on it) and the
+    trainer's update at `stage` (task.train.sharding: one unsharded optimizer per replica,
+    stage 1, 2 or 3). `train` continues from the global step (inputs of each step fixed by
+    the step, as a resumed trainer's) and returns the loss of every step."""
 
-    def __init__(self, t, k, r, stage, rule):
-        super().__init__(t, k, r, sharded=stage == sharding.OPTIMIZER_STATES, rule=rule)
+    def __init__(self, t, k, r, stage, rule, **pipeline_params):
+        super().__init__(t, k, r, sharded=stage == sharding.OPTIMIZER_STATES, rule=rule,
+                         **pipeline_params)
         if stage == sharding.GRADIENTS:
             self.pipe.DeferGradientSum()
             self.optimizer = self.optimizers = ShardedOptimizer(rule, self.variables,
                                                                 shard_gradients=True)
+        if stage == sharding.WEIGHTS:
+            self.pipe.ShardWeights()
+            shards = self.pipe.weight_shards
+            self.variables = shards.parts
+            self.optimizer = self.optimizers = ShardedOptimizer(rule, self.variables,
+                                                                weight_shapes=shards.shapes)
 
     def _build_step(self, x, y):
         with fprop_context.training(step=self.global_step):
@@ -199,18 +218,24 @@ def test_stage2_pipeline_trains_as_unsharded(name, t, k, r):
                                        rtol=1e-5, atol=1e-8, err_msg=f'{path}/{slot}')
 
 
+@functools.lru_cache(maxsize=None)  # the unsharded reference, shared by stages 2 and 3
 def _conv_bn_run(stage, dtype, fprop_dtype=None, steps=3):
     """model_zoo's conv net with two BatchNorm layers, R=2 x K=2 x M=2, trained by the
     trainer's update with Adam at `stage`. Returns the loss of every step, and every
-    replica's variables (BN moving statistics included) after the first and the last."""
+    replica's variables (BN moving statistics included; at stage 3 each weight whole, its
+    parts joined) after the first and the last."""
     body = mz.conv_body(dtype, batch_norm=True)
     pipe = mz.pipeline(body, 2, 2, num_replicas=2, fprop_dtype=fprop_dtype)
+    if stage == sharding.WEIGHTS:
+        pipe.ShardWeights()
     copies = pipe.ReplicaVariablesByPath()
     variables = [{p: v for p, v in copy.items() if v.trainable} for copy in copies]
     rule = OPTIMIZERS['adam']
     if stage == sharding.GRADIENTS:
         pipe.DeferGradientSum()
         optimizer = ShardedOptimizer(rule, variables, shard_gradients=True)
+    elif stage == sharding.WEIGHTS:
+        optimizer = ShardedOptimizer(rule, variables, weight_shapes=pipe.weight_shards.shapes)
     else:
         optimizer = [rule.Instantiate() for _ in variables]
         for opt, v in zip(optimizer, variables):
@@ -227,12 +252,29 @@ def _conv_bn_run(stage, dtype, fprop_dtype=None, steps=3):
         return loss
 
     def snapshot():
-        return [{p: v.numpy() for p, v in copy.items()} for copy in copies]
+        shards = pipe.weight_shards
+        return [{p: (shards.whole(p) if shards and shards.is_part(v) else v).numpy()
+                 for p, v in copy.items()} for copy in copies]
 
     losses = [float(step())]
     first = snapshot()
     losses += [float(step()) for _ in range(steps - 1)]
     return losses, first, snapshot()
+
+
+def test_stage3_keeps_batch_norm_statistics_over_replicas():
+    """Stage 3 on the same conv net (float64): the losses, every replica's BN statistics
+    (bit for bit after the first step) and the whole weights as the unsharded run's."""
+    ref_losses, ref_first, ref_last = _conv_bn_run(sharding.NONE, tf.float64)
+    losses, first, last = _conv_bn_run(sharding.WEIGHTS, tf.float64)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for r in range(2):
+        assert first[r].keys() == ref_first[0].keys()
+        for path, value in _moving_statistics(first[r]).items():
+            np.testing.assert_array_equal(value, ref_first[0][path], err_msg=f'{path} {r}')
+        for path, value in ref_last[r].items():
+            np.testing.assert_allclose(last[r][path], value, rtol=1e-5, atol=1e-8,
+                                       err_msg=f'{path} replica {r}')
 
 
 def _moving_statistics(copy):

@@ -6,7 +6,9 @@ each segment restores the previous segment's checkpoint, trains at its own stage
 and saves; together they take the steps of one uninterrupted unsharded run. Every
 handoff is covered: 'gradients' -> 'none' (R=2 -> 4), 'none' -> 'gradients' (R=4),
 'gradients' -> 'optimizer_states' (R=4 -> 2), 'optimizer_states' -> 'gradients'
-(R=2 -> 4) and 'gradients' -> 'gradients' (R=4 -> 2), with K=2 at R=2 and K=1 at R=4.
+(R=2 -> 4), 'gradients' -> 'gradients' (R=4 -> 2), and for stage 3 'gradients' ->
+'weights' (R=2 -> 4), 'weights' -> 'none' (R=4 -> 2), 'none' -> 'weights' (R=2) and
+'weights' -> 'gradients' (R=2 -> 4), with K=2 at R=2 and K=1 at R=4.
 The model is tests/test_sharded_gradients.py's float64 pipeline (Dropout, a bias that
 neither R divides) with the trainer's update (clipping included) and Adam: the loss of every
 step and every value of every checkpoint (weights, Adam's m and v, the step) within
@@ -26,7 +28,8 @@ from tfpipe.pipeline import sharding
 # (stage, R, K, steps) of each segment of the chain; the first starts from scratch.
 CHAIN = [(sharding.GRADIENTS, 2, 2, 2), (sharding.NONE, 4, 1, 1), (sharding.GRADIENTS, 4, 1, 1),
          (sharding.OPTIMIZER_STATES, 2, 2, 1), (sharding.GRADIENTS, 4, 1, 1),
-         (sharding.GRADIENTS, 2, 2, 1)]
+         (sharding.GRADIENTS, 2, 2, 1), (sharding.WEIGHTS, 4, 1, 1), (sharding.NONE, 2, 2, 1),
+         (sharding.WEIGHTS, 2, 2, 1), (sharding.GRADIENTS, 4, 1, 1)]
 STEPS = sum(steps for *_, steps in CHAIN)
 RULE = OPTIMIZERS['adam'].Copy().Set(name='adam')
 
@@ -60,7 +63,7 @@ def test_a_chain_of_stages_and_replica_counts_takes_the_uninterrupted_runs_steps
 
 def test_every_handoffs_checkpoint_equals_the_uninterrupted_runs(chain):
     _, want_saved, _, got_saved = chain
-    assert sorted(got_saved) == [2, 3, 4, 5, 6, 7]
+    assert sorted(got_saved) == list(range(2, STEPS + 1))
     for step, path in got_saved.items():
         got, want = tp_optimizers.contents(path), tp_optimizers.contents(want_saved[step])
         slots = [key for key in want if '/_slots/' in key]

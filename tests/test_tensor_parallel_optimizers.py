@@ -29,7 +29,7 @@ from trainer.train_job import guarded_update
 LR = 0.01
 
 
-def pipeline(t, k, r):
+def pipeline(t, k, r, **pipeline_params):
     body = [ColumnParallelDense.Params().Set(name='fc0', input_dim=6, output_dim=8,
                                              activation='relu'),
             ParallelMLP.Params().Set(name='mlp', input_dim=8, hidden_dim=16, keep_prob=0.8),
@@ -38,15 +38,15 @@ def pipeline(t, k, r):
         p.dtype = tf.float64
     return tfpipe.PipeliningLayer.Params().Set(
         name='pipe', body=body, balance=partition.even_balance(len(body), k),
-        num_micro_batches=2, num_replicas=r, tensor_parallel=t).Instantiate()
+        num_micro_batches=2, num_replicas=r, tensor_parallel=t, **pipeline_params).Instantiate()
 
 
 class Run:
     """A pipeline with the trainer's optimizer(s) (`rule`'s Params, default Adam): sharded
     over replicas or one per replica."""
 
-    def __init__(self, t, k, r, sharded, rule=None):
-        self.pipe = pipeline(t, k, r)
+    def __init__(self, t, k, r, sharded, rule=None, **pipeline_params):
+        self.pipe = pipeline(t, k, r, **pipeline_params)
         self.variables = [{p: v for p, v in copy.items() if v.trainable}
                           for copy in self.pipe.ReplicaVariablesByPath()]
         rule = rule or optimizers.Adam.Params().Set(name='adam')

@@ -1,5 +1,6 @@
 """The trainer with sharded replicas (R=2 x K=2 on 4 logical CPUs, Adam): ZeRO stage 1
-(task.train.shard_optimizer_states) and stage 2 (task.train.sharding='gradients').
+(task.train.shard_optimizer_states), stage 2 (task.train.sharding='gradients') and stage 3
+('weights').
 
 Resumed from the session's unsharded R=2 run at step 2 and trained sharded to
 step 4, the trainer must log the same losses and save the same weights, Adam
@@ -19,6 +20,8 @@ STEPS = 4
 SHARDED = {'task.pipeline.num_replicas': 2, 'task.train.shard_optimizer_states': True}
 # ZeRO stage 2: each replica's own gradient sums, reduce-scattered, clipped, updated.
 STAGE2 = {'task.pipeline.num_replicas': 2, 'task.train.sharding': 'gradients'}
+# ZeRO stage 3: also 1/R of each weight between steps, gathered once per step.
+STAGE3 = {'task.pipeline.num_replicas': 2, 'task.train.sharding': 'weights'}
 
 
 def _state(logdir, step):
@@ -43,7 +46,8 @@ def _assert_same_state(a, b, step, first_step):
         np.testing.assert_allclose(losses_a[s], losses_b[s], rtol=1e-5, err_msg=f'step {s}')
 
 
-@pytest.mark.parametrize('sharded', [SHARDED, STAGE2], ids=['optimizer_states', 'gradients'])
+@pytest.mark.parametrize('sharded', [SHARDED, STAGE2, STAGE3],
+                         ids=['optimizer_states', 'gradients', 'weights'])
 def test_sharded_trainer_resumes_an_unsharded_run_and_saves_what_it_would_have(
         tmp_path, data_dir, trained_4_steps_two_replicas, sharded):
     unsharded = trained_4_steps_two_replicas.logdir  # R=2, M=2 per replica, Adam

@@ -221,6 +221,16 @@ class BaseLayer(tf.Module):
         del self._vars[name]
         self._tied[name] = owner
 
+    def ReplaceVariables(self, replacements: dict[int, tf.Variable]) -> None:
+        """Puts replacements[id(v)] in place of each own or descendant variable v that it
+        names (ZeRO stage 3 swaps whole weights for a replica's parts:
+        tfpipe/pipeline/sharded_weights.py); the replaced variables are dropped. A new
+        dict, not item assignment: TensorFlow's tracked dict keeps every variable ever
+        stored in it alive."""
+        self._vars = {name: replacements.get(id(var), var) for name, var in self._vars.items()}
+        for child in self._children.values():
+            child.ReplaceVariables(replacements)
+
     @property
     def tied_variables(self) -> dict[str, tf.Variable]:
         """This layer's tied variables by name: other layers' variables it reads."""

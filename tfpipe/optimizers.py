@@ -114,6 +114,11 @@ class Whole:
         self.grad = grad
         self.weight = weight
 
+    @property
+    def shape(self) -> tf.TensorShape:
+        """The whole variable's shape (known without reading a sharded weight whole)."""
+        return self.weight.shape
+
     def cut(self, x: _T) -> _T:
         return x
 

@@ -43,12 +43,13 @@ class Split:
 
     def __init__(self, parts: Sequence[Any], devices: Sequence[str], axis: Optional[int]):
         self.parts, self.devices, self.axis = list(parts), list(devices), axis
-        # The weight's shape, not the gradient's (the same): with sharded gradients (ZeRO
-        # stage 2) a part's whole `grad` is all-gathered when first read, which only a rule
-        # reading whole-weight statistics of the gradient may pay for.
-        dims = parts[0].weight.shape.as_list()
+        # The part's known shape, not its gradient's or weight's: with sharded gradients
+        # (ZeRO stage 2) or weights (stage 3) a part's whole `grad` or `weight` is
+        # all-gathered when first read, which only a rule reading whole-weight statistics
+        # of it may pay for.
+        dims = parts[0].shape.as_list()
         if axis is not None:
-            dims[axis] = sum(int(p.weight.shape[axis]) for p in parts)
+            dims[axis] = sum(int(p.shape[axis]) for p in parts)
         self.shape = tf.TensorShape(dims)
 
     @property

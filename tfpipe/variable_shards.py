@@ -90,6 +90,13 @@ def of(variable: Any) -> 'ShardedWeight | None':
     return _registry.get(id(variable))
 
 
+def save_whole_as(variable: tf.Variable, whole: Any) -> None:
+    """Checkpoints save `whole` (with `path`, `shape` and more than one of `shards`) in
+    place of `variable` (`whole_view`), as for expert weights: ZeRO stage 3's parts
+    (tfpipe/pipeline/sharded_weights.py). The caller keeps `whole` alive."""
+    _checkpoint_only[id(variable)] = whole
+
+
 def whole_path(shard_path: str, sharded: ShardedWeight) -> str:
     """The path of the whole weight a shard belongs to, relative to the same root as
     `shard_path` (a theta's, a body's): 'body/fc/w_shard1' -> 'body/fc/w'."""

@@ -89,11 +89,12 @@ def host_input_measurement(params: Params, task) -> Optional[working_memory.Inpu
 
 def slot_shards(params) -> int:
     """Over how many replicas each optimizer slot is split (task.train.sharding
-    'optimizer_states' or 'gradients', or shard_optimizer_states). Stage 2's gradient
-    sums are predicted whole: a cell accumulates its micro-batches' gradients whole
-    until its last backward, so its peak holds them whole (docs/optimizer_sharding.md)."""
+    'optimizer_states', 'gradients' or 'weights', or shard_optimizer_states). Stage 2's
+    gradient sums are predicted whole: a cell accumulates its micro-batches' gradients
+    whole until its last backward, so its peak holds them whole; so are stage 3's weights,
+    gathered whole for the step (docs/optimizer_sharding.md)."""
     train = params.task.train
-    if train.shard_optimizer_states or train.sharding in ('optimizer_states', 'gradients'):
+    if train.shard_optimizer_states or train.sharding != 'none':
         return params.task.pipeline.num_replicas
     return 1
 

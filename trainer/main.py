@@ -278,7 +278,7 @@ def _run_client(client_cluster) -> int:
     _configure_devices()
     params, options = _load_params_and_options()
     clients.check_num_replicas(params.task.pipeline.num_replicas, client_cluster.count)
-    _check_sharding(params, client_cluster.count)
+    _check_sharding(params, client_cluster.count, clients=True)
     params.task.pipeline.num_replicas = 1  # this process holds one replica of R
     options.apply_to(params)  # the fingerprint holds what the trainer will run
     agreed = client_agreement.fingerprint(FLAGS.model, params, client_cluster,
@@ -299,13 +299,13 @@ def _run_client(client_cluster) -> int:
     return code
 
 
-def _check_sharding(params, count: int) -> None:
+def _check_sharding(params, count: int, clients: bool = False) -> None:
     """Refuses a bad task.train.sharding over `count` replicas (tfpipe/pipeline/sharding.py)
     before the cluster starts: the trainer checks it again when it builds its optimizer,
     but that is after the clients (or the workers) connect, so a client would first wait
     for all the others and a missing one would hide the real error behind a time-out."""
     from tfpipe.pipeline import sharding
-    sharding.stage_of(params.task.train, count, params.task.pipeline.expert_parallel)
+    sharding.stage_of(params.task.train, count, params.task.pipeline.expert_parallel, clients)
 
 
 def _list_models() -> int:

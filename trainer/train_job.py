@@ -142,18 +142,25 @@ class Trainer:
                 self.batch_size, self.split.micro_batches, peers.count, peers.index,
                 'task.pipeline')
             self.task.pipe.JoinClients(peers, global_batch_size=self.batch_size)
-        self.replica_variables = [{p: v for p, v in copy.items() if v.trainable}
-                                  for copy in self.task.pipe.ReplicaVariablesByPath()]
-        self.variables = self.replica_variables[0]
         self.optimizers: list[BaseOptimizer] | ShardedOptimizer
         stage = sharding.stage_of(tp, count=peers.count if peers else
                                   params.task.pipeline.num_replicas,
-                                  expert_parallel=params.task.pipeline.expert_parallel)
+                                  expert_parallel=params.task.pipeline.expert_parallel,
+                                  clients=peers is not None)
+        if stage == sharding.WEIGHTS:
+            self.task.pipe.ShardWeights()  # the layers now hold each replica's parts
+            held, whole = self.task.pipe.weight_shards.Bytes()
+            logging.info('weights: %d bytes per replica, %d unsharded', held, whole)
+        self.replica_variables = [{p: v for p, v in copy.items() if v.trainable}
+                                  for copy in self.task.pipe.ReplicaVariablesByPath()]
+        self.variables = self.replica_variables[0]
         if stage != sharding.NONE:
             if stage == sharding.GRADIENTS:
                 self.task.pipe.DeferGradientSum()  # reduce-scattered by the optimizer
+            shards = self.task.pipe.weight_shards
             self.optimizers = ShardedOptimizer(tp.optimizer, self.replica_variables, peers,
-                                               shard_gradients=stage == sharding.GRADIENTS)
+                                               shard_gradients=stage == sharding.GRADIENTS,
+                                               weight_shapes=shards.shapes if shards else None)
             self.optimizer = self.optimizers
             held, whole = self.optimizers.SlotBytes()
             logging.info('optimizer slots: %d bytes per replica in this process, %d unsharded',
@@ -356,8 +363,9 @@ class Trainer:
 
     @tf.function(autograph=False)
     def _weights_are_finite(self):
-        return tf.reduce_all([tf.reduce_all(tf.math.is_finite(v))
-                              for v in self.variables.values()])
+        held = ([v for copy in self.replica_variables for v in copy.values()]
+                if self.task.pipe.weight_shards else self.variables.values())  # stage 3: parts
+        return tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for v in held])
 
     def run(self) -> int:
         """Trains to max_steps; returns the final step. SIGINT/SIGTERM save and return; a

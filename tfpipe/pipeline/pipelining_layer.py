@@ -41,7 +41,8 @@ import tensorflow as tf
 from tfpipe import fprop_context
 from tfpipe.base_layer import BaseLayer, body_meta
 from tfpipe.pipeline import (across_clients, aux_losses, costs, expert_parallel, microbatch,
-                             partition, recorder, replicas, schedule, tensor_parallel, ties)
+                             partition, recorder, replicas, schedule, sharded_weights,
+                             tensor_parallel, ties)
 from tfpipe.pipeline.cell import RECOMPUTE_POLICIES, Cell, cell_dtypes, recompute_flags
 from tfpipe.pipeline.cell_functions import FunctionalPipelineRun
 from tfpipe.pipeline.executor import PipelineRun, float_leaves, is_differentiable
@@ -184,6 +185,7 @@ class PipeliningLayer(BaseLayer):
         self._peers: across_clients.Peers | None = None
         self._global_batch: int | None = None  # a client fed only its share (JoinClients)
         self._defer_gradient_sum = False  # DeferGradientSum
+        self.weight_shards: sharded_weights.WeightShards | None = None  # ShardWeights
 
     # -- Replicas ------------------------------------------------------------------------
 
@@ -203,8 +205,10 @@ class PipeliningLayer(BaseLayer):
     def SyncReplicas(self) -> None:
         """Copies replica 0's variables into the mirrors (an expert weight: group 0's member
         holding the same experts): call after restoring a checkpoint."""
-        p = self.params.expert_parallel
-        replicas.sync(self.ReplicaVariablesByPath(),
+        p, shards = self.params.expert_parallel, self.weight_shards
+        replicas.sync([{path: v for path, v in copy.items()  # stage 3's parts restore whole
+                        if shards is None or not shards.is_part(v)}
+                       for copy in self.ReplicaVariablesByPath()],
                       lambda r, var: expert_parallel.source_replica(r, var, p))
 
     def JoinClients(self, peers: across_clients.Peers,
@@ -229,6 +233,12 @@ class PipeliningLayer(BaseLayer):
         reduce-scatters them instead (tfpipe/pipeline/sharded_optimizer.py). Tied weights'
         gradients are still folded, per replica (a sum, so before or after is the same)."""
         self._defer_gradient_sum = True
+
+    def ShardWeights(self) -> None:
+        """ZeRO stage 3: each replica keeps 1/R of every weight between steps, gathered once
+        a step (sharded_weights.py); the gradients are left for the reduce-scatter."""
+        self.weight_shards = sharded_weights.WeightShards(self, self._peers is not None)
+        self.DeferGradientSum()
 
     @contextlib.contextmanager
     def RecordTimeline(self) -> Iterator[recorder.Recorder]:
@@ -316,6 +326,8 @@ class PipeliningLayer(BaseLayer):
         per_replica = theta if isinstance(theta, list) else [theta] * self.num_replicas
         if self.params.expert_parallel > 1 and not isinstance(theta, list):
             per_replica = [theta] + self.ReplicaThetas()[1:]
+        if self.weight_shards is not None:  # stage 3: gathered once per step, not per task
+            per_replica = self.weight_shards.gathered(per_replica)
         return [[cell.read_theta(t) for cell in cells]
                 for cells, t in zip(self.replica_cells, per_replica)]
 

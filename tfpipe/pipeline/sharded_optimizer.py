@@ -164,12 +164,18 @@ class _Part(Whole):
     With sharded gradients (ZeRO stage 2) the replica holds only its part of the
     summed gradient, `own`; the whole `grad` is then all-gathered by `gather` when
     a rule reads it (Adafactor's factored row and column moments), else never.
+    With sharded weights (stage 3) likewise its part of the weight, `own_weight`,
+    and `weight` is gathered (`gather_weight`) only when read (Adafactor's
+    parameter scale).
     """
 
-    def __init__(self, grad: Optional[tf.Tensor], weight: tf.Tensor, bounds: tuple[int, int],
-                 total, own: Optional[tf.Tensor] = None, gather=None) -> None:
-        self._grad, self.weight = grad, weight
+    def __init__(self, grad: Optional[tf.Tensor], weight: Optional[tf.Tensor],
+                 bounds: tuple[int, int], total, own: Optional[tf.Tensor] = None, gather=None,
+                 shape: Optional[tf.TensorShape] = None, own_weight: Optional[tf.Tensor] = None,
+                 gather_weight=None) -> None:
+        self._grad, self._weight = grad, weight
         self._bounds, self._total, self._own, self._gather = bounds, total, own, gather
+        self._shape, self._own_weight, self._gather_weight = shape, own_weight, gather_weight
 
     @property
     def grad(self) -> tf.Tensor:
@@ -177,9 +183,23 @@ class _Part(Whole):
             self._grad = self._gather(self._own)
         return self._grad
 
+    @property
+    def weight(self) -> tf.Tensor:
+        if self._weight is None:
+            self._weight = self._gather_weight(self._own_weight)
+        return self._weight
+
+    @property
+    def shape(self) -> tf.TensorShape:
+        return self._shape if self._shape is not None else self.weight.shape
+
     def own_grad(self) -> tf.Tensor:
         """The part of the summed gradient this replica updates with."""
         return self.cut(self._grad) if self._own is None else self._own
+
+    def own_weight(self) -> tf.Tensor:
+        """The part of the weight this replica updates."""
+        return self.cut(self.weight) if self._own_weight is None else self._own_weight
 
     def cut(self, x: tf.Tensor) -> tf.Tensor:
         start, stop = self._bounds
@@ -197,10 +217,14 @@ class ShardedOptimizer(tf.Module):
     unsharded optimizer (`iterations`, `_slots`), so the two restore into each
     other under any R. `shard_gradients` (ZeRO stage 2): `Apply` takes each
     replica's part of the summed gradients (`ReduceScatter`, `ClipParts`).
+    `weight_shapes` (stage 3, path -> the whole weight's shape): `replica_variables`
+    are the replicas' parts of the weights (tfpipe/pipeline/sharded_weights.py),
+    which `Apply` updates in place, gathering nothing; gradients are sharded too.
     """
 
     def __init__(self, params: InstantiableParams, replica_variables: Sequence[Variables],
-                 peers: Optional[across_clients.Peers] = None, shard_gradients: bool = False):
+                 peers: Optional[across_clients.Peers] = None, shard_gradients: bool = False,
+                 weight_shapes: Optional[dict[str, tf.TensorShape]] = None):
         rule = params.Instantiate()
         super().__init__(name=rule.name)
         with trackable.no_automatic_dependency_tracking_scope(self):
@@ -215,10 +239,11 @@ class ShardedOptimizer(tf.Module):
         # The shard each local replica holds, of how many.
         self._shards = [peers.index] if peers else list(range(self._num_local))
         self._num_shards = peers.count if peers else self._num_local
-        self._shapes = {path: tf.TensorShape(var.shape)
-                        for path, var in replica_variables[0].items()}
+        self._shapes = dict(weight_shapes) if weight_shapes is not None else {
+            path: tf.TensorShape(var.shape) for path, var in replica_variables[0].items()}
         for r, variables in enumerate(replica_variables[1:], 1):
-            if {p: tf.TensorShape(v.shape) for p, v in variables.items()} != self._shapes:
+            if {p: tf.TensorShape(v.shape) for p, v in variables.items()} != {
+                    p: tf.TensorShape(v.shape) for p, v in replica_variables[0].items()}:
                 raise ValueError(f'ShardedOptimizer: replica {r} has other variables than '
                                  'replica 0; pass every replica\'s ReplicaVariablesByPath()')
         slots = {}
@@ -233,7 +258,8 @@ class ShardedOptimizer(tf.Module):
         self._group_devices = {path: tuple(v[path].device for v in replica_variables)
                                for path in self._shapes}
         self._keys: dict = {}  # collective instance keys of the step being built
-        self.shards_gradients = shard_gradients
+        self.shards_weights = weight_shapes is not None
+        self.shards_gradients = shard_gradients or self.shards_weights
 
     def _new_slot(self, path: str, name: str, shape: tf.TensorShape,
                  replica_variables: Sequence[Variables]) -> _Slot:
@@ -368,6 +394,12 @@ class ShardedOptimizer(tf.Module):
         self._keys = {}
         pieces = [self._apply_replica(r, lr, step, replica_grads[r], replica_variables[r])
                   for r in range(self._num_local)]
+        if self.shards_weights:  # each replica keeps its updated part: nothing to gather
+            for r, replica_pieces in enumerate(pieces):
+                for path, padded in (pair for group in replica_pieces.values() for pair in group):
+                    with tf.device(replica_variables[r][path].device):
+                        replica_variables[r][path].assign(padded)
+            return
         for group in pieces[0]:
             self._gather(group, [p[group] for p in pieces], replica_variables)
 
@@ -421,10 +453,10 @@ class ShardedOptimizer(tf.Module):
                 for path, part, delta in zip(paths, parts, deltas):
                     n = self._shapes[path].num_elements()
                     with tf.device(variables[path].device):
-                        new = part.cut(part.weight) - delta
+                        new = part.own_weight() - delta
                         padded = tf.pad(new, [[0, math.ceil(n / self._num_shards)
                                                - new.shape[0]]])
-                    out.setdefault((self._group_devices[path], part.weight.dtype), []).append(
+                    out.setdefault((self._group_devices[path], new.dtype), []).append(
                         (path, padded))
         return out
 
@@ -443,15 +475,23 @@ class ShardedOptimizer(tf.Module):
             if not self.shards_gradients:
                 return lr_, step_, _Part(grad_, var.read_value(), (start, stop), total)
 
-            def gather(own):  # the whole summed gradient, built only for a rule that reads it
+            def gather(own, what):  # a whole summed gradient or weight, for a rule reading it
                 shape = self._shapes[path]
                 with tf.device(var.device):
                     padded = tf.pad(own, [[0, math.ceil(shape.num_elements() / self._num_shards)
-                                           - (stop - start)]])
-                    rows = self._all_gather(padded, (path, 'grad'), devices, r)
+                                           - own.shape[0]]])
+                    rows = self._all_gather(padded, (path, what), devices, r)
                     return tf.reshape(tf.reshape(rows, [-1])[:shape.num_elements()], shape)
 
-            return lr_, step_, _Part(None, var.read_value(), (start, stop), total, grad_, gather)
+            def gather_grad(own):
+                return gather(own, 'grad')
+
+            if not self.shards_weights:
+                return lr_, step_, _Part(None, var.read_value(), (start, stop), total, grad_,
+                                         gather_grad)
+            return lr_, step_, _Part(None, None, (start, stop), total, grad_, gather_grad,
+                                     self._shapes[path], var.read_value()[:stop - start],
+                                     lambda own: gather(own, 'weight'))
 
     def _gather(self, group: tuple, pieces: Sequence[list], variables: Sequence[Variables]):
         """All-gathers one cell's updated parts (one buffer per dtype) into every copy."""

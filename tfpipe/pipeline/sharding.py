@@ -5,8 +5,10 @@
   variable and updates that part; the updated parts are all-gathered.
 - 'gradients' (ZeRO stage 2): also 1/R of each summed gradient, reduce-scattered
   after the cell's last backward instead of all-reduced.
-Both in tfpipe/pipeline/sharded_optimizer.py; docs/optimizer_sharding.md.
-'weights' (stage 3) is named but not built yet: refused in one line.
+- 'weights' (ZeRO stage 3): also 1/R of each weight between steps, all-gathered
+  once per step before the cell's first forward (tfpipe/pipeline/sharded_weights.py).
+In tfpipe/pipeline/sharded_optimizer.py; docs/optimizer_sharding.md. Stage 3 across
+trainer clients is not built: refused in one line.
 
 The older switch `task.train.shard_optimizer_states=True` still means
 'optimizer_states' (also at R=1, as before, where it changes nothing); set with
@@ -19,19 +21,21 @@ import difflib
 from tfpipe.hyperparams import Params
 
 NONE, OPTIMIZER_STATES, GRADIENTS, WEIGHTS = 'none', 'optimizer_states', 'gradients', 'weights'
-STAGES = (NONE, OPTIMIZER_STATES, GRADIENTS)
+STAGES = (NONE, OPTIMIZER_STATES, GRADIENTS, WEIGHTS)
 
 
-def stage_of(train: Params, count: int, expert_parallel: int = 1) -> str:
-    """The stage `train` (task.train) asks for over `count` replicas; ValueError (one
-    line) for an unknown or unbuilt stage, a contradiction, a stage at R=1, or a stage
-    with expert parallelism (expert weights are held by R/P replicas each, so their
-    slots and gradients would shard over another group than the other weights': not
-    built)."""
+def stage_of(train: Params, count: int, expert_parallel: int = 1,
+             clients: bool = False) -> str:
+    """The stage `train` (task.train) asks for over `count` replicas (`clients`: one per
+    trainer client); ValueError (one line) for an unknown or unbuilt stage, a
+    contradiction, a stage at R=1, or a stage with expert parallelism (expert weights are
+    held by R/P replicas each, so their slots and gradients would shard over another
+    group than the other weights': not built)."""
     name = train.sharding
-    if name == WEIGHTS:
-        raise ValueError("task.train.sharding='weights' (ZeRO stage 3) is not built yet: use "
-                         "'gradients' (stage 2) or 'optimizer_states' (stage 1)")
+    if name == WEIGHTS and clients:
+        raise ValueError("task.train.sharding='weights' (ZeRO stage 3) across trainer clients "
+                         "is not built: use 'gradients' (stage 2) there, or one trainer "
+                         'client with task.pipeline.num_replicas')
     if name not in STAGES:
         close = difflib.get_close_matches(str(name), STAGES, n=1)
         hint = f' (did you mean {close[0]!r}?)' if close else ''

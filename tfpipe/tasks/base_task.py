@@ -54,8 +54,10 @@ def train_params() -> Params:
     p.Define('sharding', 'none', "What each of the R data-parallel replicas keeps 1/R of "
              "(tfpipe.pipeline.sharding; docs/optimizer_sharding.md): 'none'; "
              "'optimizer_states' (ZeRO stage 1, as shard_optimizer_states=True); 'gradients' "
-             '(ZeRO stage 2: the gradient sums too, reduce-scattered instead of all-reduced). '
-             'Same updates and checkpoints as unsharded. Refused at R=1, where it does nothing.')
+             '(ZeRO stage 2: the gradient sums too, reduce-scattered instead of all-reduced); '
+             "'weights' (ZeRO stage 3: the weights too between steps, each cell's all-gathered "
+             'once per step; one trainer client only). Same updates and checkpoints as '
+             'unsharded. Refused at R=1, where it does nothing.')
     p.Define('save_interval_steps', 100, 'Checkpoint every this many steps.')
     p.Define('save_max_to_keep', 5, 'Checkpoints kept in the train dir.')
     p.Define('summary_interval_steps', 10, 'TensorBoard summaries every this many steps.')

@@ -1,0 +1,165 @@
+"""Weights sharded across data-parallel replicas (ZeRO stage 3, task.train.sharding='weights').
+
+Between steps replica r holds only its part of each trainable weight of its cells:
+elements [r*s, min((r+1)*s, n)) of the flattened weight, s = ceil(n/R), in a
+variable of s elements (zero-padded where R does not divide n), the split of the
+optimizer's slots and of stage 2's gradient sums (sharded_optimizer.shard_bounds).
+`ShardWeights` swaps each layer's whole variable for that part, so the whole copies
+are freed; the layers' `theta` and `VariablesByPath` then hold the parts.
+
+A step all-gathers each cell's parts into its whole weights once (one all-gather per
+cell and dtype), before the cell's first forward task: the pipeline reads its theta
+through `gathered` (PipeliningLayer._ReadThetas). The whole weights are kept through
+all M micro-batches and the recompute of each (no regather), and are dropped when the
+last backward no longer needs them: torchtitan's reshard_after_forward=False for
+pipelining. Resharding after each forward would regather them for every micro-batch's
+backward, and with M micro-batches per step that is M (or 2M) all-gathers of the cell
+instead of one, for a saving of one cell's weights at the peak. The gradients are
+reduce-scattered (stage 2) and each replica updates its own part in place
+(ShardedOptimizer with `weight_shapes`): nothing is gathered after the update.
+
+Checkpoints stay whole: each weight saves its parts joined (`_WholeWeight`, through
+variable_shards.whole_view), under the unsharded key, so a stage-3 checkpoint restores
+at any stage and R, and the other way round.
+
+Not built: across trainer clients (sharding.stage_of refuses it), tensor-parallel
+(T > 1) cells, tied weights and expert parallelism (refused here).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import tensorflow as tf
+from tensorflow.python.ops import collective_ops
+
+from tfpipe import variable_shards
+from tfpipe.pipeline import replicas
+from tfpipe.pipeline.sharded_optimizer import shard_bounds
+
+__all__ = ['WeightShards']
+
+
+class _WholeWeight(tf.Module):
+    """One weight's parts over the replicas, saved and restored as the whole value."""
+
+    def __init__(self, path: str, shape: tf.TensorShape, parts: Sequence[tf.Variable]):
+        super().__init__(name=None)
+        self.path, self.shape, self._parts = path, shape, list(parts)
+        self.dtype = parts[0].dtype
+
+    @property
+    def shards(self) -> list[tf.Variable]:
+        return list(self._parts)
+
+    def _trackable_children(self, save_type='checkpoint', **kwargs):  # saved by value only
+        return {}
+
+    def value(self) -> tf.Tensor:
+        """The whole weight, joined on replica 0's device."""
+        n = self.shape.num_elements()
+        with tf.device(self._parts[0].device):
+            flat = tf.concat([p.read_value() for p in self._parts], 0)[:n]
+            return tf.reshape(flat, self.shape)
+
+    def assign(self, whole: Any) -> tf.Operation:
+        """Each replica's part of `whole`, padded, into its variable on its device."""
+        size = int(self._parts[0].shape[0])
+        flat = tf.reshape(tf.convert_to_tensor(whole, self.dtype), [-1])
+        padded = tf.pad(flat, [[0, size * len(self._parts) - flat.shape[0]]])
+        ops = []
+        for r, part in enumerate(self._parts):
+            with tf.device(part.device):
+                ops.append(part.assign(padded[r * size:(r + 1) * size]))
+        return tf.group(ops)
+
+    def _serialize_to_tensors(self):
+        return {'VARIABLE_VALUE': self.value()}
+
+    def _restore_from_tensors(self, restored_tensors):
+        return self.assign(restored_tensors['VARIABLE_VALUE'])
+
+
+class WeightShards:
+    """Every replica's part of every trainable weight of `pipe` (a PipeliningLayer), which
+    it swaps into the pipeline's layers in place of the whole variables; refused (one
+    line) for what is not built, e.g. `across_clients` (the pipeline is one client's)."""
+
+    def __init__(self, pipe: Any, across_clients: bool = False):
+        p = pipe.params
+        unbuilt = [what for what, on in (('tensor_parallel > 1', p.tensor_parallel > 1),
+                                         ('tied_weights', bool(pipe.ties)),
+                                         ('expert_parallel > 1', p.expert_parallel > 1),
+                                         ('trainer clients', across_clients)) if on]
+        if unbuilt:
+            raise ValueError(f"{pipe.path}: task.train.sharding='weights' with "
+                             f"{', '.join(unbuilt)} is not built: use 'gradients' there")
+        whole = [{path: v for path, v in copy.items() if v.trainable}
+                 for copy in pipe.ReplicaVariablesByPath()]
+        self.num_shards = len(whole)
+        self.shapes = {path: tf.TensorShape(v.shape) for path, v in whole[0].items()}
+        self.parts = [{path: self._part(r, var) for path, var in copy.items()}
+                      for r, copy in enumerate(whole)]
+        # The replicas' copies of one variable: one all-gather group (a cell's devices).
+        self._devices = {path: tuple(copy[path].device for copy in self.parts)
+                         for path in self.shapes}
+        self._path_of = {id(part): path for copy in self.parts for path, part in copy.items()}
+        self._wholes = {path: _WholeWeight(path, shape, [c[path] for c in self.parts])
+                        for path, shape in self.shapes.items()}
+        for path, w in self._wholes.items():
+            variable_shards.save_whole_as(self.parts[0][path], w)
+        replacements = {id(var): self.parts[r][path]
+                        for r, copy in enumerate(whole) for path, var in copy.items()}
+        for cells in pipe.replica_cells:
+            for cell in cells:
+                for layer in cell.layers:
+                    layer.ReplaceVariables(replacements)
+
+    def _part(self, r: int, var: tf.Variable) -> tf.Variable:
+        """Replica r's part of `var` (its current value), padded to ceil(n/R), on its device."""
+        n = var.shape.num_elements()
+        start, stop = shard_bounds(n, self.num_shards)[r]
+        size = math.ceil(n / self.num_shards)
+        with tf.init_scope(), tf.device(var.device):
+            flat = tf.reshape(var.read_value(), [-1])[start:stop]
+            return tf.Variable(tf.pad(flat, [[0, size - (stop - start)]]),
+                               name=var.name.split(':')[0].rpartition('/')[2], trainable=True)
+
+    def whole(self, path: str) -> tf.Tensor:
+        """The whole weight at `path`, its parts joined (as checkpoints save it)."""
+        return self._wholes[path].value()
+
+    def is_part(self, var: Any) -> bool:
+        """Whether `var` is one of the parts (a layer's variable that stands for a weight)."""
+        return id(var) in self._path_of
+
+    def Bytes(self) -> tuple[int, int]:
+        """(bytes of weights held by each replica, bytes of one whole copy)."""
+        held = sum(v.shape.num_elements() * v.dtype.size for v in self.parts[0].values())
+        whole = sum(s.num_elements() * self.parts[0][p].dtype.size
+                    for p, s in self.shapes.items())
+        return held, whole
+
+    def gathered(self, replica_thetas: Sequence[dict]) -> list[dict]:
+        """The thetas with each part replaced by the whole weight, all-gathered on its
+        replica's device (inside a tf.function): one all-gather per cell and dtype."""
+        by_group: dict = {}
+        for path in sorted(self.shapes):
+            by_group.setdefault((self._devices[path], self.parts[0][path].dtype),
+                                []).append(path)
+        wholes: list[dict] = [{} for _ in self.parts]
+        for (devices, _), paths in by_group.items():
+            sizes = [int(self.parts[0][path].shape[0]) for path in paths]
+            group, key = replicas.group_key(devices), replicas.new_instance_key()
+            for r, copy in enumerate(self.parts):
+                with tf.device(devices[r]), tf.name_scope(f'gather_weights_{r}'):
+                    packed = tf.concat([copy[path].read_value() for path in paths], 0)
+                    rows = tf.reshape(collective_ops.all_gather(
+                        packed, self.num_shards, group, key, communication_hint='auto'),
+                        [self.num_shards, -1])
+                    for path, column in zip(paths, tf.split(rows, sizes, axis=1)):
+                        flat = tf.reshape(column, [-1])[:self.shapes[path].num_elements()]
+                        wholes[r][path] = tf.reshape(flat, self.shapes[path])
+        return [tf.nest.map_structure(
+            lambda leaf, r=r: wholes[r][self._path_of[id(leaf)]] if self.is_part(leaf) else leaf,
+            theta) for r, theta in enumerate(replica_thetas)]
