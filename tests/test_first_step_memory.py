@@ -94,3 +94,18 @@ def test_interleaved_and_tensor_parallel_pipelines_are_predicted(overrides):
     need = first_step_memory.predict(pipe, body, tf.zeros([8, 8]),
                                      list(pipe.VariablesByPath().values()))
     assert need.held > 0 and need.working > 0 and need.total > need.gradient_sums
+
+
+def test_stage_3_counts_whole_gradient_sums_and_the_gathered_weights():
+    """The trainer passes the parts (its variables at stage 3); a step still holds each
+    weight gathered whole and its gradient sum whole."""
+    body, pipe = _pipe('1f1b', 'always', 2)
+    whole = (6 * 32 + 32 + 32 * 8 + 8 + 8 * 5 + 5) * 4
+    pipe.ShardWeights()
+    parts = [v for copy in pipe.ReplicaVariablesByPath() for v in copy.values() if v.trainable]
+    held = sum(v.shape.num_elements() * v.dtype.size for v in parts)
+    assert held < 2 * whole  # the parts
+    need = first_step_memory.predict(pipe, body, tf.zeros([BATCH, 6]), parts)
+    assert need.gradient_sums == 2 * whole
+    assert need.gathered_weights == 2 * whole - held
+    assert 'gathered weights' in need.line()

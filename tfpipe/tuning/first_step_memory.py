@@ -46,6 +46,7 @@ class FirstStepNeed:
     """Bytes the first step adds to the host beyond what the process holds now."""
 
     gradient_sums: float
+    gathered_weights: float  # stage 3: the whole weights a step gathers beside their parts
     held: float  # micro-batches between forward and backward, every replica's cells
     working: float  # backward working sets of the tasks that run at once
     held_now: float  # this process's resident bytes (variables and slots included)
@@ -53,7 +54,7 @@ class FirstStepNeed:
 
     @property
     def total(self) -> float:
-        return self.gradient_sums + self.held + self.working
+        return self.gradient_sums + self.gathered_weights + self.held + self.working
 
     @property
     def exceeds(self) -> bool:
@@ -63,10 +64,13 @@ class FirstStepNeed:
         """One log line; with the fix when the need exceeds what is available."""
         available = (f'{size(self.available)} available' if self.available is not None
                      else 'available memory unknown')
+        gathered = (f', gathered weights {size(self.gathered_weights)}'
+                    if self.gathered_weights else '')
         need = (f'the first step needs at least {size(self.total)} more host memory (gradient '
-                f'sums {size(self.gradient_sums)}, held micro-batches {size(self.held)}, backward '
-                f'working sets {size(self.working)}; predicted from the params, before tracing) '
-                f'beside the {size(self.held_now)} this process holds; {available}')
+                f'sums {size(self.gradient_sums)}{gathered}, held micro-batches '
+                f'{size(self.held)}, backward working sets {size(self.working)}; predicted from '
+                f'the params, before tracing) beside the {size(self.held_now)} this process '
+                f'holds; {available}')
         if not self.exceeds:
             return f'host memory: {need}'
         return (f'host memory: {need}: it will not fit; recompute more cells '
@@ -119,9 +123,14 @@ def predict(pipe, body: Sequence[Params], inputs: Any,
     parallelism = min(m, planner.local_parallelism(
         tf.config.threading.get_intra_op_parallelism_threads()))
     activations = memory_model.host_peak(memory, held, parallelism).activations
+    gradient_sums = float(sum(v.shape.num_elements() * v.dtype.size for v in trainable))
+    gathered = 0.0
+    if pipe.weight_shards is not None:  # stage 3: `trainable` are the parts; a step holds
+        parts, whole = pipe.weight_shards.Bytes()  # each weight and its gradient sum whole
+        gradient_sums = float(whole * pipe.num_replicas)
+        gathered = float((whole - parts) * pipe.num_replicas)
     return FirstStepNeed(
-        gradient_sums=float(sum(v.shape.num_elements() * v.dtype.size for v in trainable)),
-        held=float(sum(held)), working=activations - float(sum(held)),
+        gradient_sums=gradient_sums, gathered_weights=gathered, held=float(sum(held)), working=activations - float(sum(held)),
         held_now=float(_resident_bytes()), available=available_bytes())
 
 
