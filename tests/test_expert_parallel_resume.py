@@ -134,3 +134,39 @@ def test_resumed_at_another_p_takes_the_uninterrupted_steps(chain, p, r):
             np.testing.assert_allclose(got[key], want, rtol=1e-5, atol=1e-12,
                                        err_msg=f'P={p} R={r} replica {replica}: {key}')
     assert np.abs(whole['pipe/moe/wi/v']).min() > 0  # every expert's slots were compared
+
+
+def test_the_trainer_saves_expert_slots_whole_and_gives_each_replica_its_own(tmp_path):
+    """The trainer's own wiring (lm.pystdlib.TinyMoETransformerLM, Adam, no step taken):
+    distinct slots on the 2 replicas of a P=2 trainer, saved by it, restore whole into a
+    P=1 trainer and, at P=2 R=4, each replica gets the slots of its experts."""
+    import model_registry
+    from trainer import runtime_options, train_job
+
+    def trainer(p, r):
+        params = model_registry.get_params('lm.pystdlib.TinyMoETransformerLM')
+        params.task.pipeline.Set(num_replicas=r, expert_parallel=p)
+        return train_job.Trainer(params, str(tmp_path),
+                                 runtime_options.RuntimeOptions(max_steps=1))
+
+    source = trainer(2, 2)
+    experts = sorted(q for q, v in source.variables.items()
+                     if expert_parallel.is_expert_variable(v))
+    assert experts and all('/moe/' in q for q in experts)
+    rng = np.random.default_rng(3)
+    for optimizer in source.optimizers:
+        for slot in optimizer.slot_variables:
+            slot.assign(rng.normal(size=slot.shape).astype(slot.dtype.as_numpy_dtype))
+    source.save(1)
+    want = {(q, name): [o.GetSlot(q, name).numpy() for o in source.optimizers]
+            for q in experts for name in SLOTS}
+    whole, by_replica = trainer(1, 2), trainer(2, 4)
+    for target in (whole, by_replica):
+        assert target.restore_latest() == 0  # ckpt-1 holds global step 0: none was taken
+    for (q, name), held in want.items():
+        for optimizer in whole.optimizers:
+            np.testing.assert_array_equal(optimizer.GetSlot(q, name).numpy(),
+                                          np.concatenate(held), err_msg=f'P=1 {q}/{name}')
+        for r, optimizer in enumerate(by_replica.optimizers):
+            np.testing.assert_array_equal(optimizer.GetSlot(q, name).numpy(), held[r % 2],
+                                          err_msg=f'P=2 R=4 replica {r}: {q}/{name}')
