@@ -28,15 +28,10 @@ from tfpipe.hyperparams import Params
 from tfpipe.layers import moe_gating
 from tfpipe.pipeline import expert_parallel
 from tfpipe.tuning.profile import LayerProfile
+from tfpipe.tuning.tensor_parallel_memory import variable_bytes
 
 # The exchange's buffers per MoE layer and micro-batch, in units of E x C x D values.
 EXCHANGE_BUFFERS = 4
-
-
-def _bytes(shape: Any, dtype: tf.DType, rule: Any) -> float:
-    """Bytes of a variable of `shape`, or with `rule` (an optimizer) of its slots."""
-    shapes = rule.SlotShapes(shape).values() if rule is not None else [shape]
-    return float(sum(tf.TensorShape(s).num_elements() for s in shapes) * dtype.size)
 
 
 def member_profiles(pipe: Any, profiles: Sequence[LayerProfile],
@@ -58,8 +53,8 @@ def member_profiles(pipe: Any, profiles: Sequence[LayerProfile],
             if expert_parallel.is_expert_variable(var):
                 shape = [var.shape[0] * pipe.params.expert_parallel, *var.shape[1:]]
             for i, r in enumerate((None, rule)):
-                held[i] += _bytes(var.shape, var.dtype, r)
-                whole[i] += _bytes(shape, var.dtype, r)
+                held[i] += variable_bytes(var.shape, var.dtype, r)
+                whole[i] += variable_bytes(shape, var.dtype, r)
         weights, slots = (h / w if w else 1.0 for h, w in zip(held, whole))
         out.append(dataclasses.replace(profile, param_bytes=profile.param_bytes * weights,
                                        slot_bytes=profile.slot_bytes * slots))
