@@ -55,7 +55,7 @@ def inspect_model(params: Params) -> None:
     m = pipe.params.num_micro_batches
     print(f'balance {list(pipe.balance)}  micro-batches {m}  recompute {pipe.params.recompute}'
           f'  replicas {pipe.num_replicas}  tensor_parallel {pipe.params.tensor_parallel}'
-          f'  expert_parallel {pipe.params.expert_parallel}')
+          f'  expert_parallel {expert_parallel_memory.degree(pipe.params)}')
     print_placement(pipe)
     profiles = profile_model(params, task, m)
     batch = params.input.train.batch_size // pipe.num_replicas  # each replica's share
@@ -118,7 +118,8 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
     replica = tf.nest.map_structure(lambda t: t[:batch], sample)
     # A member of an expert group cannot run alone (its all-to-all waits for the others):
     # its working sets are a P=1 twin's plus the exchange (expert_parallel_memory).
-    alone = (pipe if pipe.params.expert_parallel == 1 else
+    p = expert_parallel_memory.degree(pipe.params)
+    alone = (pipe if p == 1 else
              expert_parallel_memory.twin(pipe.params, pipe.balance))
     measured_cells = working_memory.measure_cells(alone.replica_cells[0], alone.theta, replica,
                                                   m)
@@ -146,11 +147,11 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
         measured = ('backward working sets estimated from layer outputs: the allocator keeps '
                     'no statistics (TF_CPU_ALLOCATOR_USE_BFC=true on CPUs)')
     sharded = f', optimizer slots sharded over {shards}' if shards > 1 else ''
-    if pipe.params.expert_parallel > 1:
-        print(f'expert parallel {pipe.params.expert_parallel}: each replica holds 1/'
-              f'{pipe.params.expert_parallel} of every MoE layer\'s experts (weights, gradient '
-              'sums and slots below); all-to-all buffers per micro-batch, in the working '
-              f'sets: {", ".join(f"cell {k} {mib(a)}" for k, a in enumerate(exchange))}')
+    if p > 1:
+        print(f'expert parallel {p}: each replica holds 1/{p} of every MoE layer\'s experts '
+              '(weights, gradient sums and slots below); all-to-all buffers per micro-batch, '
+              f'in the working sets: '
+              f'{", ".join(f"cell {k} {mib(a)}" for k, a in enumerate(exchange))}')
     print(f'predicted memory per device (one training step of the configured pipeline, '
           f'model state and activations{sharded}; {measured}):')
     for replica_devices in devices:

@@ -34,11 +34,16 @@ from tfpipe.tuning.tensor_parallel_memory import variable_bytes
 EXCHANGE_BUFFERS = 4
 
 
+def degree(pipeline: Params) -> int:
+    """The pipeline params' P (1 for a pipeline class without expert parallelism)."""
+    return pipeline.expert_parallel if 'expert_parallel' in pipeline else 1
+
+
 def member_profiles(pipe: Any, profiles: Sequence[LayerProfile],
                     optimizer: Optional[Params] = None) -> list[LayerProfile]:
     """`profiles` (one per body layer, P=1) with parameter and slot bytes cut to what one
     member of the built `pipe` holds: an MoE layer's E/P experts, every other weight whole."""
-    if pipe.params.expert_parallel == 1:
+    if degree(pipe.params) == 1:
         return list(profiles)
     rule = optimizer.Instantiate() if optimizer is not None else None
     layers = [layer for cell in pipe.replica_cells[0] for layer in cell.layers]
@@ -51,7 +56,7 @@ def member_profiles(pipe: Any, profiles: Sequence[LayerProfile],
                 continue
             shape = var.shape
             if expert_parallel.is_expert_variable(var):
-                shape = [var.shape[0] * pipe.params.expert_parallel, *var.shape[1:]]
+                shape = [var.shape[0] * degree(pipe.params), *var.shape[1:]]
             for i, r in enumerate((None, rule)):
                 held[i] += variable_bytes(var.shape, var.dtype, r)
                 whole[i] += variable_bytes(shape, var.dtype, r)
@@ -66,13 +71,15 @@ def all_to_all_bytes(pipeline: Params, balance: Sequence[int],
     """Per cell (`balance` of the pipeline's params), the bytes its MoE layers' all-to-alls
     add to a backward's working set on one micro-batch of `micro_batch_shapes` (the
     pipeline's input shapes at one micro-batch); zeros at P=1."""
+    if degree(pipeline) == 1:
+        return [0.0] * len(balance)  # without asking every layer for its FPropMeta
     out, start = [], 0
     metas = body_metas(pipeline.body, micro_batch_shapes)
     for size in balance:
         total = 0.0
         for i in range(start, start + size):
             p = pipeline.body[i]
-            if pipeline.expert_parallel == 1 or 'num_experts' not in p:
+            if 'num_experts' not in p:
                 continue
             shapes = micro_batch_shapes if i == 0 else metas[i - 1].out_shapes
             x = tf.TensorShape(shapes['x'] if isinstance(shapes, dict) else shapes)
