@@ -32,9 +32,9 @@ def body():
     ]
 
 
-def pipeline(p, r, k, **kw):
+def pipeline(p, r, k, m=2, **kw):
     return tfpipe.PipeliningLayer.Params().Set(
-        name='pipe', body=body(), balance=partition.even_balance(3, k), num_micro_batches=2,
+        name='pipe', body=body(), balance=partition.even_balance(3, k), num_micro_batches=m,
         num_replicas=r, expert_parallel=p, **kw).Instantiate()
 
 

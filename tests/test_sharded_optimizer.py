@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 from tfpipe import checkpoints, optimizers
+from tfpipe.pipeline import replicas
 from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer, shard_bounds
 from trainer.train_job import guarded_update
 
@@ -155,13 +156,9 @@ def test_checkpoints_move_between_sharded_and_unsharded_under_any_r(tmp_path, na
                 opt.CreateSlots(v)
             restored_opt = opt_b[0]
         checkpoints.make(vars_b[0], optimizer=restored_opt).read(saved).assert_consumed()
-        for mirror in vars_b[1:]:  # as pipe.SyncReplicas() and the trainer do
-            for path, var in mirror.items():
-                var.assign(vars_b[0][path])
-        for opt in ([] if second[1] else opt_b[1:]):
-            opt.iterations.assign(opt_b[0].iterations)
-            for source, copy in zip(opt_b[0].slot_variables, opt.slot_variables):
-                copy.assign(source)
+        replicas.sync(vars_b)  # as pipe.SyncReplicas() and the trainer do
+        if not second[1]:
+            replicas.sync_slots(opt_b, vars_b)
 
         vars_b, opt_b = _train(opt_params, second[0], sharded=second[1], steps=STEPS,
                                replica_variables=vars_b, optimizer=opt_b, first_step=2)

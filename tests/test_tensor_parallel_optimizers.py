@@ -22,7 +22,7 @@ from tfpipe import checkpoints, fprop_context, optimizers
 from tfpipe.base_layer import flatten_by_path
 from tfpipe.layers.tensor_parallel_dense import (ColumnParallelDense, ParallelMLP,
                                                  RowParallelDense)
-from tfpipe.pipeline import partition
+from tfpipe.pipeline import partition, replicas
 from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
 from trainer.train_job import guarded_update
 
@@ -86,10 +86,7 @@ class Run:
         checkpoints.restore(self.checkpoint(), path)
         self.pipe.SyncReplicas()
         if not isinstance(self.optimizers, ShardedOptimizer):
-            for mirror in self.optimizers[1:]:
-                mirror.iterations.assign(self.optimizer.iterations)
-                for source, copy in zip(self.optimizer.slot_variables, mirror.slot_variables):
-                    copy.assign(source)
+            replicas.sync_slots(self.optimizers, self.variables)  # as the trainer does
         return self
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import tensorflow as tf
 
@@ -40,26 +40,32 @@ def slot_key(path: str) -> str:
 
 
 def whole_slots(variables: Variables, slots: dict,
-                slot_shapes: Callable[[tf.TensorShape], dict]) -> Optional[tf.Module]:
+                slot_shapes: Callable[[tf.TensorShape], dict],
+                others: Sequence[tuple[Variables, dict]] = ()) -> Optional[tf.Module]:
     """The slots as checkpointed: each split weight's slots joined under the whole weight's
     slot key into the slot of the whole weight, of shape `slot_shapes(whole shape)[name]`
-    (split_statistics.whole_slot); None when no weight is split. A slot is a tf.Variable
-    or anything with its shape, dtype, device, read_value and assign (the sharded
-    optimizer's)."""
-    key_of = {id(var): slot_key(path) for path, var in variables.items()}
+    (split_statistics.whole_slot); None when no weight is split. A weight is split as
+    checkpoints save it (`variable_shards.checkpointed_as`): a tensor-parallel weight's
+    shards, whose slots are all in `slots`, or an expert weight's slices over P replicas,
+    whose other slices' slots are in `others` ((variables, slots) of the other replicas'
+    optimizers). A slot is a tf.Variable or anything with its shape, dtype, device,
+    read_value and assign (the sharded optimizer's)."""
+    key_of = {id(var): (slots_, slot_key(path))
+              for variables_, slots_ in [*others, (variables, slots)]
+              for path, var in variables_.items()}
     out: dict = {}
     for path, var in variables.items():
-        sharded = variable_shards.of(var)
-        keys = [key_of.get(id(s)) for s in sharded.shards] if sharded is not None else [None]
-        if None in keys or len(keys) == 1:  # not split, or not every shard is optimized here
+        sharded = variable_shards.checkpointed_as(var)
+        found = [key_of.get(id(s)) for s in sharded.shards] if sharded is not None else [None]
+        if None in found or len(found) == 1:  # not split, or not every shard's slots are here
             out[slot_key(path)] = slots[slot_key(path)]
             continue
         whole = slot_key(variable_shards.whole_path(path, sharded))
         for name, shape in slot_shapes(sharded.shape).items():
             if name not in out.setdefault(whole, {}):
                 out[whole][name] = split_statistics.whole_slot(
-                    f'{whole}/{name}', [slots[k][name] for k in keys], shape)
-    if out.keys() == slots.keys():
+                    f'{whole}/{name}', [held[key][name] for held, key in found], shape)
+    if all(out.get(key) is value for key, value in slots.items()):
         return None
     tree = tf.Module()
     for key, value in out.items():
@@ -219,6 +225,17 @@ class BaseOptimizer(tf.Module):
         self._slots.update(slots)  # in place: a restore() made before binds on insertion
         self._shapes = shapes
         self._whole_slots = whole_slots(variables, self._slots, self.SlotShapes)
+
+    def JoinReplicaSlots(self, variables: Variables,
+                         others: Sequence[tuple[Variables, 'BaseOptimizer']]) -> None:
+        """Checkpoints the slots of a weight whose other slices other replicas' optimizers
+        update (expert parallelism: replicas 1..P-1 hold the other experts of replica 0's
+        expert weights) whole, joined with theirs, as checkpoints save the weight itself
+        (variable_shards.whole_view): Adam's m of `.../moe/wi` as [E, D, H] under its slot
+        key, restored into any P. `variables`: those given to CreateSlots; `others`: each
+        other replica's (variables, optimizer), after their CreateSlots."""
+        self._whole_slots = whole_slots(variables, self._slots, self.SlotShapes,
+                                        [(v, other._slots) for v, other in others])
 
     def _trackable_children(self, save_type='checkpoint', **kwargs):
         return checkpointed_slots(super()._trackable_children(save_type, **kwargs), save_type)

@@ -97,6 +97,12 @@ def save_whole_as(variable: tf.Variable, whole: Any) -> None:
     _checkpoint_only[id(variable)] = whole
 
 
+def checkpointed_as(variable: Any) -> 'ShardedWeight | None':
+    """The ShardedWeight a checkpoint saves in place of `variable`: its tensor-parallel
+    weight's (`of`), or the checkpoint-only one of an expert weight's slice, else None."""
+    return of(variable) or _checkpoint_only.get(id(variable))
+
+
 def whole_path(shard_path: str, sharded: ShardedWeight) -> str:
     """The path of the whole weight a shard belongs to, relative to the same root as
     `shard_path` (a theta's, a body's): 'body/fc/w_shard1' -> 'body/fc/w'."""
@@ -110,7 +116,7 @@ def whole_view(variables: dict[str, Any]) -> dict[str, Any]:
     under the whole weight's path (what checkpoints save)."""
     out: dict[str, Any] = {}
     for path, var in variables.items():
-        sharded = of(var) or _checkpoint_only.get(id(var))
+        sharded = checkpointed_as(var)
         if sharded is None or len(sharded.shards) == 1:
             out[path] = var
         else:

@@ -15,7 +15,8 @@ import tensorflow as tf
 
 from tfpipe.hyperparams import Params
 from tfpipe import memory_stats
-from tfpipe.tuning import memory_model, planner, profile, tensor_parallel_memory, working_memory
+from tfpipe.tuning import (expert_parallel_memory, memory_model, planner, profile,
+                           tensor_parallel_memory, working_memory)
 from tfpipe.pipeline.partition import cell_ranges
 
 CHECK_TOLERANCE = 1e-5
@@ -37,11 +38,14 @@ def _sample_inputs(params: Params, task) -> tuple[object, int]:
 def profile_model(params: Params, task, max_micro_batches: int,
                   timed: bool = True) -> list[profile.LayerProfile]:
     """Every body layer of the model profiled on its first cell's device, on a real batch
-    (bytes alone unless `timed`: profile.profile_body)."""
+    (bytes alone unless `timed`: profile.profile_body); with expert parallelism, its
+    weights and slots cut to what one member holds."""
     sample, batch_size = _sample_inputs(params, task)
     sizes = profile.profiling_batch_sizes(batch_size, max_micro_batches)
-    return profile.profile_body(params.task.pipeline.body, sample, task.pipe.devices[0], sizes,
-                                params.task.train.optimizer, timed=timed)
+    profiles = profile.profile_body(params.task.pipeline.body, sample, task.pipe.devices[0],
+                                    sizes, params.task.train.optimizer, timed=timed)
+    return expert_parallel_memory.member_profiles(task.pipe, profiles,
+                                                  params.task.train.optimizer)
 
 
 def inspect_model(params: Params) -> None:
@@ -52,7 +56,8 @@ def inspect_model(params: Params) -> None:
     input_measurement = host_input_measurement(params, task)
     m = pipe.params.num_micro_batches
     print(f'balance {list(pipe.balance)}  micro-batches {m}  recompute {pipe.params.recompute}'
-          f'  replicas {pipe.num_replicas}  tensor_parallel {pipe.params.tensor_parallel}')
+          f'  replicas {pipe.num_replicas}  tensor_parallel {pipe.params.tensor_parallel}'
+          f'  expert_parallel {expert_parallel_memory.degree(pipe.params)}')
     print_placement(pipe)
     profiles = profile_model(params, task, m, timed=False)  # bytes: nothing here reads time
     batch = params.input.train.batch_size // pipe.num_replicas  # each replica's share
@@ -114,10 +119,19 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
     shards = slot_shards(params)
     sample, _ = _sample_inputs(params, task)
     replica = tf.nest.map_structure(lambda t: t[:batch], sample)
-    measured_cells = working_memory.measure_cells(pipe.replica_cells[0], pipe.theta, replica, m)
+    # A member of an expert group cannot run alone (its all-to-all waits for the others):
+    # its working sets are a P=1 twin's plus the exchange (expert_parallel_memory).
+    p = expert_parallel_memory.degree(pipe.params)
+    alone = (pipe if p == 1 else
+             expert_parallel_memory.twin(pipe.params, pipe.balance))
+    measured_cells = working_memory.measure_cells(alone.replica_cells[0], alone.theta, replica,
+                                                  m)
+    exchange = expert_parallel_memory.all_to_all_bytes(
+        pipe.params, pipe.balance,
+        tf.nest.map_structure(lambda t: tf.TensorShape([batch // m, *t.shape[1:]]), sample))
     working = inputs = None
     if measured_cells is not None:
-        working = [c.working for c in measured_cells]
+        working = [c.working + a for c, a in zip(measured_cells, exchange)]
         inputs = [c.input_bytes for c in measured_cells]
     layouts = [memory_model.CellLayout(cell.device, start, stop, cell.recompute)
                for cell, (start, stop) in zip(pipe.replica_cells[0], cell_ranges(pipe.balance))]
@@ -136,6 +150,11 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
         measured = ('backward working sets estimated from layer outputs: the allocator keeps '
                     'no statistics (TF_CPU_ALLOCATOR_USE_BFC=true on CPUs)')
     sharded = f', optimizer slots sharded over {shards}' if shards > 1 else ''
+    if p > 1:
+        print(f'expert parallel {p}: each replica holds 1/{p} of every MoE layer\'s experts '
+              '(weights, gradient sums and slots below); all-to-all buffers per micro-batch, '
+              f'in the working sets: '
+              f'{", ".join(f"cell {k} {mib(a)}" for k, a in enumerate(exchange))}')
     print(f'predicted memory per device (one training step of the configured pipeline, '
           f'model state and activations{sharded}; {measured}):')
     for replica_devices in devices:

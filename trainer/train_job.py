@@ -11,7 +11,10 @@ With data-parallel replicas (`task.pipeline.num_replicas` R > 1) each replica
 has its own copy of the variables and an optimizer with slots on its own
 devices, gets the all-reduced gradients and applies the same update, so the
 copies stay identical; only replica 0's copy and optimizer are checkpointed,
-and a restore copies them into the others. With `task.train.shard_optimizer_states`
+and a restore copies them into the others. With expert parallelism P (replicas
+0..P-1 each hold 1/P of every MoE layer's experts) each expert weight and its
+slots are saved whole, joined from replicas 0..P-1, and a restore gives every
+replica those of its own experts. With `task.train.shard_optimizer_states`
 one ShardedOptimizer holds every replica's part of the slots instead, and
 checkpoints them whole.
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import glob
 import math
 import os
@@ -44,7 +48,7 @@ from tfpipe import checkpoint_writer, checkpoints, fprop_context, lr_schedules
 from tfpipe.base_layer import flatten_by_path
 from tfpipe.hyperparams import Params
 from tfpipe.optimizers import BaseOptimizer, clip_by_global_norm
-from tfpipe.pipeline import across_clients, replicas, sharding
+from tfpipe.pipeline import across_clients, expert_parallel, replicas, sharding
 from tfpipe.pipeline.recorder import Recorder
 from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
 from tfpipe.tasks import classifier
@@ -169,7 +173,9 @@ class Trainer:
             self.optimizers = [tp.optimizer.Instantiate() for _ in self.replica_variables]
             for optimizer, variables in zip(self.optimizers, self.replica_variables):
                 optimizer.CreateSlots(variables)
-            self.optimizer = self.optimizers[0]
+            self.optimizer = self.optimizers[0]  # checkpointed; expert slots joined whole
+            self.optimizer.JoinReplicaSlots(self.replica_variables[0], list(
+                zip(self.replica_variables[1:], self.optimizers[1:])))
         horizon = lr_schedules.follow_max_steps(tp.lr_schedule, self.max_steps)
         if horizon.message:
             (logging.warning if horizon.warn else logging.info)(horizon.message)
@@ -260,14 +266,14 @@ class Trainer:
         return int(self.global_step.numpy())
 
     def _sync_replicas(self) -> None:
-        """Copies replica 0's restored variables and optimizer state into the other replicas."""
+        """Copies replica 0's restored variables and optimizer state into the other replicas
+        (an expert weight's and its slots: those of group 0's member with its experts)."""
         self.task.pipe.SyncReplicas()
         if isinstance(self.optimizers, ShardedOptimizer):
             return  # its slots restore into every replica's part
-        for optimizer in self.optimizers[1:]:
-            optimizer.iterations.assign(self.optimizer.iterations)
-            for source, mirror in zip(self.optimizer.slot_variables, optimizer.slot_variables):
-                mirror.assign(source)
+        replicas.sync_slots(self.optimizers, self.replica_variables, functools.partial(
+            expert_parallel.source_replica,
+            expert_parallel=self.params.task.pipeline.expert_parallel))
 
     @property
     def _is_chief(self) -> bool:

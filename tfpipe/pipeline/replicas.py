@@ -209,3 +209,19 @@ def sync(replica_variables: Sequence[dict[str, tf.Variable]],
             if src != r:
                 with tf.device(var.device):
                     var.assign(replica_variables[src][path])
+
+
+def sync_slots(optimizers: Sequence[Any], replica_variables: Sequence[dict[str, tf.Variable]],
+               source: Callable[[int, tf.Variable], int] = lambda r, var: 0) -> None:
+    """`sync` for the optimizers (one `BaseOptimizer` per replica, built over
+    `replica_variables`): each mirror's step count is replica 0's, and the slots of each of
+    its variables are those of replica `source(r, var)` (expert parallelism: the member
+    of group 0 that restored the same experts' slots)."""
+    for r, (optimizer, mirror) in enumerate(zip(optimizers[1:], replica_variables[1:]), 1):
+        optimizer.iterations.assign(optimizers[0].iterations)
+        for path, var in mirror.items():
+            src = source(r, var)
+            for name in optimizer.SlotShapes(var.shape) if src != r else ():
+                slot = optimizer.GetSlot(path, name)
+                with tf.device(slot.device):
+                    slot.assign(optimizers[src].GetSlot(path, name))

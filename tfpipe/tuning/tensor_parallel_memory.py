@@ -48,18 +48,18 @@ def shares(pipe: Any, optimizer: Optional[Params] = None) -> list[list[float]]:
                     continue
                 where = var.device
                 index = cell.shard_devices.index(where) if where in cell.shard_devices else 0
-                per_shard[index] += _bytes(var.shape, var.dtype, rule)
+                per_shard[index] += variable_bytes(var.shape, var.dtype, rule)
                 sharded = variable_shards.of(var)
                 if sharded is None:
-                    total += _bytes(var.shape, var.dtype, rule)
+                    total += variable_bytes(var.shape, var.dtype, rule)
                 elif id(sharded) not in wholes:
                     wholes.add(id(sharded))
-                    total += _bytes(sharded.shape, var.dtype, rule)
+                    total += variable_bytes(sharded.shape, var.dtype, rule)
             out.append([b / total if total else float(t == 0) for t, b in enumerate(per_shard)])
     return out
 
 
-def _bytes(shape: Any, dtype: Any, rule: Any) -> float:
+def variable_bytes(shape: Any, dtype: Any, rule: Any) -> float:
     """Bytes of a variable of `shape`, or with `rule` (an optimizer) of its slots."""
     shapes = rule.SlotShapes(shape).values() if rule is not None else [shape]
     return float(sum(tf.TensorShape(s).num_elements() for s in shapes) * dtype.size)
