@@ -112,6 +112,22 @@ def test_schedules_recompute_and_executors_equal_p1(recompute, schedule, cell_fu
                                        err_msg=path)
 
 
+def test_experts_in_a_recomputing_last_cell_train_and_equal_p1():
+    """The trainer's MoE LM has its experts in its last cell: under cell functions that
+    deadlocked in the all-to-all (K=2, M=2, recompute always), so expert parallelism
+    runs the unrolled executor whatever cell_functions says. Hangs without that."""
+    pipe = tfpipe.PipeliningLayer.Params().Set(
+        name='pipe', body=body(), balance=[1, 2], num_micro_batches=2, num_replicas=2,
+        expert_parallel=2, recompute='always', cell_functions=True).Instantiate()
+    loss, grads, weights = step(pipe, 2)
+    ref_loss, ref_grads, ref_weights = run_of(1, 2, 2)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for got, want in ((grads, ref_grads), (weights, ref_weights)):
+        for path in want:
+            np.testing.assert_allclose(got[path], want[path], rtol=1e-5, atol=1e-12,
+                                       err_msg=path)
+
+
 def test_replicas_hold_their_experts():
     pipe = pipeline(2, 4, 1)
     held = [vs['pipe/moe/wi'] for vs in pipe.ReplicaVariablesByPath()]
