@@ -41,8 +41,8 @@ import tensorflow as tf
 from tfpipe import fprop_context
 from tfpipe.base_layer import BaseLayer, body_meta
 from tfpipe.pipeline import (across_clients, aux_losses, costs, expert_parallel, microbatch,
-                             partition, recorder, replicas, schedule, sharded_weights,
-                             tensor_parallel, ties)
+                             partition, pipeline_params, recorder, replicas, schedule,
+                             sharded_weights, tensor_parallel, ties)
 from tfpipe.pipeline.cell import RECOMPUTE_POLICIES, Cell, cell_dtypes, recompute_flags
 from tfpipe.pipeline.cell_functions import FunctionalPipelineRun
 from tfpipe.pipeline.executor import PipelineRun, float_leaves, is_differentiable
@@ -111,33 +111,8 @@ class PipeliningLayer(BaseLayer):
     def __init__(self, params, parent=None):
         super().__init__(params, parent)
         p = self.params
-        if not p.body:
-            raise ValueError(f'{self.path}: body is empty; give p.body at least one layer params')
-        if not isinstance(p.num_micro_batches, int) or p.num_micro_batches < 1:
-            raise ValueError(f'{self.path}: num_micro_batches={p.num_micro_batches!r} must be an '
-                             'int >= 1 (1 means no micro-batching)')
-        if p.schedule not in schedule.SCHEDULES:
-            raise ValueError(f'{self.path}: unknown schedule {p.schedule!r}; use one of '
-                             f'{sorted(schedule.SCHEDULES)}')
-        if p.jit_compile and not p.cell_functions:
-            raise ValueError(f'{self.path}: jit_compile=True compiles the cell functions; set '
-                             'cell_functions=True as well, or jit_compile=False')
-        if p.jit_compile and p.schedule.startswith('zb_'):
-            raise ValueError(f'{self.path}: jit_compile=True compiles the cell functions, which '
-                             f'schedule={p.schedule!r} cannot use (its split backward runs '
-                             'unrolled tasks): pick another schedule, or jit_compile=False')
-        if isinstance(p.num_replicas, bool) or not isinstance(p.num_replicas, int) or \
-                p.num_replicas < 1:
-            raise ValueError(f'{self.path}: num_replicas={p.num_replicas!r} must be an int >= 1 '
-                             '(1 means no data parallelism)')
-        expert_parallel.check_expert_parallel(p.expert_parallel, p.num_replicas, self.path)
+        pipeline_params.check(p, self.path)
         v = p.virtual_stages
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f'{self.path}: virtual_stages={v!r} must be an int >= 1')
-        if v > 1 and p.schedule != 'interleaved_1f1b':
-            raise ValueError(f'{self.path}: virtual_stages={v} needs schedule='
-                             f"'interleaved_1f1b' (schedule is {p.schedule!r}); or set "
-                             'virtual_stages=1')
         # The inherited fprop_dtype is the body's default compute dtype (the activations
         # sent between cells use it); a body layer's own wins. Variables, gradient sums
         # and the pipeline's outputs stay float32.
