@@ -1,7 +1,7 @@
 """Optimizer states sharded across replicas (task.train.shard_optimizer_states): memory and time.
 
 A weight-dominated stack (Dense layers, a small batch) trained with Adam by the
-trainer's step (ForwardBackward + trainer.train_job.guarded_update), R=2 and R=4
+trainer's step (ForwardBackward + trainer.guarded_update), R=2 and R=4
 replicas x K=2 cells, unsharded against sharded. Prints side by side:
   - per device, from the variables placed on it: weights and Adam slots in bytes per
     parameter of that device, plus the gradient sums (4 bytes per parameter: the
@@ -98,7 +98,7 @@ def build(args, num_replicas: int, sharded: bool, peers=None):
     from tfpipe import fprop_context, optimizers
     from tfpipe.base_layer import flatten_by_path
     from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
-    from trainer.train_job import guarded_update
+    from trainer.guarded_update import guarded_update
 
     pipe = dense_pipeline(args, f'pipe_{num_replicas}_{int(sharded)}', num_replicas)
     if peers is not None:

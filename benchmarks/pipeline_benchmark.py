@@ -104,7 +104,7 @@ import tfpipe  # noqa: E402
 from tfpipe import devices as devices_lib  # noqa: E402
 from tfpipe import fprop_context, layers, optimizers  # noqa: E402
 from tfpipe.base_layer import flatten_by_path  # noqa: E402
-from trainer.train_job import guarded_update  # noqa: E402
+from trainer.guarded_update import guarded_update  # noqa: E402
 from tfpipe.pipeline import partition, schedule  # noqa: E402
 from tfpipe.tuning import trace  # noqa: E402
 
@@ -170,7 +170,7 @@ def make_data(batch: int, width: int, device: str):
 
 
 class TrainerUpdate:
-    """The trainer's update, shared by every variant: trainer.train_job.guarded_update
+    """The trainer's update, shared by every variant: trainer.guarded_update
     (global gradient norm, finiteness gate, SGD through tfpipe's optimizer, step += 1).
     The norm keeps every gradient alive until the update, so a step that skipped it
     would understate the trainer's peak memory and time."""

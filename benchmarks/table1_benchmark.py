@@ -15,7 +15,7 @@ devices per cell, predicted) is benchmarks/table1_tensor_parallel.py.
 Each probe (one model size, one configuration) runs in its own subprocess with the BFC
 allocator on (TF_CPU_ALLOCATOR_USE_BFC=true, the only CPU allocator that keeps peak
 statistics), builds the model with tfpipe.PipeliningLayer, runs the trainer's real step
-(ForwardBackward + trainer.train_job.guarded_update with an optimizer), and reports the peak
+(ForwardBackward + trainer.guarded_update with an optimizer), and reports the peak
 bytes of the second step (after a warm-up step that traces), read with
 tf.config.experimental.get_memory_info. A probe fits when that peak is within the budget;
 an out-of-memory error counts as "does not fit" (the allocator is capped at a multiple of
@@ -159,7 +159,7 @@ def probe_in_process(spec: ProbeSpec) -> dict:
     import tfpipe
     from tfpipe import fprop_context
     from tfpipe.base_layer import flatten_by_path
-    from trainer.train_job import guarded_update
+    from trainer.guarded_update import guarded_update
 
     num_replicas = CONFIGS[spec.config].get('num_replicas', 1)
     if num_replicas > 1:
@@ -448,7 +448,7 @@ def main(args) -> int:
           f'training step peaks within {mib(args.budget)} (BFC allocator, CPU:0)')
     print(f'Python {platform.python_version()}, {os.cpu_count()} cores, host {platform.node()}, '
           f'load average {load_start[0]:.2f} at start')
-    print(f"step: ForwardBackward + trainer.train_job.guarded_update, optimizer {args.optimizer}; "
+    print(f"step: ForwardBackward + trainer.guarded_update, optimizer {args.optimizer}; "
           'K=1 on /CPU:0 (R=2: /CPU:0 and /CPU:1); peak of the second step (the first traces)')
     if 'amoebanet' in args.models:
         print(f'amoebanet: tfpipe.bodies.amoebanet_body, {args.amoeba_cells_per_stage} normal '

@@ -1,7 +1,7 @@
 """ZeRO stages side by side (task.train.sharding): model state per device and step time.
 
 A weight-dominated stack (Dense layers, a small batch) trained with Adam by the
-trainer's step (ForwardBackward + trainer.train_job.guarded_update), K=2 cells.
+trainer's step (ForwardBackward + trainer.guarded_update), K=2 cells.
 Prints, in one run:
   - per device, at R = 1, 2, 4 for each stage ('none', 'optimizer_states',
     'gradients', 'weights'): weights and Adam slots in bytes per parameter of that
@@ -67,7 +67,7 @@ def build(args, num_replicas: int, stage: str):
     from tfpipe import fprop_context, optimizers
     from tfpipe.base_layer import flatten_by_path
     from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
-    from trainer.train_job import guarded_update
+    from trainer.guarded_update import guarded_update
 
     pipe = dense_pipeline(args, f'pipe_{num_replicas}_{stage}', num_replicas)
     whole_shapes = {p: v.shape for p, v in pipe.ReplicaVariablesByPath()[0].items()}

@@ -21,7 +21,7 @@ from tests.test_expert_parallel_pipeline import EXPERT_WEIGHTS, F64, pipeline
 from tfpipe import checkpoints, fprop_context, optimizers
 from tfpipe.base_layer import flatten_by_path
 from tfpipe.pipeline import expert_parallel, replicas
-from trainer.train_job import guarded_update
+from trainer.guarded_update import guarded_update
 
 LR = 0.01
 SLOTS = ('m', 'v')

@@ -24,7 +24,7 @@ from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
 from tests.test_sharded_optimizer import (CLIP, NAN_STEP, OPTIMIZERS, SHAPES, STEPS, _devices,
                                           _grads, _replica_variables, _slot, _slot_names,
                                           _train)
-from trainer.train_job import guarded_update
+from trainer.guarded_update import guarded_update
 
 
 def _shares(step, num_replicas):

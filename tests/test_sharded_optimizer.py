@@ -1,7 +1,7 @@
 """Tests for tfpipe.pipeline.sharded_optimizer (optimizer states sharded over replicas).
 
 The reference is the unsharded trainer update: R optimizers, one per replica,
-each with whole slots, driven through trainer.train_job.guarded_update with
+each with whole slots, driven through trainer.guarded_update with
 the same gradients (global-norm clipping and the NaN guard included). The
 sharded update must leave the same weights on every replica and the same
 slots, for every optimizer, with variables that R does not divide.
@@ -13,7 +13,7 @@ import tensorflow as tf
 from tfpipe import checkpoints, optimizers
 from tfpipe.pipeline import replicas
 from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer, shard_bounds
-from trainer.train_job import guarded_update
+from trainer.guarded_update import guarded_update
 
 # Sizes 15, 5 and 30: R=2 and R=4 divide none of them; 'one' leaves replicas empty.
 SHAPES = {'pipe/fc0/w': (3, 5), 'pipe/fc0/b': (5,), 'pipe/fc1/w': (2, 3, 5), 'pipe/one': (1,)}

@@ -24,7 +24,7 @@ from tfpipe.layers.tensor_parallel_dense import (ColumnParallelDense, ParallelML
                                                  RowParallelDense)
 from tfpipe.pipeline import partition, replicas
 from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
-from trainer.train_job import guarded_update
+from trainer.guarded_update import guarded_update
 
 LR = 0.01
 

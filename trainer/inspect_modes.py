@@ -219,6 +219,7 @@ def _one_step(params: Params, batch) -> tuple[tuple[float, dict, dict], list[int
     from tfpipe import fprop_context
     from tfpipe.base_layer import flatten_by_path
     from trainer import runtime_options, train_job
+    from trainer.guarded_update import guarded_update
 
     with tempfile.TemporaryDirectory() as train_dir:
         trainer = train_job.Trainer(params, train_dir, runtime_options.RuntimeOptions())
@@ -231,8 +232,8 @@ def _one_step(params: Params, batch) -> tuple[tuple[float, dict, dict], list[int
             replica_grads = [flatten_by_path(g, task.path)
                              for g in (grads if isinstance(grads, list) else [grads])]
             lr = trainer.learning_rate * trainer.schedule.Value(step + 1)
-            train_job.guarded_update(loss, replica_grads, trainer.clip_norm, trainer.optimizers,
-                                     trainer.replica_variables, lr, step)
+            guarded_update(loss, replica_grads, trainer.clip_norm, trainer.optimizers,
+                           trainer.replica_variables, lr, step)
             return loss, replica_grads[0]  # all-reduced: every replica's are the same
 
         loss, grads = train_step(batch)
