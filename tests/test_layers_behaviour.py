@@ -321,8 +321,11 @@ def test_sequential_text_round_trip_builds_same_weights():
 def test_dense_on_rank3_inputs_builds_no_rows_by_weights_intermediate():
     """An einsum over '...i,io->...o' differentiates through a [rows, in, out] broadcast
     (8 GiB peak at [8, 128, 512] x [512, 2048]); Dense flattens to one matmul instead."""
-    dense = layers.Dense.Params().Set(name='d', input_dim=16, output_dim=32).Instantiate()
-    x = tf.random.normal([4, 5, 16])
+    # float64: a float32 gradient summed over 20 rows in another order drifts by 2e-4
+    # relative where terms cancel (CI met it once); the check is the algebra, not rounding.
+    dense = layers.Dense.Params().Set(name='d', input_dim=16, output_dim=32,
+                                      dtype=F64).Instantiate()
+    x = tf.random.stateless_normal([4, 5, 16], seed=[1, 2], dtype=F64)
 
     @tf.function
     def grads():
@@ -338,4 +341,4 @@ def test_dense_on_rank3_inputs_builds_no_rows_by_weights_intermediate():
     assert largest < 4 * 5 * 16 * 32 // 4, largest
     rows = x.numpy().reshape(-1, 16)
     dy = 2 * (rows @ dense.theta['w'].numpy() + dense.theta['b'].numpy())
-    np.testing.assert_allclose(grads()['w'].numpy(), rows.T @ dy, rtol=1e-4)
+    np.testing.assert_allclose(grads()['w'].numpy(), rows.T @ dy, rtol=1e-10)
