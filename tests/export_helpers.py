@@ -5,6 +5,9 @@ import sys
 
 import numpy as np
 
+import model_registry
+from tfpipe import fprop_context, lm_inputs
+
 from tests import trainer_helpers as th
 
 SERVE_SCRIPT = os.path.join(th.REPO, 'tests', 'serve_without_tfpipe.py')
@@ -32,3 +35,27 @@ def serve(saved_model: str, inputs: dict, tmp_path, signature: str = 'serving_de
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout
     assert 'tfpipe modules loaded: []' in result.stdout
     return dict(np.load(out_path))
+
+
+def document_row(model: str, task) -> tuple[np.ndarray, np.ndarray]:
+    """The first dev row of registered LM `model` that starts a document: its tokens (the
+    row's targets) within that document, and the evaler's log-prob of each
+    (-cross-entropy, evaluation mode) from `task`, the model restored in this process."""
+    params = model_registry.get_params(model)
+    batch = next(iter(params.input.dev.Instantiate().EvalDataset(16)))
+    with fprop_context.evaluation():
+        logits = task.ComputePredictions(task.theta, batch)
+    xent, _ = task.TokenLosses(logits, task.PipelineTargets(batch))
+    starts = np.flatnonzero((batch['inputs'].numpy()[:, 0] == lm_inputs.EOD_ID)
+                            & (batch['segment_ids'].numpy()[:, 0] == 1))
+    row = int(starts[0])
+    length = int((batch['segment_ids'].numpy()[row] == 1).sum())
+    return batch['targets'].numpy()[row, :length], -xent.numpy()[row, :length]
+
+
+def prefixes(tokens: np.ndarray, lengths: list[int]) -> np.ndarray:
+    """Rows holding the first lengths[i] of `tokens`, 0-padded to len(tokens)."""
+    ids = np.zeros([len(lengths), len(tokens)], tokens.dtype)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = tokens[:n]
+    return ids

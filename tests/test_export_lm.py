@@ -15,7 +15,7 @@ import pytest
 
 import model_registry
 from tests import export_helpers, trainer_helpers as th
-from tfpipe import checkpoints, fprop_context, lm_inputs
+from tfpipe import checkpoints, lm_inputs
 
 MODEL = 'lm.pystdlib.TinyTransformerLM'  # K=2 (balance [3, 4]), M=2
 STEPS = th.LM_STEPS  # the steps lm_trained runs
@@ -42,27 +42,10 @@ def task(lm_run):
     return task
 
 
-def _document_row(task) -> tuple[np.ndarray, np.ndarray]:
-    """The first dev row that starts a document: its tokens (the row's targets) within
-    that document, and the evaler's log-prob of each (-cross-entropy, evaluation mode)."""
-    params = model_registry.get_params(MODEL)
-    batch = next(iter(params.input.dev.Instantiate().EvalDataset(16)))
-    with fprop_context.evaluation():
-        logits = task.ComputePredictions(task.theta, batch)
-    xent, _ = task.TokenLosses(logits, task.PipelineTargets(batch))
-    starts = np.flatnonzero((batch['inputs'].numpy()[:, 0] == lm_inputs.EOD_ID)
-                            & (batch['segment_ids'].numpy()[:, 0] == 1))
-    row = int(starts[0])
-    length = int((batch['segment_ids'].numpy()[row] == 1).sum())
-    return batch['targets'].numpy()[row, :length], -xent.numpy()[row, :length]
-
-
 def test_log_probs_equal_the_evalers_and_ignore_padding(lm_run, task, tmp_path):
-    tokens, expected = _document_row(task)
+    tokens, expected = export_helpers.document_row(MODEL, task)
     lengths = [len(tokens), len(tokens) // 2, 3]  # prefixes of one document, 0-padded
-    ids = np.zeros([len(lengths), len(tokens)], tokens.dtype)
-    for i, n in enumerate(lengths):
-        ids[i, :n] = tokens[:n]
+    ids = export_helpers.prefixes(tokens, lengths)
     got = export_helpers.serve(lm_run[1], {'ids': ids}, tmp_path)['log_probs']
     assert got.shape == ids.shape and got.dtype == np.float32
     for i, n in enumerate(lengths):  # causal: what follows a row's tokens changes nothing

@@ -353,11 +353,44 @@ def test_random_policy_draws_per_token_of_the_mini_batch():
     np.testing.assert_allclose(np.concatenate(parts), whole, atol=1e-6)
 
 
-def test_input_without_a_static_batch_is_refused():
+def test_training_input_without_a_static_batch_is_refused():
     layer = _moe().Instantiate()
-    unknown = tf.function(layer, autograph=False).get_concrete_function
-    with pytest.raises(ValueError, match='static input shape'):
-        unknown(tf.TensorSpec([None, 4, 6], tf.float32))
+
+    def train(x):
+        with fprop_context.training(step=1):
+            return layer(x)
+
+    with pytest.raises(ValueError, match='training and expert parallelism need a static'):
+        tf.function(train, autograph=False).get_concrete_function(
+            tf.TensorSpec([None, 4, 6], tf.float32))
+
+
+def test_evaluation_of_any_shape_equals_the_static_call():
+    """A serving signature's [None, None, D]: the capacity is sized at run time as the
+    static call sizes it (here 0.25 drops choices), padding and statistics alike."""
+    layer = _moe(eval_capacity_factor=0.25).Instantiate()
+    theta = _random_theta(layer)
+    x = tf.random.stateless_normal([3, 5, 6], [4, 2])
+    paddings = tf.constant([[0, 0, 0, 1, 1], [0, 0, 0, 0, 0], [0, 1, 1, 1, 1]], tf.float32)
+    want, want_losses, want_sink = _run(layer, theta, x, paddings, training=False)
+
+    @tf.function(autograph=False, input_signature=[tf.TensorSpec([None, None, 6]),
+                                                   tf.TensorSpec([None, None])])
+    def dynamic(x, paddings):
+        y, losses, sink = _run(layer, theta, x, paddings, training=False)
+        stats = {name: value for _, name, value, weight in sink.records if weight is None}
+        return y, {k: v for k, (v, _) in losses.items()}, stats
+
+    got, got_losses, got_stats = dynamic(x, paddings)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6, atol=1e-6)
+    assert set(got_losses) == set(want_losses)
+    for name, (value, _) in want_losses.items():
+        np.testing.assert_allclose(got_losses[name].numpy(), value.numpy(), rtol=1e-6)
+    want_stats = {name: value for _, name, value, weight in want_sink.records
+                  if weight is None}
+    assert want_stats['dropped_fraction'].numpy() > 0  # the capacity binds
+    for name, value in want_stats.items():
+        np.testing.assert_allclose(got_stats[name].numpy(), value.numpy(), rtol=1e-6)
 
 
 def test_in_a_bfloat16_sequence_traced_like_a_cell():

@@ -2,7 +2,10 @@
 trainer run with its evaler on dev and decoder on test: the progress lines show the
 auxiliary loss and routing, the evaler reports them apart from its loss and drops no
 token, the decoder writes continuations, and KV-cached generation from the checkpoint
-equals uncached generation (decoding routes every token: C = S)."""
+equals uncached generation (decoding routes every token: C = S); and --mode=export of that
+checkpoint serves the evaler's log-probs and the generator's continuations without tfpipe
+(the serving signature takes any batch and length: evaluation sizes the capacity at run
+time)."""
 import json
 import os
 import re
@@ -13,7 +16,7 @@ import tensorflow as tf
 
 import model_registry
 from tfpipe import checkpoints, layers, lm_inputs
-from tests import trainer_helpers as th
+from tests import export_helpers, trainer_helpers as th
 
 MODEL = 'lm.pystdlib.TinyMoETransformerLM'
 STEPS = 4
@@ -59,15 +62,44 @@ def test_evaler_reports_aux_loss_apart_and_drops_nothing(trained):
     np.testing.assert_allclose(scores['loss'], scores['log_pplx'], rtol=1e-6)  # no aux in it
 
 
-def test_decoder_and_cached_generation(trained):
-    with open(os.path.join(trained.logdir, 'decoder_test', f'decoder_out-{STEPS}.jsonl')) as f:
-        records = [json.loads(line) for line in f]
-    assert records and all(r['greedy']['ids'] for r in records)
+@pytest.fixture(scope='module')
+def restored(trained):
+    """The model in this process, restored from the run's last checkpoint."""
     task = model_registry.get_params(MODEL).task.Instantiate()
     checkpoints.restore(checkpoints.make(task.VariablesByPath()),
                         checkpoints.latest(os.path.join(trained.logdir, 'train')),
                         partial=True)
+    return task
+
+
+def test_decoder_and_cached_generation(trained, restored):
+    with open(os.path.join(trained.logdir, 'decoder_test', f'decoder_out-{STEPS}.jsonl')) as f:
+        records = [json.loads(line) for line in f]
+    assert records and all(r['greedy']['ids'] for r in records)
     prompt = tf.constant([[lm_inputs.EOD_ID, 105, 109, 112, 111, 114, 116]], tf.int32)
-    cached, _ = task.generator.generate(task.theta['pipe'], prompt, 6)
-    uncached, _ = task.generator.generate(task.theta['pipe'], prompt, 6, cached=False)
+    cached, _ = restored.generator.generate(restored.theta['pipe'], prompt, 6)
+    uncached, _ = restored.generator.generate(restored.theta['pipe'], prompt, 6, cached=False)
     np.testing.assert_array_equal(cached.numpy(), uncached.numpy())
+
+
+def test_exported_model_serves_the_evalers_log_probs_and_generates(trained, restored,
+                                                                   tmp_path):
+    """Rows of other lengths and another batch than training's: every token still routed."""
+    path = str(tmp_path / 'export')
+    result = th.run(MODEL, trained.logdir, str(tmp_path), '--mode=export',
+                    f'--export_dir={path}')
+    assert result.returncode == 0, result.stderr[-3000:]
+    tokens, expected = export_helpers.document_row(MODEL, restored)
+    lengths = [len(tokens), len(tokens) // 2, 3]
+    got = export_helpers.serve(path, {'ids': export_helpers.prefixes(tokens, lengths)},
+                               tmp_path)['log_probs']
+    for i, n in enumerate(lengths):
+        np.testing.assert_allclose(got[i, :n], expected[:n], rtol=1e-5, atol=1e-5)
+    prompt = np.array([[105, 109, 112], [111, 114, 116]], np.int32)
+    want, want_lp = restored.generator.generate(
+        restored.theta['pipe'], np.concatenate([np.full([2, 1], lm_inputs.EOD_ID), prompt],
+                                               1).astype(np.int32), 5)
+    got = export_helpers.serve(path, {'prompt': prompt, 'num_new_tokens': np.int32(5)},
+                               tmp_path, 'generate')
+    np.testing.assert_array_equal(got['ids'], want.numpy())
+    np.testing.assert_allclose(got['log_probs'], want_lp.numpy(), rtol=1e-5, atol=1e-5)

@@ -112,15 +112,21 @@ class MoEFeedForward(BaseLayer):
         p = self.params
         check_last_dim(self, inputs, p.model_dim, 'model_dim')
         shape = inputs.shape
-        if not shape.is_fully_defined() or shape.rank < 2:
-            raise ValueError(f'{self.path}: the expert capacity needs a static input shape '
-                             f'[batch, ..., model_dim], got {shape}; give the input a fixed '
-                             'batch and length')
-        tokens = math.prod(shape[:-1])
-        x = tf.reshape(inputs, [tokens, p.model_dim])
+        static = shape.is_fully_defined()
+        ctx = fprop_context.current()
+        if shape.rank is None or shape.rank < 2 or (
+                not static and (ctx.training or self._experts.group.size > 1)):
+            raise ValueError(f'{self.path}: training and expert parallelism need a static '
+                             f'input shape [batch, ..., model_dim] (the capacity and the '
+                             f'all-to-all are sized per call), got {shape}; give the input a '
+                             'fixed batch and length')
+        # Evaluation on one device takes any shape (a SavedModel's serving signature):
+        # the capacity then follows the call's token count at run time.
+        tokens = math.prod(shape[:-1]) if static else tf.reduce_prod(tf.shape(inputs)[:-1])
+        x = tf.reshape(inputs, [-1, p.model_dim])
         real = tf.ones([tokens]) if paddings is None else 1.0 - tf.reshape(
-            tf.cast(paddings, tf.float32), [tokens])
-        gating = self._Route(theta, x, real, tokens // shape[0])
+            tf.cast(paddings, tf.float32), [-1])
+        gating = self._Route(theta, x, real, tokens // shape[0] if static else None)
         slots = dispatch(x, tf.cast(gating.dispatch, x.dtype))
         outputs = self._experts.FProp(theta, slots)
         sink = fprop_context.current().aux_losses
@@ -131,18 +137,20 @@ class MoEFeedForward(BaseLayer):
                 sink.record(self, 'z_loss', gating.z_loss, p.z_loss_weight)
             for name, value in moe_gating.routing_statistics(gating).items():
                 sink.record_statistic(self, name, value)
-        return tf.reshape(combine(outputs, tf.cast(gating.combine, x.dtype)), shape)
+        return tf.reshape(combine(outputs, tf.cast(gating.combine, x.dtype)),
+                          shape if static else tf.shape(inputs))
 
     def _Route(self, theta, x: tf.Tensor, real: tf.Tensor,
-               per_example: int) -> moe_gating.Gating:
+               per_example: Optional[int]) -> moe_gating.Gating:
         """The gating of the tokens x [S, D] (real [S]: 1 for a non-padding token;
-        per_example tokens to an example, for the 'random' policy's draw)."""
+        per_example tokens to an example, for the 'random' policy's draw in training;
+        None where S is known only at run time, in evaluation)."""
         p = self.params
         dtype = moe_gating.router_dtype(x.dtype)
         logits = tf.matmul(tf.cast(x, dtype), tf.cast(theta['router_w'], dtype))
         ctx = fprop_context.current()
         factor = p.capacity_factor if ctx.training else p.eval_capacity_factor
-        tokens = x.shape[0]
+        tokens = x.shape[0] if x.shape[0] is not None else tf.shape(x)[0]
         capacity = moe_gating.expert_capacity(factor, tokens, p.num_experts, p.top_k)
         uniform = None
         if p.top_k == 2 and p.second_expert_policy == 'random' and ctx.training:

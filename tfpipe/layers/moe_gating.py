@@ -18,7 +18,8 @@ Algorithm 1; Lingvo's `gshard_layers.Top2Gating`):
   with probability min(1, 2 g2)); the caller draws the uniforms, so these functions stay
   deterministic.
 - capacity C = ceil(capacity_factor * top_k * S / E) slots per expert, S the group's
-  static token count *including* padding (shapes must be static).
+  token count *including* padding (static in training; in evaluation possibly known only
+  at run time, as in a SavedModel signature of any batch and length).
 - position of a token in its expert = the number of earlier assignments to that expert,
   counting the top-1 assignments of all tokens before any top-2 assignment (an exclusive
   cumulative sum over tokens). An assignment at position >= C is dropped; a token dropped
@@ -62,13 +63,18 @@ def router_dtype(dtype: tf.DType) -> tf.DType:
     return tf.float64 if dtype == tf.float64 else tf.float32
 
 
-def expert_capacity(capacity_factor: float, num_tokens: int, num_experts: int,
-                    top_k: int) -> int:
+def expert_capacity(capacity_factor: float, num_tokens: int | tf.Tensor, num_experts: int,
+                    top_k: int) -> int | tf.Tensor:
     """Slots per expert: ceil(capacity_factor * top_k * num_tokens / num_experts).
 
-    With capacity_factor 1 and perfectly balanced routing every assignment fits.
+    With capacity_factor 1 and perfectly balanced routing every assignment fits. A
+    num_tokens known only at run time (an int32 tensor: evaluation of any shape) gives an
+    int32 tensor, by the same float64 operations in the same order as the int's.
     """
-    return math.ceil(capacity_factor * top_k * num_tokens / num_experts)
+    if isinstance(num_tokens, int):
+        return math.ceil(capacity_factor * top_k * num_tokens / num_experts)
+    n = tf.cast(num_tokens, tf.float64)
+    return tf.cast(tf.math.ceil(capacity_factor * top_k * n / num_experts), tf.int32)
 
 
 def load_balancing_loss(gates: tf.Tensor, top1_mask: tf.Tensor,
@@ -103,7 +109,8 @@ def router_z_loss(logits: tf.Tensor, nonpadding: tf.Tensor) -> tf.Tensor:
     return tf.reduce_sum(tf.square(z) * nonpadding) / count
 
 
-def top_k_gating(logits: tf.Tensor, nonpadding: tf.Tensor, top_k: int, capacity: int,
+def top_k_gating(logits: tf.Tensor, nonpadding: tf.Tensor, top_k: int,
+                 capacity: int | tf.Tensor,
                  second_expert_uniform: Optional[tf.Tensor] = None,
                  second_expert_threshold: float = 0.5) -> Gating:
     """GShard's top-2 (or Switch's top-1) gating of router `logits` [S, E] (see module).
@@ -146,7 +153,7 @@ def top_k_gating(logits: tf.Tensor, nonpadding: tf.Tensor, top_k: int, capacity:
     assigned = tf.add_n([tf.reduce_sum(mask, 0) for _, mask, _ in choices])
     for index, mask, gate in choices:
         position = tf.cumsum(mask, 0, exclusive=True) + filled[None, :]
-        mask = mask * tf.cast(position < capacity, dtype)
+        mask = mask * tf.cast(position < tf.cast(capacity, dtype), dtype)
         filled += tf.reduce_sum(mask, 0)
         slot = tf.cast(tf.reduce_sum(position * mask, -1), tf.int32)
         where = mask[:, :, None] * tf.one_hot(slot, capacity, dtype=dtype)[:, None, :]
