@@ -1,7 +1,7 @@
 """Expert parallelism in a pipeline: a step with P replicas sharing each MoE layer's
 experts is the P=1 step with the same R replicas (loss, auxiliary losses, gradients and
 SGD-updated weights within 1e-5, float64, capacity that drops nothing), on the logical CPUs of
-conftest.py: P in {1, 2, 4} x R in {P, 2P} x K in {1, 2} with R*K <= 8."""
+conftest.py: P in {1, 2, 4} x R in {P, 2P} x K in {1, 2} with R*K <= 8, and P=2 x T=2."""
 import os
 import re
 
@@ -14,6 +14,7 @@ from tests import model_zoo as mz
 from tfpipe import checkpoints, fprop_context, layers, variable_shards
 from tfpipe.base_layer import flatten_by_path
 from tfpipe.layers.mixture_of_experts import MoEFeedForward
+from tfpipe.layers.tensor_parallel_dense import ColumnParallelDense
 from tfpipe.pipeline import expert_parallel, partition
 
 F64 = tf.float64
@@ -22,19 +23,18 @@ EXPERT_WEIGHTS = ('wi', 'bi', 'wo', 'bo')
 GRID = [(p, r, k) for p in (1, 2, 4) for r in (p, 2 * p) for k in (1, 2) if r * k <= 8]
 
 
-def body():
+def body(fc0=layers.Dense):
     return [
-        layers.Dense.Params().Set(name='fc0', input_dim=6, output_dim=8, activation='tanh',
-                                  dtype=F64),
+        fc0.Params().Set(name='fc0', input_dim=6, output_dim=8, activation='tanh', dtype=F64),
         MoEFeedForward.Params().Set(name='moe', model_dim=8, hidden_dim=6, num_experts=4,
                                     capacity_factor=2.0, z_loss_weight=0.01, dtype=F64),
         layers.Dense.Params().Set(name='fc2', input_dim=8, output_dim=5, dtype=F64),
     ]
 
 
-def pipeline(p, r, k, m=2, **kw):
+def pipeline(p, r, k, m=2, fc0=layers.Dense, **kw):
     return tfpipe.PipeliningLayer.Params().Set(
-        name='pipe', body=body(), balance=partition.even_balance(3, k), num_micro_batches=m,
+        name='pipe', body=body(fc0), balance=partition.even_balance(3, k), num_micro_batches=m,
         num_replicas=r, expert_parallel=p, **kw).Instantiate()
 
 
@@ -201,3 +201,31 @@ def test_evaluation_fprop_reads_each_replicas_experts():
         with fprop_context.evaluation():
             outs.append(tf.function(lambda: pipe.FProp(pipe.theta, x), autograph=False)())
     np.testing.assert_allclose(outs[0].numpy(), outs[1].numpy(), rtol=1e-5, atol=1e-12)
+
+
+def _join_column_shards(values: dict) -> dict:
+    """{path: value} with a ColumnParallelDense's w_shard<t> / b_shard<t> joined whole."""
+    out = {q: v for q, v in values.items() if '_shard' not in q}
+    for q in sorted(q for q in values if q.endswith('_shard0')):
+        base = q[:-len('_shard0')]
+        parts = [values[f'{base}_shard{t}'] for t in range(2)]
+        out[base] = np.concatenate(parts, axis=ColumnParallelDense.AXIS if parts[0].ndim > 1
+                                   else 0)
+    return out
+
+
+def test_with_tensor_parallelism_equals_p1():
+    """P=2 x T=2 (R=2, K=1): fc0 column-parallel over each replica's T devices, the
+    experts and their all-to-all on the replica's home device; the step equals the
+    unsplit P=1 step (Dense fc0, whose variables ColumnParallelDense's shards join into)."""
+    loss, grads, weights = step(pipeline(2, 2, 1, tensor_parallel=2,
+                                         fc0=ColumnParallelDense), 2)
+    assert 'pipe/fc0/w_shard1' in grads  # fc0 really split over the T devices
+    grads, weights = _join_column_shards(grads), _join_column_shards(weights)
+    ref_loss, ref_grads, ref_weights = run_of(1, 2, 1)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for got, want in ((grads, ref_grads), (weights, ref_weights)):
+        assert sorted(got) == sorted(want)
+        for path in want:
+            np.testing.assert_allclose(got[path], want[path], rtol=1e-5, atol=1e-12,
+                                       err_msg=path)
