@@ -34,6 +34,22 @@ def test_a_transformer_lm_step_is_palms_6n_plus_12lhqt_per_token():
     assert step.hardware == step.model
 
 
+def test_a_mixture_of_experts_counts_its_active_experts_as_model_flops():
+    """The MoE LM (block1: 8 experts of half the dense width, top-2) needs the dense LM's
+    model FLOPs plus its router's: the dispatch and combine einsums and the experts'
+    empty capacity slots are hardware FLOPs only."""
+    import model_registry
+    dense, moe = (model_registry.get_params(f'lm.pystdlib.Tiny{kind}TransformerLM')
+                  .task.pipeline.body for kind in ('', 'MoE'))
+    steps = [flops.step_flops(body, [len(body)], 'never', _lm_shapes())
+             for body in (dense, moe)]
+    block = [p for p in moe if 'num_experts' in p][0]
+    router = 2 * B * T * block.model_dim * block.num_experts
+    assert steps[1].model == steps[0].model + 3 * router
+    assert steps[0].hardware == steps[0].model
+    assert steps[1].hardware > 1.2 * steps[1].model  # what the implementation adds
+
+
 @pytest.mark.parametrize('recompute, balance, recomputed_cells', [
     ('always', [3, 3], [0, 1]), ('except_last', [3, 3], [0]), ('never', [3, 3], []),
     ('except_last', [2, 4], [0])])

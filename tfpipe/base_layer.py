@@ -36,11 +36,30 @@ class LayerMeta:
     """Static cost of one FProp: used by the partitioner to balance cells.
 
     flops: floating-point operations (a multiply-add counts 2) for the given
-      input shapes, batch included.
+      input shapes, batch included: what the implementation runs.
     out_shapes: the output shape(s), same nesting as the outputs.
+    model_flops: the part of `flops` the model needs (PaLM's model FLOPs, what MFU
+      divides: tfpipe/tuning/flops.py) where the implementation runs more, e.g. an MoE
+      layer's dispatch and combine einsums and its experts' empty capacity slots, which
+      would otherwise pass for model work; None: all of `flops`.
     """
     flops: int
     out_shapes: Any
+    model_flops: Optional[int] = None
+
+    @property
+    def needed_flops(self) -> int:
+        """model_flops, or flops where the two are the same."""
+        return self.flops if self.model_flops is None else self.model_flops
+
+
+def sum_metas(metas: Sequence[LayerMeta], out_shapes: Any, extra: int = 0) -> LayerMeta:
+    """One meta for layers run one after the other (plus `extra` FLOPs of model work):
+    the flops add, and so do the model flops where any layer tells them apart."""
+    flops = sum(m.flops for m in metas) + extra
+    apart = any(m.model_flops is not None for m in metas)
+    return LayerMeta(flops, out_shapes,
+                     sum(m.needed_flops for m in metas) + extra if apart else None)
 
 
 class BaseLayer(tf.Module):
@@ -329,7 +348,7 @@ def layer_meta(p: Params, shapes: Any) -> LayerMeta:
     if p.cls.NESTED_ACTIVATIONS or not isinstance(shapes, dict):
         return p.cls.FPropMeta(p, shapes)
     meta = p.cls.FPropMeta(p, shapes['x'])
-    return LayerMeta(meta.flops, {**shapes, 'x': meta.out_shapes})
+    return dataclasses.replace(meta, out_shapes={**shapes, 'x': meta.out_shapes})
 
 
 def body_metas(body: Sequence[Params], shapes: Any) -> list[LayerMeta]:
@@ -344,7 +363,7 @@ def body_metas(body: Sequence[Params], shapes: Any) -> list[LayerMeta]:
 def body_meta(body: Sequence[Params], shapes: Any) -> LayerMeta:
     """Total flops and final output shapes of a sequence of layers."""
     metas = body_metas(body, shapes)
-    return LayerMeta(sum(m.flops for m in metas), metas[-1].out_shapes if metas else shapes)
+    return sum_metas(metas, metas[-1].out_shapes if metas else shapes)
 
 
 def flatten_by_path(nested: dict, prefix: str) -> dict[str, Any]:

@@ -7,6 +7,7 @@ tokens cost n layer calls instead of n full forwards.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -366,4 +367,4 @@ class PackedTransformerBlock(TransformerBlock):
     @classmethod
     def FPropMeta(cls, p, shapes):
         meta = TransformerBlock.FPropMeta(p, shapes['x'])
-        return LayerMeta(meta.flops, dict(shapes))
+        return dataclasses.replace(meta, out_shapes=dict(shapes))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfpipe.base_layer import BaseLayer, LayerMeta, apply_layer, body_meta
+from tfpipe.base_layer import BaseLayer, LayerMeta, apply_layer, body_meta, sum_metas
 
 
 class Sequential(BaseLayer):
@@ -49,7 +49,7 @@ class Residual(Sequential):
     @classmethod
     def FPropMeta(cls, p, shape):
         meta = super().FPropMeta(p, shape)
-        return LayerMeta(meta.flops + tf.TensorShape(shape).num_elements(), meta.out_shapes)
+        return sum_metas([meta], meta.out_shapes, tf.TensorShape(shape).num_elements())
 
 
 class Stash(BaseLayer):

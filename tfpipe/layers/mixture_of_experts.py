@@ -168,13 +168,17 @@ class MoEFeedForward(BaseLayer):
 
     @classmethod
     def FPropMeta(cls, p, x_shape):
-        """Router, dispatch, experts (over all C slots) and combine at the training capacity."""
+        """Router, dispatch, experts (over all C slots) and combine at the training
+        capacity; model FLOPs: the router and each token's top_k experts, as a dense
+        model of the active parameters would run them (the dispatch and combine einsums
+        and the empty slots are the implementation's, so they count in HFU, not MFU)."""
         x_shape = tf.TensorShape(x_shape)
         tokens = math.prod(x_shape[:-1].as_list())
         e, d, h = p.num_experts, p.model_dim, p.hidden_dim
         c = moe_gating.expert_capacity(p.capacity_factor, tokens, e, p.top_k)
-        flops = 2 * tokens * d * e + 2 * (2 * tokens * e * c * d) + 2 * 2 * e * c * d * h
-        return LayerMeta(flops, x_shape)
+        router = 2 * tokens * d * e
+        flops = router + 2 * (2 * tokens * e * c * d) + 2 * 2 * e * c * d * h
+        return LayerMeta(flops, x_shape, router + p.top_k * tokens * 2 * 2 * d * h)
 
     @classmethod
     def NumParams(cls, p):

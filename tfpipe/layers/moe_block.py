@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfpipe.base_layer import LayerMeta
+from tfpipe.base_layer import sum_metas
 from tfpipe.layers.attention import MultiHeadAttention, PackedTransformerBlock
 from tfpipe.layers.mixture_of_experts import MoEFeedForward
 
@@ -49,9 +49,9 @@ class PackedMoETransformerBlock(PackedTransformerBlock):
     @classmethod
     def FPropMeta(cls, p, shapes):
         b, t, d = tf.TensorShape(shapes['x']).as_list()
-        flops = (MultiHeadAttention.FPropMeta(p, shapes['x']).flops + 20 * b * t * d +
-                 MoEFeedForward.FPropMeta(cls._MoEParams(p), shapes['x']).flops)
-        return LayerMeta(flops, dict(shapes))
+        return sum_metas([MultiHeadAttention.FPropMeta(p, shapes['x']),
+                          MoEFeedForward.FPropMeta(cls._MoEParams(p), shapes['x'])],
+                         dict(shapes), 20 * b * t * d)
 
     @classmethod
     def NumParams(cls, p):
