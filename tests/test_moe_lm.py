@@ -9,6 +9,7 @@ time)."""
 import json
 import os
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -103,3 +104,35 @@ def test_exported_model_serves_the_evalers_log_probs_and_generates(trained, rest
                                tmp_path, 'generate')
     np.testing.assert_array_equal(got['ids'], want.numpy())
     np.testing.assert_allclose(got['log_probs'], want_lp.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_run_at_expert_parallel_2_decodes_generates_and_exports(trained, tmp_path):
+    """Decoding runs replica 0 alone: at P=2 its all-to-all waited forever for a member
+    that never joined (the decoder job hung, --mode=generate would too), and export
+    refused P=2 with one replica. All three now take every expert on replica 0, from the
+    checkpoint (which holds experts whole: this one was written at P=1)."""
+    logdir = trained.copy_to(tmp_path / 'run')
+    shutil.rmtree(os.path.join(logdir, 'decoder_test'))  # so the step is decoded again
+    # The logdir of a P=2 run: its recorded params say P=2, R=2 (every job builds those),
+    # and its checkpoint is the same as a P=1 run's (experts whole).
+    recorded = os.path.join(logdir, 'train', 'params.txt')
+    with open(recorded) as f:
+        text = f.read()
+    for name in ('num_replicas', 'expert_parallel'):
+        assert f'task.pipeline.{name} : 1\n' in text
+        text = text.replace(f'task.pipeline.{name} : 1\n', f'task.pipeline.{name} : 2\n')
+    with open(recorded, 'w') as f:
+        f.write(text)
+    p2 = th.overrides(**{'task.pipeline.num_replicas': 2, 'task.pipeline.expert_parallel': 2})
+    decoded = th.run(MODEL, logdir, str(tmp_path), '--job=decoder_test', p2,
+                     f'--max_steps={STEPS}', timeout=300)
+    assert decoded.returncode == 0, decoded.stderr[-3000:]
+    with open(os.path.join(logdir, 'decoder_test', f'decoder_out-{STEPS}.jsonl')) as f:
+        assert [json.loads(line) for line in f]
+    generated = th.run(MODEL, logdir, str(tmp_path), '--mode=generate', '--prompt=def ',
+                       '--num_new_tokens=4', p2, timeout=300)
+    assert generated.returncode == 0, generated.stderr[-3000:]
+    assert json.loads(generated.stdout.strip().splitlines()[-1])['step'] == STEPS
+    exported = th.run(MODEL, logdir, str(tmp_path), '--mode=export', p2,
+                      f'--export_dir={tmp_path}/export', timeout=300)
+    assert exported.returncode == 0, exported.stderr[-3000:]

@@ -60,9 +60,9 @@ class ExportDiskFullError(ValueError):
 
 
 def inference_task_params(task_params: Params, placement: str = ONE_DEVICE) -> Params:
-    """The task's params for serving: one replica, no tensor parallelism (the checkpoint
-    holds whole weights, and a SavedModel then holds no collectives), and for ONE_DEVICE
-    one cell."""
+    """The task's params for serving: one replica, no tensor or expert parallelism (the
+    checkpoint holds whole weights and experts, and a SavedModel then holds no
+    collectives), and for ONE_DEVICE one cell."""
     if placement not in PLACEMENTS:
         raise ValueError(f'unknown export placement {placement!r}: use one of {list(PLACEMENTS)}')
     p = task_params.Copy()
@@ -74,7 +74,17 @@ def inference_task_params(task_params: Params, placement: str = ONE_DEVICE) -> P
     elif pipe.devices is not None:
         num_devices = len(pipe.devices) // (pipe.num_replicas * split)
         pipe.devices = list(pipe.devices)[:num_devices * split:split]  # replica 0's cells' homes
-    pipe.Set(num_replicas=1, tensor_parallel=1)
+    pipe.Set(num_replicas=1, tensor_parallel=1, expert_parallel=1)
+    return p
+
+
+def decoding_task_params(task_params: Params) -> Params:
+    """The task's params for a decoder or --mode=generate: every expert on replica 0
+    (expert_parallel=1). Decoding runs replica 0 alone, so at P > 1 its MoE layers'
+    all-to-all would wait forever for members that never join (the decoder job hung so);
+    checkpoints hold each expert whole, so replica 0 restores them all."""
+    p = task_params.Copy()
+    p.pipeline.expert_parallel = 1
     return p
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfpipe import checkpoints, fprop_context
+from tfpipe import checkpoints, export, fprop_context
 from tfpipe.hyperparams import Params
 from trainer import logdir_access
 
@@ -155,8 +155,10 @@ class Decoder(_PollingJob):
     kind = 'decoder'
     job_prefix = 'decoder'
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, params: Params, *args, **kwargs):
+        params = params.Copy()
+        params.task = export.decoding_task_params(params.task)
+        super().__init__(params, *args, **kwargs)
         task = self.task
 
         @tf.function(autograph=False)

@@ -29,12 +29,12 @@ FLAGS = flags.FLAGS
 def generate(params, logdir: str) -> dict:
     """The record of FLAGS.prompt continued by the newest checkpoint in logdir/train."""
     import tensorflow as tf
-    from tfpipe import checkpoints, generation, inputs
+    from tfpipe import checkpoints, export, generation, inputs
     from tfpipe.lm_inputs import EOD_ID
     from tfpipe.tasks import lm
     from trainer import train_job
     sampling = generation.Sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.seed)  # checks first
-    task = params.task.Instantiate()
+    task = export.decoding_task_params(params.task).Instantiate()
     if not isinstance(task, lm.LanguageModel):
         raise ValueError(f'--mode=generate continues text with a language model; this '
                          f'model\'s task is a {type(task).__name__}: pick an lm.* model')
