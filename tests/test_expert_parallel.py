@@ -83,11 +83,11 @@ def test_dispatch_identity_experts_combine_is_the_input(p):
                 with tf.device(CPUS[i]):
                     gating = moe_gating.top_k_gating(logits[i], tf.ones([tokens]), 1,
                                                          capacity=tokens)
-                    slots = moe.dispatch(xs[i], gating.dispatch)  # [E, C, D]
+                    slots = moe.dispatch(xs[i], gating)  # [E, C, D]
                     shape = [p, experts // p] + slots.shape[1:].as_list()
                     there = ep.all_to_all(tf.reshape(slots, shape), g, f'tok{p}/dispatch')
                     back = tf.reshape(ep.all_to_all(there, g, f'tok{p}/combine'), slots.shape)
-                    outs.append(moe.combine(back, gating.dispatch))
+                    outs.append(moe.combine(back, gating, weighted=False))
         return outs, tape.gradient(outs, xs, output_gradients=upstream)
 
     outs, grads = step(xs, logits, upstream)

@@ -186,10 +186,10 @@ def test_identity_experts_return_the_input_and_its_gradient(top_k):
     gating = moe_gating.top_k_gating(tf.constant(rng.normal(size=[tokens, experts])),
                                      tf.ones([tokens], F64), top_k, capacity=tokens)
     # Top-2 weights are normalised (g1 + g2 = 1); top-1 routes with probability 1.
-    weights = gating.combine if top_k == 2 else gating.dispatch
     with tf.GradientTape() as tape:
         tape.watch(x)
-        y = mixture_of_experts.combine(mixture_of_experts.dispatch(x, gating.dispatch), weights)
+        y = mixture_of_experts.combine(mixture_of_experts.dispatch(x, gating), gating,
+                                       weighted=top_k == 2)
     np.testing.assert_allclose(y.numpy(), x.numpy(), atol=1e-12)
     upstream = x * 3.0
     np.testing.assert_allclose(tape.gradient(y, x, output_gradients=upstream).numpy(),

@@ -4,7 +4,8 @@ E experts, each a feed-forward model_dim -> hidden_dim -> model_dim of its own, 
 their weights stacked ([E, D, H], [E, H, D]) so that all experts run as one batched
 matmul. A learned router [D, E] picks each token's top-1 or top-2 experts
 (`moe_gating`, in float32 even when the layer computes in bfloat16); tokens are
-dispatched to [E, C, D] expert slots by an einsum with the dispatch mask, the experts
+dispatched to [E, C, D] expert slots by index (a scatter; GShard's einsum with the
+dense dispatch mask costs FLOPs quadratic in the tokens), the experts
 run (`moe_experts`: here, or spread over an expert group of replicas by all-to-all),
 and each token's output is the combine-weighted sum of its slots' outputs. A
 token over capacity gets zeros from a dropped expert; in a Transformer block the
@@ -41,14 +42,32 @@ from tfpipe.layers.dropout import stateless_uniform_slice
 SECOND_EXPERT_POLICIES = ('all', 'random')
 
 
-def dispatch(x: tf.Tensor, dispatch_mask: tf.Tensor) -> tf.Tensor:
-    """Tokens x [S, D] to expert slots [E, C, D] by the 0/1 mask [S, E, C]; empty slots 0."""
-    return tf.einsum('sd,sec->ecd', x, dispatch_mask)
+def _places(route: moe_gating.Route) -> tf.Tensor:
+    return tf.stack([route.expert, route.slot], -1)
 
 
-def combine(expert_outputs: tf.Tensor, combine_weights: tf.Tensor) -> tf.Tensor:
-    """Each token's output [S, D]: its slots' outputs [E, C, D] weighted by [S, E, C]."""
-    return tf.einsum('sec,ecd->sd', combine_weights, expert_outputs)
+def dispatch(x: tf.Tensor, gating: moe_gating.Gating) -> tf.Tensor:
+    """Tokens x [S, D] to expert slots [E, C, D]; empty slots 0.
+
+    By index (a scatter of each kept choice), not by GShard's einsum with the dense
+    [S, E, C] mask: the einsum's 2 S E C D FLOPs grow with the square of the tokens (C
+    grows with S) and were nine tenths of the tiny MoE LM's step. A dropped choice adds
+    zeros to a slot of its expert, so it changes nothing."""
+    d = x.shape[-1]
+    places = tf.concat([_places(r) for r in gating.routes], 0)
+    rows = tf.concat([x * tf.cast(r.kept, x.dtype)[:, None] for r in gating.routes], 0)
+    return tf.scatter_nd(places, rows, tf.stack([gating.num_experts,
+                                                 tf.cast(gating.capacity, tf.int32), d]))
+
+
+def combine(expert_outputs: tf.Tensor, gating: moe_gating.Gating,
+            weighted: bool = True) -> tf.Tensor:
+    """Each token's output [S, D]: its kept choices' slot outputs [E, C, D] (a gather),
+    weighted by their combine weights (`weighted=False`: by 1)."""
+    dtype = expert_outputs.dtype
+    return tf.add_n([tf.gather_nd(expert_outputs, _places(r))
+                     * tf.cast(r.weight if weighted else r.kept, dtype)[:, None]
+                     for r in gating.routes])
 
 
 class MoEFeedForward(BaseLayer):
@@ -127,7 +146,7 @@ class MoEFeedForward(BaseLayer):
         real = tf.ones([tokens]) if paddings is None else 1.0 - tf.reshape(
             tf.cast(paddings, tf.float32), [-1])
         gating = self._Route(theta, x, real, tokens // shape[0] if static else None)
-        slots = dispatch(x, tf.cast(gating.dispatch, x.dtype))
+        slots = dispatch(x, gating)
         outputs = self._experts.FProp(theta, slots)
         sink = fprop_context.current().aux_losses
         if sink is not None:
@@ -137,7 +156,7 @@ class MoEFeedForward(BaseLayer):
                 sink.record(self, 'z_loss', gating.z_loss, p.z_loss_weight)
             for name, value in moe_gating.routing_statistics(gating).items():
                 sink.record_statistic(self, name, value)
-        return tf.reshape(combine(outputs, tf.cast(gating.combine, x.dtype)),
+        return tf.reshape(combine(outputs, gating),
                           shape if static else tf.shape(inputs))
 
     def _Route(self, theta, x: tf.Tensor, real: tf.Tensor,
@@ -168,16 +187,16 @@ class MoEFeedForward(BaseLayer):
 
     @classmethod
     def FPropMeta(cls, p, x_shape):
-        """Router, dispatch, experts (over all C slots) and combine at the training
-        capacity; model FLOPs: the router and each token's top_k experts, as a dense
-        model of the active parameters would run them (the dispatch and combine einsums
-        and the empty slots are the implementation's, so they count in HFU, not MFU)."""
+        """Router, experts (over all C slots) and the combine's weighting at the training
+        capacity (dispatch and combine move rows by index: no FLOPs); model FLOPs: the
+        router and each token's top_k experts, as a dense model of the active parameters
+        would run them (the empty slots are the implementation's: HFU, not MFU)."""
         x_shape = tf.TensorShape(x_shape)
         tokens = math.prod(x_shape[:-1].as_list())
         e, d, h = p.num_experts, p.model_dim, p.hidden_dim
         c = moe_gating.expert_capacity(p.capacity_factor, tokens, e, p.top_k)
         router = 2 * tokens * d * e
-        flops = router + 2 * (2 * tokens * e * c * d) + 2 * 2 * e * c * d * h
+        flops = router + 2 * 2 * e * c * d * h + 2 * p.top_k * tokens * d
         return LayerMeta(flops, x_shape, router + p.top_k * tokens * 2 * 2 * d * h)
 
     @classmethod

@@ -41,21 +41,49 @@ import tensorflow as tf
 
 
 @dataclasses.dataclass(frozen=True)
+class Route:
+    """Each token's k-th choice: `expert` [S] int32, `slot` [S] int32 (its position in
+    that expert), `kept` [S] 1.0 where the choice fits the capacity (0 for a dropped or
+    padding token, whose expert and slot then mean nothing) and `weight` [S], its
+    combine weight (zero where not kept)."""
+    expert: tf.Tensor
+    slot: tf.Tensor
+    kept: tf.Tensor
+    weight: tf.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
 class Gating:
     """The routing of one group of S tokens to E experts of C slots each.
 
-    dispatch: [S, E, C] 0/1: token s fills slot c of expert e.
-    combine: [S, E, C]: the weight of that slot's output in token s's output (zero where
-      dispatch is zero).
+    routes: one Route per choice (top_k of them): what the layer dispatches by index.
     load_balancing_loss, z_loss: scalars (unweighted).
     assigned: [E]: the choices of each expert before the capacity drop (a token's
-      first and, kept, second choice; padding none), which `dispatch` keeps at most C of.
+      first and, kept, second choice; padding none), which the routes keep at most C of.
+    `dispatch` and `combine` give GShard's dense [S, E, C] form of the same routing.
     """
-    dispatch: tf.Tensor
-    combine: tf.Tensor
+    routes: tuple
+    num_experts: int
+    capacity: int | tf.Tensor
     load_balancing_loss: tf.Tensor
     z_loss: tf.Tensor
     assigned: tf.Tensor
+
+    def _dense(self, values) -> tf.Tensor:
+        return tf.add_n([
+            v[:, None, None] * tf.one_hot(r.expert, self.num_experts, dtype=v.dtype)[:, :, None]
+            * tf.one_hot(r.slot, self.capacity, dtype=v.dtype)[:, None, :]
+            for r, v in zip(self.routes, values)])
+
+    @property
+    def dispatch(self) -> tf.Tensor:
+        """[S, E, C] 0/1: token s fills slot c of expert e (GShard's dispatch mask)."""
+        return self._dense([r.kept for r in self.routes])
+
+    @property
+    def combine(self) -> tf.Tensor:
+        """[S, E, C]: the weight of that slot's output in token s's output."""
+        return self._dense([r.weight for r in self.routes])
 
 
 def router_dtype(dtype: tf.DType) -> tf.DType:
@@ -97,7 +125,7 @@ def routing_statistics(gating: 'Gating') -> dict[str, tf.Tensor]:
     of the choices before the drop (1/E each when balanced)."""
     wanted = tf.reduce_sum(gating.assigned)
     total = tf.maximum(wanted, 1.0)
-    kept = tf.reduce_sum(gating.dispatch)
+    kept = tf.add_n([tf.reduce_sum(r.kept) for r in gating.routes])
     return {'dropped_fraction': (wanted - kept) / total,
             'expert_load': gating.assigned / total}
 
@@ -148,17 +176,16 @@ def top_k_gating(logits: tf.Tensor, nonpadding: tf.Tensor, top_k: int,
             mask_2 *= kept[:, None]
         choices = [(index_1, mask_1, gate_1 / total), (index_2, mask_2, gate_2)]
 
-    dispatch = combine = 0.0
+    routes = []
     filled = tf.zeros([num_experts], dtype)  # slots taken per expert by earlier choices
     assigned = tf.add_n([tf.reduce_sum(mask, 0) for _, mask, _ in choices])
     for index, mask, gate in choices:
         position = tf.cumsum(mask, 0, exclusive=True) + filled[None, :]
         mask = mask * tf.cast(position < tf.cast(capacity, dtype), dtype)
         filled += tf.reduce_sum(mask, 0)
+        kept = tf.reduce_sum(mask, -1)
         slot = tf.cast(tf.reduce_sum(position * mask, -1), tf.int32)
-        where = mask[:, :, None] * tf.one_hot(slot, capacity, dtype=dtype)[:, None, :]
-        dispatch += where
-        combine += gate[:, None, None] * where
-    return Gating(dispatch=dispatch, combine=combine,
+        routes.append(Route(expert=index, slot=slot, kept=kept, weight=gate * kept))
+    return Gating(routes=tuple(routes), num_experts=num_experts, capacity=capacity,
                   load_balancing_loss=load_balancing_loss(gates, mask_1, real),
                   z_loss=router_z_loss(logits, real), assigned=assigned)

@@ -19,10 +19,10 @@ forward of every cell that recomputes its activations in the backward pass
 (recompute 'always' makes HFU 4/3 of MFU), and the work a layer runs beyond its
 model FLOPs (`LayerMeta.model_flops`): a mixture of experts counts its router and
 each token's top_k experts as model FLOPs (the dense model of its active
-parameters, as GShard and Switch report), while its dispatch and combine einsums
-[S, E, C] and the empty capacity slots its experts also compute are hardware
-FLOPs only. Counting them as model FLOPs made the tiny MoE LM report 51% MFU
-beside the dense LM's 8% at the same tokens/s.
+parameters, as GShard and Switch report), while the empty capacity slots its
+experts also compute are hardware FLOPs only. Counting them (and the einsum
+dispatch it then ran) as model FLOPs made the tiny MoE LM report 51% MFU beside
+the dense LM's 8% at the same tokens/s.
 """
 from __future__ import annotations
 
