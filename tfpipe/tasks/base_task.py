@@ -58,6 +58,13 @@ def train_params() -> Params:
              "'weights' (ZeRO stage 3: the weights too between steps, each cell's all-gathered "
              'once per step; one trainer client only). Same updates and checkpoints as '
              'unsharded. Refused at R=1, where it does nothing.')
+    p.Define('regather_per_micro_batch', False, "With sharding='weights' (ZeRO stage 3): "
+             "each recomputing cell all-gathers its whole weights in every forward and "
+             'backward task and frees them after it, instead of once a step kept through '
+             'all micro-batches: the whole weights of a cell are held only while one of its '
+             'tasks runs, for 2M all-gathers of the cell per step instead of 1 (cells that '
+             'keep their activations still gather once). Same updates. Refused at other '
+             'stages (docs/optimizer_sharding.md).')
     p.Define('save_interval_steps', 100, 'Checkpoint every this many steps.')
     p.Define('save_max_to_keep', 5, 'Checkpoints kept in the train dir.')
     p.Define('summary_interval_steps', 10, 'TensorBoard summaries every this many steps.')
