@@ -63,8 +63,10 @@ def train_params() -> Params:
              'backward task and frees them after it, instead of once a step kept through '
              'all micro-batches: the whole weights of a cell are held only while one of its '
              'tasks runs, for 2M all-gathers of the cell per step instead of 1 (cells that '
-             'keep their activations still gather once). Same updates. Refused at other '
-             'stages (docs/optimizer_sharding.md).')
+             'keep their activations still gather once). Same updates. Measured on logical '
+             'CPUs it was slower (1.3-1.4x) and did not lower the peak (the gather\'s '
+             'transients land inside the tasks): docs/optimizer_sharding.md. Refused at '
+             'other stages.')
     p.Define('save_interval_steps', 100, 'Checkpoint every this many steps.')
     p.Define('save_max_to_keep', 5, 'Checkpoints kept in the train dir.')
     p.Define('summary_interval_steps', 10, 'TensorBoard summaries every this many steps.')
