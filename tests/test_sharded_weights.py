@@ -111,9 +111,9 @@ def test_each_replica_holds_its_padded_part_of_every_weight_and_nothing_whole(tr
 
 def test_a_step_gathers_each_cells_weights_once_or_in_each_task(trained):
     """One all-gather per replica, cell and dtype for the whole step (all micro-batches,
-    recompute included), none after the update; with regather_per_micro_batch one in
-    each of a recomputing cell's M forward and M backward tasks, inside the task (a
-    cell that keeps its activations still gathers once, before its tasks). Adafactor's
+    recompute included), none after the update; with regather_per_micro_batch one per
+    weight in each of a recomputing cell's M forward and M backward tasks, inside the
+    task (a cell that keeps its activations still gathers once, before its tasks). Adafactor's
     parameter scale also gathers each weight whole (one per replica and variable) and
     its factored moments each matrix's whole gradient, as at stage 2."""
     ref, run, _, _, rule = trained
@@ -122,15 +122,15 @@ def test_a_step_gathers_each_cells_weights_once_or_in_each_task(trained):
     graph = run._step.get_concrete_function(x, y).graph.as_graph_def()
     nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
     gathers = [n.name for n in nodes if n.op == 'CollectiveGather']
-    per_task = pipe.weight_shards.per_micro_batch
-    m = pipe.params.num_micro_batches
-    per_replica = sum(2 * m if per_task and cell.recompute else 1 for cell in pipe.cells)
+    shards, m = pipe.weight_shards, pipe.params.num_micro_batches
+    regathered = [len(shards.paths_of({name: pipe.theta[name] for name in cell.names}))
+                  if shards.per_micro_batch and cell.recompute else 0 for cell in pipe.cells]
+    per_replica = sum(2 * m * n if n else 1 for n in regathered)
     if rule.cls.__name__ == 'Adafactor':
         per_replica += sum(1 + (v.shape.rank >= 2) for v in ref.variables[0].values())
     assert len(gathers) == pipe.num_replicas * per_replica
     in_tasks = [g for g in gathers if '/forward_' in g or '/backward_' in g]
-    assert len(in_tasks) == pipe.num_replicas * 2 * m * sum(
-        per_task and cell.recompute for cell in pipe.cells)
+    assert len(in_tasks) == pipe.num_replicas * 2 * m * sum(regathered)
 
 
 def test_sharding_the_weights_frees_the_whole_copies():

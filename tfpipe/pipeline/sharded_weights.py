@@ -180,8 +180,13 @@ class WeightShards:
         cell's whole weights anew at each call and reads them as Cell.read_theta does
         (else None): the executor calls it in each task of a recomputing cell, in the
         task's scope, so the gather runs after the device's previous task and its
-        result is freed with the task. The n-th call for cell k is one all-gather over
-        the replicas (one instance key, new for each step traced)."""
+        result is freed with the task. Each weight is gathered on its own, not packed
+        with the cell's others as `gathered` packs them: a packed gather holds the
+        gathered buffer and the weights cut out of it at once (about twice the cell's
+        weights), which inside a task raised the step's peak above gathering once
+        (benchmarks/regather_benchmark.py); weight by weight the transient is one
+        weight's. The n-th call for cell k is one all-gather per weight over the
+        replicas (instance keys new for each step traced)."""
         if not self.per_micro_batch:
             return [None] * len(replica_cells)
         keys: dict = {}
@@ -193,10 +198,10 @@ class WeightShards:
         n, calls[k] = calls[k], calls[k] + 1
         own = {name: theta[name] for name in cells[k].names}
         wholes: dict = {}
-        for group_id, group in self._groups(self.paths_of(own)):
-            if (k, n, group_id) not in keys:
-                keys[(k, n, group_id)] = replicas.new_instance_key()
-            wholes.update(self._gather(r, group_id[0], group, keys[(k, n, group_id)]))
+        for path in sorted(self.paths_of(own)):  # weight by weight: see `regatherers`
+            if (k, n, path) not in keys:
+                keys[(k, n, path)] = replicas.new_instance_key()
+            wholes.update(self._gather(r, self._devices[path], [path], keys[(k, n, path)]))
         return cells[k].read_theta(self._substitute(own, wholes))
 
     def _groups(self, paths: Any) -> list[tuple[tuple, list[str]]]:

@@ -62,11 +62,11 @@ def train_params() -> Params:
              "each recomputing cell all-gathers its whole weights in every forward and "
              'backward task and frees them after it, instead of once a step kept through '
              'all micro-batches: the whole weights of a cell are held only while one of its '
-             'tasks runs, for 2M all-gathers of the cell per step instead of 1 (cells that '
-             'keep their activations still gather once). Same updates. Measured on logical '
-             'CPUs it was slower (1.3-1.4x) and did not lower the peak (the gather\'s '
-             'transients land inside the tasks): docs/optimizer_sharding.md. Refused at '
-             'other stages.')
+             'tasks runs, for 2M all-gathers of each of its weights per step instead of one '
+             'of the cell (cells that keep their activations still gather once). Same '
+             'updates. Measured on logical '
+             'CPUs it was slower (1.25-1.41x) and did not lower the step\'s peak '
+             '(docs/optimizer_sharding.md). Refused at other stages.')
     p.Define('save_interval_steps', 100, 'Checkpoint every this many steps.')
     p.Define('save_max_to_keep', 5, 'Checkpoints kept in the train dir.')
     p.Define('summary_interval_steps', 10, 'TensorBoard summaries every this many steps.')
