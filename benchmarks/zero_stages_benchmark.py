@@ -56,12 +56,12 @@ STAGES = ('none', 'optimizer_states', 'gradients', 'weights')
 KINDS = ('step', 'exchanges')  # what time_stages times of each stage
 
 
-def build(args, num_replicas: int, stage: str):
+def build(args, num_replicas: int, stage: str, regather: bool = False):
     """(step, exchanges, reduced, state): the trainer's step; the step's exchanges alone
     (`exchanges_of`); a function running the step's forward, backward and reduction that
     returns (device, bytes) of each gradient tensor a replica holds for its update, read
     from the traced graph's placement; and per device [params, weight bytes, slot bytes,
-    0]."""
+    0]. `regather`: stage 3 with regather_per_micro_batch (benchmarks/regather_benchmark.py)."""
     import tensorflow as tf
 
     from tfpipe import fprop_context, optimizers
@@ -69,10 +69,11 @@ def build(args, num_replicas: int, stage: str):
     from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
     from trainer.guarded_update import guarded_update
 
-    pipe = dense_pipeline(args, f'pipe_{num_replicas}_{stage}', num_replicas)
+    pipe = dense_pipeline(args, f'pipe_{num_replicas}_{stage}{"_regather" * regather}',
+                          num_replicas)
     whole_shapes = {p: v.shape for p, v in pipe.ReplicaVariablesByPath()[0].items()}
     if stage == 'weights':
-        pipe.ShardWeights()  # the layers now hold each replica's parts
+        pipe.ShardWeights(per_micro_batch=regather)  # the layers now hold each replica's parts
     replica_variables = pipe.ReplicaVariablesByPath()
     adam = optimizers.Adam.Params()
     if stage == 'none':

@@ -120,6 +120,7 @@ def _train_params(**values):
     p = Params()
     p.Define('sharding', 'none', '')
     p.Define('shard_optimizer_states', False, '')
+    p.Define('regather_per_micro_batch', False, '')
     return p.Set(**values)
 
 
@@ -129,7 +130,9 @@ def _train_params(**values):
     ({'sharding': 'gradients', 'shard_optimizer_states': True}, 2, 'contradicts'),
     ({'sharding': 'weights', 'shard_optimizer_states': True}, 2, 'contradicts'),
     ({'sharding': 'weights'}, 1, 'with 1 replica does nothing'),
-    ({'sharding': 'weight'}, 2, "did you mean 'weights'")])
+    ({'sharding': 'weight'}, 2, "did you mean 'weights'"),
+    ({'sharding': 'gradients', 'regather_per_micro_batch': True}, 2,
+     'only stage 3 gathers weights')])
 def test_bad_stages_are_refused_in_one_line(values, count, message):
     with pytest.raises(ValueError, match=message) as e:
         sharding.stage_of(_train_params(**values), count)
@@ -158,21 +161,26 @@ def test_a_stage_with_expert_parallelism_is_refused_in_one_line(values):
 
 
 class PipelineRun(tp_optimizers.Run):
-    """tests/test_tensor_parallel_optimizers.py's pipeline (float64, Dropout, T-way split
-    layers, an fc3 bias of 5 that neither R divides; `pipeline_params` set on it) and the
-    trainer's update at `stage` (task.train.sharding: one unsharded optimizer per replica,
-    stage 1, 2 or 3). `train` continues from the global step (inputs of each step fixed by
-    the step, as a resumed trainer's) and returns the loss of every step."""
+    """tests/test_tensor_parallel_optimizers.py's pipeline (float64 unless `dtype`, Dropout,
+    T-way split layers, an fc3 bias of 5 that neither R divides; `pipeline_params` set on
+    it) and the trainer's update at `stage` (task.train.sharding: one unsharded optimizer
+    per replica, stage 1, 2 or 3; `regather`: stage 3 regathers per task), clipping by
+    the global norm at `clip`. `train`
+    continues from the global step (inputs of each step fixed by the step, as a resumed
+    trainer's) and returns the loss of every step; `norms` gets each step's global
+    gradient norm (before clipping)."""
 
-    def __init__(self, t, k, r, stage, rule, **pipeline_params):
+    def __init__(self, t, k, r, stage, rule, clip=0.5, dtype=tf.float64, regather=False,
+                 **pipeline_params):
         super().__init__(t, k, r, sharded=stage == sharding.OPTIMIZER_STATES, rule=rule,
-                         **pipeline_params)
+                         dtype=dtype, **pipeline_params)
+        self.clip, self.dtype, self.norms = clip, dtype, []
         if stage == sharding.GRADIENTS:
             self.pipe.DeferGradientSum()
             self.optimizer = self.optimizers = ShardedOptimizer(rule, self.variables,
                                                                 shard_gradients=True)
         if stage == sharding.WEIGHTS:
-            self.pipe.ShardWeights()
+            self.pipe.ShardWeights(per_micro_batch=regather)
             shards = self.pipe.weight_shards
             self.variables = shards.parts
             self.optimizer = self.optimizers = ShardedOptimizer(rule, self.variables,
@@ -183,15 +191,19 @@ class PipelineRun(tp_optimizers.Run):
             loss, grads = self.pipe.ForwardBackward(self.pipe.ReplicaThetas(), x,
                                                     mz.loss_fn, y)
         grads = grads if isinstance(grads, list) else [grads]
-        guarded_update(loss, [flatten_by_path(g, 'pipe') for g in grads], 0.5,
-                       self.optimizers, self.variables, tf.constant(tp_optimizers.LR,
-                                                                    tf.float64),
-                       self.global_step)
-        return loss
+        norm = guarded_update(loss, [flatten_by_path(g, 'pipe') for g in grads], self.clip,
+                              self.optimizers, self.variables,
+                              tf.constant(tp_optimizers.LR, self.dtype), self.global_step)
+        return loss, norm
 
     def train(self, steps):
-        return [float(self._step(*tp_optimizers.inputs(int(self.global_step.numpy()))))
-                for _ in range(steps)]
+        losses = []
+        for _ in range(steps):
+            x, y = tp_optimizers.inputs(int(self.global_step.numpy()))
+            loss, norm = self._step(tf.cast(x, self.dtype), y)
+            losses.append(float(loss))
+            self.norms.append(float(norm))
+        return losses
 
 
 PIPELINE_GRID = [  # (optimizer, T, K, R): R in {2, 4} x K in {1, 2}, T=2 at one point

@@ -5,10 +5,16 @@ each replica's weights for its flat part (tfpipe/pipeline/sharded_weights.py), g
 them once per step, reduce-scatters the gradients and updates the parts in place. The
 model is tests/test_sharded_gradients.py's float64 pipeline (Dropout, an fc3 bias of 5
 that neither R divides: at R=4 the last part is empty) with the trainer's update
-(clipping included). A covering design over optimizer x K x R x executor: each of Adam
-and Adafactor (factored, momentum, parameter scale: its whole-weight statistic gathers
-the weight) at K in {1, 2}, R in {2, 4}, and both the cell-function and the unrolled
-executor (with recompute on and off).
+(clipping by the global norm included, active at every step: the norm is summed over
+the parts). A covering design over optimizer x K x R x executor: each of Adam,
+Adafactor (factored, momentum, parameter scale: its whole-weight statistic gathers
+the weight), SGD with Nesterov momentum and plain SGD (no slot at all) at K in {1, 2},
+R in {2, 4}, and both the cell-function and the unrolled executor (with recompute on
+and off). Three points regather per task (task.train.regather_per_micro_batch), one with
+a last cell that keeps its activations (recompute='except_last': it gathers once), one
+with a split backward (zb_h1: the weight task uses the input task's gather). A
+float32 model computing in bfloat16 (fprop_dtype) is compared with its own unsharded
+bfloat16 run.
 """
 import gc
 import weakref
@@ -20,15 +26,24 @@ import tensorflow as tf
 from tests import test_tensor_parallel_optimizers as tp_optimizers
 from tests.test_sharded_gradients import PipelineRun
 from tests.test_sharded_optimizer import OPTIMIZERS
+from tfpipe import optimizers
 from tfpipe.pipeline import sharding
 
 STEPS = 4
-GRID = {  # name: (optimizer, K, R, pipeline params)
-    'adam_k2_r2_functional': ('adam', 2, 2, {}),
-    'adafactor_k1_r4_functional': ('adafactor', 1, 4, {}),
-    'adam_k1_r4_unrolled': ('adam', 1, 4, {'cell_functions': False}),
+CLIP = 0.5  # PipelineRun's: below every step's norm here, so every step clips
+RULES = {**OPTIMIZERS, 'sgd': optimizers.SGD.Params()}
+GRID = {  # name: (optimizer, K, R, pipeline params, regather_per_micro_batch)
+    'adam_k2_r2_functional': ('adam', 2, 2, {}, False),
+    'adafactor_k1_r4_functional': ('adafactor', 1, 4, {}, False),
+    'adam_k1_r4_unrolled': ('adam', 1, 4, {'cell_functions': False}, False),
     'adafactor_k2_r2_unrolled_no_recompute': ('adafactor', 2, 2, {'cell_functions': False,
-                                                                  'recompute': 'never'}),
+                                                                  'recompute': 'never'}, False),
+    'sgd_momentum_k2_r4_functional': ('sgd_momentum', 2, 4, {}, False),
+    'sgd_k1_r2_unrolled': ('sgd', 1, 2, {'cell_functions': False}, False),
+    'regather_adam_k2_r2_functional': ('adam', 2, 2, {}, True),
+    'regather_adafactor_k2_r4_unrolled_except_last': (
+        'adafactor', 2, 4, {'cell_functions': False, 'recompute': 'except_last'}, True),
+    'regather_sgd_momentum_k2_r2_zb_h1': ('sgd_momentum', 2, 2, {'schedule': 'zb_h1'}, True),
 }
 
 
@@ -36,10 +51,10 @@ GRID = {  # name: (optimizer, K, R, pipeline params)
 def trained(request):
     """The unsharded and the stage-3 run of one grid point after STEPS steps, and their
     losses."""
-    name, k, r, pipeline_params = GRID[request.param]
-    rule = OPTIMIZERS[name].Copy().Set(name=name)
+    name, k, r, pipeline_params, regather = GRID[request.param]
+    rule = RULES[name].Copy().Set(name=name)
     ref = PipelineRun(1, k, r, sharding.NONE, rule, **pipeline_params)
-    run = PipelineRun(1, k, r, sharding.WEIGHTS, rule, **pipeline_params)
+    run = PipelineRun(1, k, r, sharding.WEIGHTS, rule, regather=regather, **pipeline_params)
     return ref, run, ref.train(STEPS), run.train(STEPS), rule
 
 
@@ -47,6 +62,15 @@ def test_stage3_loss_at_every_step_equals_the_unsharded_one(trained):
     _, _, want, got, _ = trained
     assert len(got) == STEPS
     np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_stage3_clips_by_the_global_norm_of_the_unsharded_run(trained):
+    """The norm summed over the replicas' parts of the reduce-scattered gradients is the
+    unsharded gradients' norm, and it clips every step (the weights' test then shows
+    the clipped update)."""
+    ref, run, _, _, _ = trained
+    np.testing.assert_allclose(run.norms, ref.norms, rtol=1e-6)
+    assert min(ref.norms) > CLIP
 
 
 def test_stage3_weights_and_slots_equal_the_unsharded_ones(trained):
@@ -85,21 +109,28 @@ def test_each_replica_holds_its_padded_part_of_every_weight_and_nothing_whole(tr
     assert theta and all(shards.is_part(v) for v in theta)
 
 
-def test_a_step_gathers_each_cells_weights_once(trained):
+def test_a_step_gathers_each_cells_weights_once_or_in_each_task(trained):
     """One all-gather per replica, cell and dtype for the whole step (all micro-batches,
-    recompute included), none after the update; Adafactor's parameter scale also
-    gathers each weight whole (one per replica and variable) and its factored moments
-    each matrix's whole gradient, as at stage 2."""
+    recompute included), none after the update; with regather_per_micro_batch one per
+    weight in each of a recomputing cell's M forward and M backward tasks, inside the
+    task (a cell that keeps its activations still gathers once, before its tasks). Adafactor's
+    parameter scale also gathers each weight whole (one per replica and variable) and
+    its factored moments each matrix's whole gradient, as at stage 2."""
     ref, run, _, _, rule = trained
+    pipe = run.pipe
     x, y = (tf.zeros([8, 6], tf.float64), tf.zeros([8], tf.int32))
     graph = run._step.get_concrete_function(x, y).graph.as_graph_def()
-    ops = [n.op for n in graph.node] + [n.op for f in graph.library.function
-                                         for n in f.node_def]
-    cells, r_count = len(run.pipe.cells), run.pipe.num_replicas
-    extra = 0
+    nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+    gathers = [n.name for n in nodes if n.op == 'CollectiveGather']
+    shards, m = pipe.weight_shards, pipe.params.num_micro_batches
+    regathered = [len(shards.paths_of({name: pipe.theta[name] for name in cell.names}))
+                  if shards.per_micro_batch and cell.recompute else 0 for cell in pipe.cells]
+    per_replica = sum(2 * m * n if n else 1 for n in regathered)
     if rule.cls.__name__ == 'Adafactor':
-        extra = sum(1 + (v.shape.rank >= 2) for v in ref.variables[0].values())
-    assert ops.count('CollectiveGather') == r_count * (cells + extra)
+        per_replica += sum(1 + (v.shape.rank >= 2) for v in ref.variables[0].values())
+    assert len(gathers) == pipe.num_replicas * per_replica
+    in_tasks = [g for g in gathers if '/forward_' in g or '/backward_' in g]
+    assert len(in_tasks) == pipe.num_replicas * 2 * m * sum(regathered)
 
 
 def test_sharding_the_weights_frees_the_whole_copies():
@@ -124,3 +155,31 @@ def test_stage3_with_tensor_parallel_cells_is_refused_in_one_line():
         pipe.ShardWeights()
     assert '\n' not in str(e.value)
     assert pipe.weight_shards is None
+
+
+@pytest.fixture(scope='module')
+def bfloat16_runs():
+    """A float32 model computing in bfloat16 (fprop_dtype), unsharded and at stage 3
+    (Adam, K=2, R=2, cell functions), after STEPS steps."""
+    rule = RULES['adam'].Copy().Set(name='adam')
+    runs = [PipelineRun(1, 2, 2, stage, rule, dtype=tf.float32, fprop_dtype=tf.bfloat16)
+            for stage in (sharding.NONE, sharding.WEIGHTS)]
+    return runs, [run.train(STEPS) for run in runs]
+
+
+def test_stage3_in_bfloat16_follows_the_unsharded_bfloat16_run(bfloat16_runs):
+    """float32 parts, gathered whole in float32 and cast to bfloat16 in the cell as the
+    unsharded run casts its whole variables: the first step's loss (before any update)
+    is the same number. Later steps differ only by the float32 rounding of the sums
+    (reduce-scatter and the norm over parts add in another order), which a bfloat16
+    cast of a weight can carry to 2^-8 relative: 1e-3 on the losses, 1e-5 on the
+    float32 master weights."""
+    (ref, run), (want, got) = bfloat16_runs
+    assert [cell.fprop_dtype for cell in run.pipe.cells] == [tf.bfloat16] * 2
+    assert got[0] == want[0]
+    np.testing.assert_allclose(got, want, rtol=1e-3)
+    shards = run.pipe.weight_shards
+    for path, var in ref.variables[0].items():
+        assert shards.parts[0][path].dtype == tf.float32, path  # master weights in float32
+        np.testing.assert_allclose(shards.whole(path).numpy(), var.numpy(), rtol=1e-5,
+                                   atol=1e-6, err_msg=path)

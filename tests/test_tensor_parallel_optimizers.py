@@ -29,13 +29,14 @@ from trainer.guarded_update import guarded_update
 LR = 0.01
 
 
-def pipeline(t, k, r, **pipeline_params):
+def pipeline(t, k, r, dtype=tf.float64, **pipeline_params):
+    """The T-way split model over K cells and R replicas, its variables in `dtype`."""
     body = [ColumnParallelDense.Params().Set(name='fc0', input_dim=6, output_dim=8,
                                              activation='relu'),
             ParallelMLP.Params().Set(name='mlp', input_dim=8, hidden_dim=16, keep_prob=0.8),
             RowParallelDense.Params().Set(name='fc3', input_dim=8, output_dim=5)]
     for p in body:
-        p.dtype = tf.float64
+        p.dtype = dtype
     return tfpipe.PipeliningLayer.Params().Set(
         name='pipe', body=body, balance=partition.even_balance(len(body), k),
         num_micro_batches=2, num_replicas=r, tensor_parallel=t, **pipeline_params).Instantiate()

@@ -115,7 +115,8 @@ class Trainer:
                                   expert_parallel=params.task.pipeline.expert_parallel,
                                   clients=peers is not None)
         if stage == sharding.WEIGHTS:
-            self.task.pipe.ShardWeights()  # the layers now hold each replica's parts
+            # The layers now hold each replica's parts.
+            self.task.pipe.ShardWeights(per_micro_batch=tp.regather_per_micro_batch)
             held, whole = self.task.pipe.weight_shards.Bytes()
             logging.info('weights: %d bytes per replica, %d unsharded', held, whole)
         self.replica_variables = [{p: v for p, v in copy.items() if v.trainable}

@@ -197,17 +197,18 @@ class FunctionalPipelineRun(PipelineRun):
         return self._offset_tensors[key], step
 
     def _compute_forward(self, k: int, m: int, x: Any) -> Any:
-        cell, theta, functions = self.cells[k], self.thetas[k], self.functions[k]
+        cell, functions = self.cells[k], self.functions[k]
         keeps = self.context.training and not cell.recompute
         if keeps and not self.jit_compile:
             return super()._compute_forward(k, m, x)  # kept activations: unrolled ops
+        theta = self._task_theta(k)
         offset, step = self._arguments(k, m)
         if keeps:  # XLA asked for: the compiled call under the run's tape
             tape = tf.GradientTape(watch_accessed_variables=False)
             with tape:
                 tape.watch(float_leaves(x) + tf.nest.flatten(theta))
                 y, stats, aux = functions.forward(theta, x, offset, step)
-            self.tapes[(k, m)] = (tape, x, [y], functions.aux_records(aux))
+            self.tapes[(k, m)] = (tape, x, [y], functions.aux_records(aux), theta)
         else:
             y, stats, aux = functions.forward(theta, x, offset, step)
         functions.record(stats, self.sinks[k])
@@ -218,6 +219,7 @@ class FunctionalPipelineRun(PipelineRun):
         if not self._calls_backward(k):
             return super()._gradients(k, m, dy)
         x = self.inputs.pop((k, m))
+        theta = self._task_theta(k)
         offset, step = self._arguments(k, m)
         functions, sums = self.functions[k], self.theta_grads[k]
         if sums is None:  # zeros, not None: one trace serves the first micro-batch too
@@ -228,8 +230,7 @@ class FunctionalPipelineRun(PipelineRun):
                for i, (a, gathered) in enumerate(zip(sums, functions.gathered))]
         aux_grads = [None if g is None else _opaque(g) for g in aux_losses.coefficients(
             self.aux_forward[(k, m)], self.aux_upstream, self.fractions[m])]
-        dx, out, *stamp = functions.backward(self.thetas[k], x, list(dy), offset, step, acc,
-                                             aux_grads)
+        dx, out, *stamp = functions.backward(theta, x, list(dy), offset, step, acc, aux_grads)
         if stamp:  # the recompute ended inside the call: the timeline's split
             self.recorder.split(k, m, BACKWARD, stamp=stamp[0])
         acc = [accumulate.add(s, _static_shape(g, t)) if gathered else g

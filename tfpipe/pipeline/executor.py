@@ -78,9 +78,14 @@ class PipelineRun:
                  offsets: Sequence[int], context: fprop_context.FPropContext,
                  need_input_grads: bool = False, on_output: Optional[OnOutput] = None,
                  split_backward: bool = False, recorder: Optional[Recorder] = None,
-                 global_batch: Optional[int] = None):
+                 global_batch: Optional[int] = None,
+                 regather: Optional[Callable[[int], dict]] = None):
         """global_batch: the examples of the whole (global) mini-batch, which weigh each
-        micro-batch's auxiliary losses (aux_losses.py); None: this run's."""
+        micro-batch's auxiliary losses (aux_losses.py); None: this run's.
+        regather: cell k's whole weights gathered anew (ZeRO stage 3's
+        regather_per_micro_batch, sharded_weights.py), called in each forward and
+        backward task of a recomputing cell, whose `thetas[k]` then holds the
+        latest gather (its shapes and devices size the gradient sums)."""
         self.cells = list(cells)
         self.recorder = recorder  # stamps every task's start and end when given
         self.thetas = list(thetas)
@@ -89,6 +94,7 @@ class PipelineRun:
         self.need_input_grads = need_input_grads
         self.on_output = on_output
         self.split_backward = split_backward
+        self.regather = regather
         num_cells = len(self.cells)
         self.inputs: dict[tuple[int, int], Any] = {(0, m): x for m, x in enumerate(micro_inputs)}
         self.tapes: dict[tuple[int, int], tuple[tf.GradientTape, Any]] = {}
@@ -210,7 +216,7 @@ class PipelineRun:
     def _compute_forward(self, k: int, m: int, x: Any) -> Any:
         """F(k, m)'s computation (under its device and scope): the cell's output, with a
         tape kept for the backward unless the cell recomputes."""
-        cell, theta = self.cells[k], self.thetas[k]
+        cell, theta = self.cells[k], self._task_theta(k)
         aux = fprop_context.AuxLossSink()
         with self._context(m, self.sinks[k], aux):
             if cell.recompute or not self.context.training:
@@ -221,7 +227,7 @@ class PipelineRun:
                 with tape:
                     tape.watch(float_leaves(x) + tf.nest.flatten(theta))
                     outs = cell.forward_layers(theta, x)
-                self.tapes[(k, m)] = (tape, x, outs, aux_losses.records_of(aux))
+                self.tapes[(k, m)] = (tape, x, outs, aux_losses.records_of(aux), theta)
                 y = outs[-1]
         self.aux_forward[(k, m)] = aux_losses.records_of(aux)
         return y
@@ -244,7 +250,7 @@ class PipelineRun:
         dy = self._incoming_grads(k, m)
         with self._scope(k, m, 'backward_input', extra_deps=dy, inputs=(dy, self._saved(k, m)),
                          recorded_phase=RECOMPUTE if cell.recompute else None):
-            tape, x, outs, records = self._tape_of(k, m)
+            tape, x, outs, records, theta = self._tape_of(k, m)
             x_leaves, y_leaves, x_parts, x_received = self._boundary(k, x, outs[-1])
             inner = [float_leaves(o) for o in outs[:-1]]
             values, coefficients = self._aux_targets(m, records)
@@ -261,15 +267,15 @@ class PipelineRun:
         # Layer i's weights are differentiated from its output (and its own auxiliary
         # losses) alone, in the W task.
         self._awaiting_weights[(k, m)] = (tape, inner + [y_leaves], douts + [list(dy)],
-                                          records)
+                                          records, theta)
         self._last[cell.device] = list(dx) + [g for d in douts for g in d]
         self._end(k, m, self._last[cell.device])
         self._pass_input_grads(k, m, dx, x_parts, x_received)
 
     def _backward_weight(self, k: int, m: int) -> None:
         """W of a split backward: each layer's weight gradients from its output gradient."""
-        cell, theta = self.cells[k], self.thetas[k]
-        tape, targets, douts, records = self._awaiting_weights.pop((k, m))
+        cell = self.cells[k]
+        tape, targets, douts, records, theta = self._awaiting_weights.pop((k, m))
         with self._scope(k, m, 'backward_weight', inputs=douts):
             by_layer = {}
             for layer, target, dout in zip(cell.layers, targets, douts):
@@ -292,12 +298,12 @@ class PipelineRun:
     def _gradients(self, k: int, m: int, dy: list) -> tuple[list, list, list, dict]:
         """B(k, m)'s computation: (input gradients, flat weight gradients) and the
         input's parts for `_pass_input_grads`, recomputing first if the cell does."""
-        tape, x, outs, records = self._tape_of(k, m)
+        tape, x, outs, records, theta = self._tape_of(k, m)
         x_leaves, y_leaves, x_parts, x_received = self._boundary(k, x, outs[-1])
         values, coefficients = self._aux_targets(m, records)
         with self._after_recompute(k, m, BACKWARD, outs):
             grads = tape.gradient(y_leaves + values,
-                                  x_leaves + tf.nest.flatten(self.thetas[k]),
+                                  x_leaves + tf.nest.flatten(theta),
                                   output_gradients=list(dy) + coefficients,
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
         return grads[:len(x_leaves)], grads[len(x_leaves):], x_parts, x_received
@@ -326,13 +332,15 @@ class PipelineRun:
         portal_dy = self.portal_grads.pop((k, m), {})
         return dy + [g for key in sorted(portal_dy) for g in portal_dy[key]]
 
-    def _tape_of(self, k: int, m: int) -> tuple[tf.GradientTape, Any, list, list]:
-        """The tape of F(k, m), the outputs of each of the cell's layers and the
-        auxiliary losses: recorded by the forward, or recomputed now (under the caller's
-        device and scope; the recomputed losses are differentiated, never reported)."""
-        cell, theta = self.cells[k], self.thetas[k]
+    def _tape_of(self, k: int, m: int) -> tuple[tf.GradientTape, Any, list, list, dict]:
+        """The tape of F(k, m), the outputs of each of the cell's layers, the auxiliary
+        losses and the weights it watched: recorded by the forward, or recomputed now
+        (under the caller's device and scope; the recomputed losses are differentiated,
+        never reported)."""
+        cell = self.cells[k]
         if not cell.recompute:
             return self.tapes.pop((k, m))
+        theta = self._task_theta(k)
         x = tf.nest.map_structure(tf.identity, self.inputs.pop((k, m)))
         tape = tf.GradientTape(watch_accessed_variables=False, persistent=self.split_backward)
         aux = fprop_context.AuxLossSink()
@@ -340,7 +348,14 @@ class PipelineRun:
             tape.watch(float_leaves(x) + tf.nest.flatten(theta))
             with self._context(m, fprop_context.BatchStatsSink(discard=True), aux):
                 outs = cell.forward_layers(theta, x)
-        return tape, x, outs, aux_losses.records_of(aux)
+        return tape, x, outs, aux_losses.records_of(aux), theta
+
+    def _task_theta(self, k: int) -> dict:
+        """Cell k's weights for the task being built: regathered here, in the task's
+        scope, for a recomputing cell when the run regathers per task."""
+        if self.regather is not None and self.cells[k].recompute:
+            self.thetas[k] = self.regather(k)
+        return self.thetas[k]
 
     def _boundary(self, k: int, x: Any, y: Any) -> tuple[list, list, list, dict]:
         """The leaves to differentiate: the cell's input (main part first, then the skips

@@ -209,10 +209,13 @@ class PipeliningLayer(BaseLayer):
         gradients are still folded, per replica (a sum, so before or after is the same)."""
         self._defer_gradient_sum = True
 
-    def ShardWeights(self) -> None:
+    def ShardWeights(self, per_micro_batch: bool = False) -> None:
         """ZeRO stage 3: each replica keeps 1/R of every weight between steps, gathered once
-        a step (sharded_weights.py); the gradients are left for the reduce-scatter."""
-        self.weight_shards = sharded_weights.WeightShards(self, self._peers is not None)
+        a step (sharded_weights.py), or with `per_micro_batch` by every forward and
+        backward task of a recomputing cell; the gradients are left for the
+        reduce-scatter."""
+        self.weight_shards = sharded_weights.WeightShards(self, self._peers is not None,
+                                                          per_micro_batch)
         self.DeferGradientSum()
 
     @contextlib.contextmanager
@@ -293,18 +296,24 @@ class PipeliningLayer(BaseLayer):
         return PipelineRun(*args, split_backward=split_backward, recorder=self._recorder,
                            **kwargs)
 
-    def _ReadThetas(self, theta: dict | list) -> list[list[dict]]:
-        """Each replica's per-cell thetas, read on the replica's devices.
-
-        One theta is read by every replica; a list gives each replica its own. With
-        expert parallelism replicas hold different experts, so one theta (replica 0's)
-        gives the others their own weights (equal to replica 0's outside the experts).
-        """
+    def _ReplicaThetas(self, theta: dict | list) -> list[dict]:
+        """Each replica's theta. One theta is read by every replica; a list gives each
+        replica its own. With expert parallelism replicas hold different experts, so
+        one theta (replica 0's) gives the others their own weights (equal to replica 0's
+        outside the experts)."""
         per_replica = theta if isinstance(theta, list) else [theta] * self.num_replicas
         if self.params.expert_parallel > 1 and not isinstance(theta, list):
             per_replica = [theta] + self.ReplicaThetas()[1:]
-        if self.weight_shards is not None:  # stage 3: gathered once per step, not per task
-            per_replica = self.weight_shards.gathered(per_replica)
+        return per_replica
+
+    def _ReadThetas(self, theta: dict | list, per_task: bool = False) -> list[list[dict]]:
+        """Each replica's per-cell thetas, read on the replica's devices; at stage 3 the
+        whole weights, gathered once a step (with `per_task`, the training step, under
+        regather_per_micro_batch a recomputing cell's stay parts: its tasks regather)."""
+        per_replica = self._ReplicaThetas(theta)
+        if self.weight_shards is not None:
+            per_replica = self.weight_shards.gathered(per_replica,
+                                                      self.cells if per_task else None)
         return [[cell.read_theta(t) for cell in cells]
                 for cells, t in zip(self.replica_cells, per_replica)]
 
@@ -502,7 +511,11 @@ class PipeliningLayer(BaseLayer):
         if n_targets != n_inputs:
             raise ValueError(f'{self.path}: inputs have batch size {n_inputs} but targets have '
                              f'{n_targets}; give one target per input example')
-        thetas = self._ReadThetas(theta)
+        thetas = self._ReadThetas(theta, per_task=True)
+        regathers = [None] * self.num_replicas  # per replica: the per-task gather, if any
+        if self.weight_shards is not None:
+            regathers = self.weight_shards.regatherers(self.replica_cells,
+                                                       self._ReplicaThetas(theta))
         micro, offsets, groups = self._Split(inputs, self.devices[0])
         with tf.device(self.devices[-1]), tf.name_scope('split_targets'):
             micro_targets = self._SplitBatch(
@@ -530,11 +543,11 @@ class PipeliningLayer(BaseLayer):
         ticks = [self._Ticks(self.params.schedule, len(group)) for group in groups]
         runs = [self._NewRun(cells, cell_thetas, [micro[m] for m in group],
                              [offsets[m] for m in group], ctx, on_output=on_output_of(group),
-                             global_batch=n,
+                             global_batch=n, regather=regather,
                              split_backward=schedule.phases_of(t) != (schedule.FORWARD,
                                                                       schedule.BACKWARD))
-                for cells, cell_thetas, group, t in zip(self.replica_cells, thetas, groups,
-                                                        ticks)]
+                for cells, cell_thetas, group, t, regather in zip(
+                    self.replica_cells, thetas, groups, ticks, regathers)]
         for run, run_ticks in zip(runs, ticks):
             run.run(t for tick in run_ticks for t in tick)
         self._ApplyBatchStats(runs, groups, len(micro))

@@ -14,7 +14,11 @@ all M micro-batches and the recompute of each (no regather), and are dropped whe
 last backward no longer needs them: torchtitan's reshard_after_forward=False for
 pipelining. Resharding after each forward would regather them for every micro-batch's
 backward, and with M micro-batches per step that is M (or 2M) all-gathers of the cell
-instead of one, for a saving of one cell's weights at the peak. The gradients are
+instead of one, for a saving of one cell's weights at the peak; that trade is
+`per_micro_batch` (task.train.regather_per_micro_batch): the executor calls
+`regatherers`' function in every task of a recomputing cell, which gathers the cell's
+weights there, used by that task alone (a cell that keeps its activations still gathers
+once: its tapes would hold every forward's weights anyway). The gradients are
 reduce-scattered (stage 2) and each replica updates its own part in place
 (ShardedOptimizer with `weight_shapes`): nothing is gathered after the update.
 
@@ -27,8 +31,10 @@ Not built: across trainer clients (sharding.stage_of refuses it), tensor-paralle
 """
 from __future__ import annotations
 
+import collections
+import functools
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops
@@ -85,7 +91,10 @@ class WeightShards:
     it swaps into the pipeline's layers in place of the whole variables; refused (one
     line) for what is not built, e.g. `across_clients` (the pipeline is one client's)."""
 
-    def __init__(self, pipe: Any, across_clients: bool = False):
+    def __init__(self, pipe: Any, across_clients: bool = False,
+                 per_micro_batch: bool = False):
+        """per_micro_batch: recomputing cells regather their weights in each forward and
+        backward task instead of once a step (task.train.regather_per_micro_batch)."""
         p = pipe.params
         unbuilt = [what for what, on in (('tensor_parallel > 1', p.tensor_parallel > 1),
                                          ('tied_weights', bool(pipe.ties)),
@@ -97,6 +106,7 @@ class WeightShards:
         whole = [{path: v for path, v in copy.items() if v.trainable}
                  for copy in pipe.ReplicaVariablesByPath()]
         self.num_shards = len(whole)
+        self.per_micro_batch = per_micro_batch
         self.shapes = {path: tf.TensorShape(v.shape) for path, v in whole[0].items()}
         self.parts = [{path: self._part(r, var) for path, var in copy.items()}
                       for r, copy in enumerate(whole)]
@@ -140,26 +150,84 @@ class WeightShards:
                     for p, s in self.shapes.items())
         return held, whole
 
-    def gathered(self, replica_thetas: Sequence[dict]) -> list[dict]:
+    def paths_of(self, theta: dict) -> list[str]:
+        """The weights whose parts are leaves of `theta` (e.g. one cell's layers)."""
+        return [self._path_of[id(leaf)] for leaf in tf.nest.flatten(theta)
+                if self.is_part(leaf)]
+
+    def gathered(self, replica_thetas: Sequence[dict],
+                 cells: Sequence[Any] | None = None) -> list[dict]:
         """The thetas with each part replaced by the whole weight, all-gathered on its
-        replica's device (inside a tf.function): one all-gather per cell and dtype."""
+        replica's device (inside a tf.function): one all-gather per cell and dtype.
+        With `cells` (replica 0's, for a training step) under per_micro_batch, only
+        the weights of cells that keep their activations (whose tapes would hold each
+        forward's weights until its backward anyway): a recomputing cell's stay parts,
+        which its tasks regather (`regatherers`)."""
+        paths: Any = self.shapes
+        if cells is not None and self.per_micro_batch:
+            paths = [path for cell in cells if not cell.recompute for path in
+                     self.paths_of({name: replica_thetas[0][name] for name in cell.names})]
+        wholes: list[dict] = [{} for _ in self.parts]
+        for (devices, _), group in self._groups(paths):
+            key = replicas.new_instance_key()
+            for r in range(self.num_shards):
+                wholes[r].update(self._gather(r, devices, group, key))
+        return [self._substitute(theta, wholes[r]) for r, theta in enumerate(replica_thetas)]
+
+    def regatherers(self, replica_cells: Sequence[Sequence[Any]],
+                    replica_thetas: Sequence[dict]) -> list[Callable[[int], dict] | None]:
+        """Per replica, under per_micro_batch, a function of cell k that all-gathers the
+        cell's whole weights anew at each call and reads them as Cell.read_theta does
+        (else None): the executor calls it in each task of a recomputing cell, in the
+        task's scope, so the gather runs after the device's previous task and its
+        result is freed with the task. Each weight is gathered on its own, not packed
+        with the cell's others as `gathered` packs them: a packed gather holds the
+        gathered buffer and the weights cut out of it at once (about twice the cell's
+        weights), which inside a task raised the step's peak above gathering once
+        (benchmarks/regather_benchmark.py); weight by weight the transient is one
+        weight's. The n-th call for cell k is one all-gather per weight over the
+        replicas (instance keys new for each step traced)."""
+        if not self.per_micro_batch:
+            return [None] * len(replica_cells)
+        keys: dict = {}
+        return [functools.partial(self._regather, r, cells, theta, keys, collections.Counter())
+                for r, (cells, theta) in enumerate(zip(replica_cells, replica_thetas))]
+
+    def _regather(self, r: int, cells: Sequence[Any], theta: dict, keys: dict,
+                  calls: collections.Counter, k: int) -> dict:
+        n, calls[k] = calls[k], calls[k] + 1
+        own = {name: theta[name] for name in cells[k].names}
+        wholes: dict = {}
+        for path in sorted(self.paths_of(own)):  # weight by weight: see `regatherers`
+            if (k, n, path) not in keys:
+                keys[(k, n, path)] = replicas.new_instance_key()
+            wholes.update(self._gather(r, self._devices[path], [path], keys[(k, n, path)]))
+        return cells[k].read_theta(self._substitute(own, wholes))
+
+    def _groups(self, paths: Any) -> list[tuple[tuple, list[str]]]:
+        """`paths` by all-gather group: ((the replicas' devices, dtype), sorted paths)."""
         by_group: dict = {}
-        for path in sorted(self.shapes):
+        for path in sorted(paths):
             by_group.setdefault((self._devices[path], self.parts[0][path].dtype),
                                 []).append(path)
-        wholes: list[dict] = [{} for _ in self.parts]
-        for (devices, _), paths in by_group.items():
-            sizes = [int(self.parts[0][path].shape[0]) for path in paths]
-            group, key = replicas.group_key(devices), replicas.new_instance_key()
-            for r, copy in enumerate(self.parts):
-                with tf.device(devices[r]), tf.name_scope(f'gather_weights_{r}'):
-                    packed = tf.concat([copy[path].read_value() for path in paths], 0)
-                    rows = tf.reshape(collective_ops.all_gather(
-                        packed, self.num_shards, group, key, communication_hint='auto'),
-                        [self.num_shards, -1])
-                    for path, column in zip(paths, tf.split(rows, sizes, axis=1)):
-                        flat = tf.reshape(column, [-1])[:self.shapes[path].num_elements()]
-                        wholes[r][path] = tf.reshape(flat, self.shapes[path])
-        return [tf.nest.map_structure(
-            lambda leaf, r=r: wholes[r][self._path_of[id(leaf)]] if self.is_part(leaf) else leaf,
-            theta) for r, theta in enumerate(replica_thetas)]
+        return list(by_group.items())
+
+    def _gather(self, r: int, devices: tuple, paths: list[str], key: int) -> dict:
+        """Replica r's side of one all-gather (instance `key`): the whole weights at
+        `paths` (one group's), packed into one buffer, on its device."""
+        sizes = [int(self.parts[0][path].shape[0]) for path in paths]
+        wholes = {}
+        with tf.device(devices[r]), tf.name_scope(f'gather_weights_{r}'):
+            packed = tf.concat([self.parts[r][path].read_value() for path in paths], 0)
+            rows = tf.reshape(collective_ops.all_gather(
+                packed, self.num_shards, replicas.group_key(devices), key,
+                communication_hint='auto'), [self.num_shards, -1])
+            for path, column in zip(paths, tf.split(rows, sizes, axis=1)):
+                flat = tf.reshape(column, [-1])[:self.shapes[path].num_elements()]
+                wholes[path] = tf.reshape(flat, self.shapes[path])
+        return wholes
+
+    def _substitute(self, theta: Any, wholes: dict) -> Any:
+        """`theta` with each part of `wholes`' weights replaced by its whole weight."""
+        return tf.nest.map_structure(
+            lambda leaf: wholes.get(self._path_of.get(id(leaf)), leaf), theta)

@@ -6,7 +6,8 @@
 - 'gradients' (ZeRO stage 2): also 1/R of each summed gradient, reduce-scattered
   after the cell's last backward instead of all-reduced.
 - 'weights' (ZeRO stage 3): also 1/R of each weight between steps, all-gathered
-  once per step before the cell's first forward (tfpipe/pipeline/sharded_weights.py).
+  once per step before the cell's first forward (tfpipe/pipeline/sharded_weights.py),
+  or with `task.train.regather_per_micro_batch` in each task of a recomputing cell.
 In tfpipe/pipeline/sharded_optimizer.py; docs/optimizer_sharding.md. Stage 3 across
 trainer clients is not built: refused in one line.
 
@@ -28,10 +29,15 @@ def stage_of(train: Params, count: int, expert_parallel: int = 1,
              clients: bool = False) -> str:
     """The stage `train` (task.train) asks for over `count` replicas (`clients`: one per
     trainer client); ValueError (one line) for an unknown or unbuilt stage, a
-    contradiction, a stage at R=1, or a stage with expert parallelism (expert weights are
-    held by R/P replicas each, so their slots and gradients would shard over another
-    group than the other weights': not built)."""
+    contradiction (also regather_per_micro_batch at a stage other than 'weights'), a
+    stage at R=1, or a stage with expert parallelism (expert weights are held by R/P
+    replicas each, so their slots and gradients would shard over another group than
+    the other weights': not built)."""
     name = train.sharding
+    if train.regather_per_micro_batch and name != WEIGHTS:
+        raise ValueError(f'task.train.regather_per_micro_batch=True with task.train.sharding='
+                         f"{name!r}: only stage 3 gathers weights; set sharding='weights' or "
+                         'regather_per_micro_batch=False')
     if name == WEIGHTS and clients:
         raise ValueError("task.train.sharding='weights' (ZeRO stage 3) across trainer clients "
                          "is not built: use 'gradients' (stage 2) there, or one trainer "

@@ -58,6 +58,15 @@ def train_params() -> Params:
              "'weights' (ZeRO stage 3: the weights too between steps, each cell's all-gathered "
              'once per step; one trainer client only). Same updates and checkpoints as '
              'unsharded. Refused at R=1, where it does nothing.')
+    p.Define('regather_per_micro_batch', False, "With sharding='weights' (ZeRO stage 3): "
+             "each recomputing cell all-gathers its whole weights in every forward and "
+             'backward task and frees them after it, instead of once a step kept through '
+             'all micro-batches: the whole weights of a cell are held only while one of its '
+             'tasks runs, for 2M all-gathers of each of its weights per step instead of one '
+             'of the cell (cells that keep their activations still gather once). Same '
+             'updates. Measured on logical '
+             'CPUs it was slower (1.25-1.41x) and did not lower the step\'s peak '
+             '(docs/optimizer_sharding.md). Refused at other stages.')
     p.Define('save_interval_steps', 100, 'Checkpoint every this many steps.')
     p.Define('save_max_to_keep', 5, 'Checkpoints kept in the train dir.')
     p.Define('summary_interval_steps', 10, 'TensorBoard summaries every this many steps.')
