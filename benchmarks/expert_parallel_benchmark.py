@@ -8,7 +8,10 @@ built in one process and timed round-robin (`--repeats` rounds, median per P), s
 ratios compare like with like on a shared host. Logical CPUs share the host's cores, so
 P > 1 saves no compute here (each replica still runs its share of the expert FLOPs) and
 the all-to-all is a memory copy: the figure is the cost of the exchange and its
-ordering, not the speed-up GPUs would see.
+ordering, not the speed-up GPUs would see. For P > 1 it also times the step's exchange
+alone, timed in the same rounds: a function that runs just that step's all-to-alls
+(per replica and micro-batch the dispatch and the combine, and their backwards) on
+slots of the layer's shape, and prints it as a share of the step.
 
 Run (from the repository root):
     PYTHONPATH=. python benchmarks/expert_parallel_benchmark.py --repeats=5
@@ -19,9 +22,8 @@ import argparse
 import statistics
 import time
 
-import tensorflow as tf
-
-import tfpipe
+import tfpipe  # before TensorFlow: it sets oneDNN's and the allocator's options at load
+import tensorflow as tf  # noqa: E402
 
 
 def build(p: int, width: int, experts: int):
@@ -35,6 +37,34 @@ def build(p: int, width: int, experts: int):
     return tfpipe.PipeliningLayer.Params().Set(
         name='pipe', body=body, balance=[3], num_replicas=4, expert_parallel=p,
         num_micro_batches=2).Instantiate()
+
+
+def exchange_alone(pipe, width: int, experts: int, tokens: int):
+    """A tf.function running only the all-to-alls of `pipe`'s step: per replica and
+    micro-batch the MoE layer's dispatch and combine on [E, C, D] slots of `tokens`
+    tokens, under a tape, and their backwards."""
+    from tfpipe.layers import moe_gating
+    from tfpipe.pipeline import expert_parallel
+    p = pipe.params.expert_parallel
+    devices = [cells[0].device for cells in pipe.replica_cells]
+    groups = expert_parallel.groups_of(devices, p)
+    capacity = moe_gating.expert_capacity(2.0, tokens, experts, 2)
+
+    def run():
+        xs, outs = [], []
+        with tf.GradientTape() as tape:
+            for device, group in zip(devices, groups):
+                with tf.device(device):
+                    for _ in range(pipe.params.num_micro_batches):
+                        x = tf.zeros([p, experts // p, capacity, width])
+                        tape.watch(x)
+                        xs.append(x)
+                        there = expert_parallel.all_to_all(x, group, 'bench/moe/dispatch')
+                        outs.append(expert_parallel.all_to_all(there, group,
+                                                               'bench/moe/combine'))
+        grads = tape.gradient(outs, xs)
+        return tf.add_n([tf.reduce_sum(g) for g in grads])
+    return tf.function(run, autograph=False)
 
 
 def main() -> None:
@@ -62,6 +92,10 @@ def main() -> None:
             return loss
         steps[p] = tf.function(step, autograph=False)
         steps[p]()  # trace and warm up
+        if p > 1:
+            tokens = args.batch // pipe.num_replicas // pipe.params.num_micro_batches
+            steps[f'exchange {p}'] = exchange_alone(pipe, args.width, args.experts, tokens)
+            steps[f'exchange {p}']()
     times = {p: [] for p in steps}
     for _ in range(args.repeats):
         for p, fn in steps.items():
@@ -71,7 +105,12 @@ def main() -> None:
     base = statistics.median(times[1])
     for p, ts in times.items():
         med = statistics.median(ts)
-        print(f'P={p}: step {med * 1e3:.1f} ms (median of {len(ts)}), {med / base:.2f}x P=1')
+        if isinstance(p, str):
+            share = med / statistics.median(times[int(p.split()[1])])
+            print(f'  P={p.split()[1]}\'s all-to-alls alone: {med * 1e3:.1f} ms, {share:.0%} of '
+                  'its step')
+        else:
+            print(f'P={p}: step {med * 1e3:.1f} ms (median of {len(ts)}), {med / base:.2f}x P=1')
 
 
 if __name__ == '__main__':
