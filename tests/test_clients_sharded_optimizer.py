@@ -156,6 +156,9 @@ BAD_STAGES = {
     'stage3_clients': ('trainer', 2, 0, {'task.train.sharding': 'weights'},
                        "task.train.sharding='weights' (ZeRO stage 3) across trainer clients "
                        'is not built'),
+    # Not a stage, refused at the same point for the same reason.
+    'experts_clients': ('trainer', 2, 1, {'task.pipeline.expert_parallel': 2},
+                        'task.pipeline.expert_parallel=2 across trainer clients is not built'),
 }
 
 

@@ -279,6 +279,7 @@ def _run_client(client_cluster) -> int:
     params, options = _load_params_and_options()
     clients.check_num_replicas(params.task.pipeline.num_replicas, client_cluster.count)
     _check_sharding(params, client_cluster.count, clients=True)
+    _check_experts_across_clients(params.task.pipeline.expert_parallel)
     params.task.pipeline.num_replicas = 1  # this process holds one replica of R
     options.apply_to(params)  # the fingerprint holds what the trainer will run
     agreed = client_agreement.fingerprint(FLAGS.model, params, client_cluster,
@@ -306,6 +307,18 @@ def _check_sharding(params, count: int, clients: bool = False) -> None:
     for all the others and a missing one would hide the real error behind a time-out."""
     from tfpipe.pipeline import sharding
     sharding.stage_of(params.task.train, count, params.task.pipeline.expert_parallel, clients)
+
+
+def _check_experts_across_clients(expert_parallel: int) -> None:
+    """Refuses expert parallelism over trainer clients before the cluster starts: each
+    client holds one replica, so its all-to-all would have to cross processes, which is
+    not built (without this check the client failed later, after its peers connected,
+    saying that P does not divide num_replicas=1)."""
+    if expert_parallel != 1:
+        raise ValueError(f'task.pipeline.expert_parallel={expert_parallel} across trainer '
+                         'clients is not built (the clients would exchange tokens across '
+                         'processes): run one trainer client with task.pipeline.num_replicas'
+                         f' a multiple of {expert_parallel}, or set expert_parallel=1')
 
 
 def _list_models() -> int:
