@@ -65,7 +65,7 @@ def inference_task_params(task_params: Params, placement: str = ONE_DEVICE) -> P
     collectives), and for ONE_DEVICE one cell."""
     if placement not in PLACEMENTS:
         raise ValueError(f'unknown export placement {placement!r}: use one of {list(PLACEMENTS)}')
-    p = task_params.Copy()
+    p = decoding_task_params(task_params)  # every expert on replica 0
     pipe = p.pipeline
     split = pipe.tensor_parallel
     if placement == ONE_DEVICE:
@@ -74,7 +74,7 @@ def inference_task_params(task_params: Params, placement: str = ONE_DEVICE) -> P
     elif pipe.devices is not None:
         num_devices = len(pipe.devices) // (pipe.num_replicas * split)
         pipe.devices = list(pipe.devices)[:num_devices * split:split]  # replica 0's cells' homes
-    pipe.Set(num_replicas=1, tensor_parallel=1, expert_parallel=1)
+    pipe.Set(num_replicas=1, tensor_parallel=1)
     return p
 
 
