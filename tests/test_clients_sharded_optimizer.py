@@ -18,7 +18,6 @@ import shutil
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from tests import trainer_helpers as th
 from tests.test_clients import free_port
@@ -46,15 +45,6 @@ def _start_clients(processes: th.Processes, logdirs, data_dir: str, *flags: str)
     return procs
 
 
-def _finish(procs, timeout: float = 400) -> list[str]:
-    out = []
-    for proc in procs:
-        _, err = proc.communicate(timeout=timeout)
-        assert proc.returncode == 0, err[-3000:]
-        out.append(err)
-    return out
-
-
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory, data_dir, processes):
     root = tmp_path_factory.mktemp('sharded_clients')
@@ -63,7 +53,7 @@ def runs(tmp_path_factory, data_dir, processes):
                            *_flags(STEPS // 2, **SHARDED))
     reference = processes.start(th.command(MODEL, d['reference'], data_dir, *_flags(
         STEPS, **{'task.pipeline.num_replicas': 2})), environ=EXACT)
-    d['first_stderr'] = _finish(first)
+    d['first_stderr'] = th.finish(first)
     assert not os.path.exists(d['other'])
     shutil.copytree(d['chief'], d['unsharded'])
     os.makedirs(d['other'])  # empty: the non-chief has no access to the chief's logdir
@@ -71,20 +61,12 @@ def runs(tmp_path_factory, data_dir, processes):
                             *_flags(STEPS, **SHARDED))
     unsharded = processes.start(th.command(MODEL, d['unsharded'], data_dir, *_flags(
         STEPS, **{'task.pipeline.num_micro_batches': 4})), environ=EXACT)
-    d['second_stderr'] = _finish([*second, unsharded, reference])
+    d['second_stderr'] = th.finish([*second, unsharded, reference])
     return d
 
 
-def _state(logdir: str, step: int) -> dict:
-    """Every saved value of ckpt-`step` (model, optimizer slots and step, global step)."""
-    prefix = os.path.join(logdir, 'train', f'ckpt-{step}')
-    reader = tf.train.load_checkpoint(prefix)
-    return {name: reader.get_tensor(name) for name, _ in tf.train.list_variables(prefix)
-            if name.startswith(('model/', 'optimizer/', 'step/'))}
-
-
 def _assert_same_checkpoint(actual: str, expected: str, step: int) -> None:
-    got, want = _state(actual, step), _state(expected, step)
+    got, want = th.checkpoint_state(actual, step), th.checkpoint_state(expected, step)
     assert got.keys() == want.keys()
     slots = [name for name in want if '/_slots/' in name]
     assert len(slots) == 2 * len([n for n in want if n.startswith('model/')])  # Adam: m, v
@@ -123,7 +105,8 @@ def test_each_client_holds_half_of_the_slots(runs):
     whole = int(whole_0)
     assert int(held_0) + int(held_1) == whole  # the halves partition every slot
     # Each half is ceil(n/2) or floor(n/2) elements of each slot: within 4 bytes per slot.
-    num_slots = 2 * len([n for n in _state(runs['reference'], STEPS) if n.startswith('model/')])
+    saved = th.checkpoint_state(runs['reference'], STEPS)
+    num_slots = 2 * len([n for n in saved if n.startswith('model/')])
     for held in (int(held_0), int(held_1)):
         assert abs(held - whole / 2) <= 4 * num_slots / 2
 
@@ -133,7 +116,7 @@ def test_stage2_clients_train_as_one_unsharded_process(runs, tmp_path, data_dir,
     own gradient sums reduce-scattered by all_to_all_v2 across the processes, clipped by
     the norm summed over both parts: the reference's losses and checkpoint, one short run."""
     chief, other = str(tmp_path / 'chief'), str(tmp_path / 'other')
-    _finish(_start_clients(processes, [chief, other], data_dir,
+    th.finish(_start_clients(processes, [chief, other], data_dir,
                            *_flags(STEPS, **{'task.train.sharding': 'gradients'})))
     _assert_same_losses(chief, runs['reference'], range(1, STEPS + 1))
     _assert_same_checkpoint(chief, runs['reference'], STEPS)
@@ -157,8 +140,8 @@ BAD_STAGES = {
                        "task.train.sharding='weights' (ZeRO stage 3) across trainer clients "
                        'is not built'),
     # Not a stage, refused at the same point for the same reason.
-    'experts_clients': ('trainer', 2, 1, {'task.pipeline.expert_parallel': 2},
-                        'task.pipeline.expert_parallel=2 across trainer clients is not built'),
+    'experts_clients': ('trainer', 2, 1, {'task.pipeline.expert_parallel': 3},
+                        'task.pipeline: expert_parallel=3 does not divide num_replicas=2'),
 }
 
 

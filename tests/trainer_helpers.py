@@ -308,3 +308,21 @@ def tmpfs(mount: str, options: str) -> Iterator[str]:
         yield mount
     finally:
         subprocess.run(['umount', mount], check=True)
+
+
+def finish(procs, timeout: float = 400) -> list[str]:
+    """Waits for each process; asserts it exited 0 (with its stderr's tail); their stderrs."""
+    out = []
+    for proc in procs:
+        _, err = proc.communicate(timeout=timeout)
+        assert proc.returncode == 0, err[-3000:]
+        out.append(err)
+    return out
+
+
+def checkpoint_state(logdir: str, step: int) -> dict:
+    """Every saved value of ckpt-`step` (model, optimizer slots and step, global step)."""
+    prefix = os.path.join(logdir, 'train', f'ckpt-{step}')
+    reader = tf.train.load_checkpoint(prefix)
+    return {name: reader.get_tensor(name) for name, _ in tf.train.list_variables(prefix)
+            if name.startswith(('model/', 'optimizer/', 'step/'))}

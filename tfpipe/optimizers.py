@@ -48,14 +48,19 @@ def whole_slots(variables: Variables, slots: dict,
     checkpoints save it (`variable_shards.checkpointed_as`): a tensor-parallel weight's
     shards, whose slots are all in `slots`, or an expert weight's slices over P replicas,
     whose other slices' slots are in `others` ((variables, slots) of the other replicas'
-    optimizers). A slot is a tf.Variable or anything with its shape, dtype, device,
-    read_value and assign (the sharded optimizer's)."""
+    optimizers), or a trainer client's expert rows (ClientSlices), whose slots are saved
+    whole from every client's rows. A slot is a tf.Variable or anything with its shape,
+    dtype, device, read_value and assign (the sharded optimizer's)."""
     key_of = {id(var): (slots_, slot_key(path))
               for variables_, slots_ in [*others, (variables, slots)]
               for path, var in variables_.items()}
     out: dict = {}
     for path, var in variables.items():
         sharded = variable_shards.checkpointed_as(var)
+        if isinstance(sharded, variable_shards.ClientSlices):  # other clients hold the rest
+            out[slot_key(path)] = {name: sharded.slot(f'{slot_key(path)}/{name}', slot)
+                                   for name, slot in slots[slot_key(path)].items()}
+            continue
         found = [key_of.get(id(s)) for s in sharded.shards] if sharded is not None else [None]
         if None in found or len(found) == 1:  # not split, or not every shard's slots are here
             out[slot_key(path)] = slots[slot_key(path)]

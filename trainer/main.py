@@ -19,6 +19,8 @@ with status 2 and a one-line error, before anything is written to --logdir.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import errno
 import os
 import sys
@@ -279,12 +281,15 @@ def _run_client(client_cluster) -> int:
     params, options = _load_params_and_options()
     clients.check_num_replicas(params.task.pipeline.num_replicas, client_cluster.count)
     _check_sharding(params, client_cluster.count, clients=True)
-    _check_experts_across_clients(params.task.pipeline.expert_parallel)
+    expert_parallel = _check_experts_across_clients(params, client_cluster.count)
     params.task.pipeline.num_replicas = 1  # this process holds one replica of R
     options.apply_to(params)  # the fingerprint holds what the trainer will run
     agreed = client_agreement.fingerprint(FLAGS.model, params, client_cluster,
                                           options.loop_settings())
-    peers = clients.start(client_cluster, FLAGS.cluster_wait_seconds)
+    # Its replica holds its E/P experts; its own steps know only that replica (Peers has P).
+    params.task.pipeline.expert_parallel = 1
+    peers = dataclasses.replace(clients.start(client_cluster, FLAGS.cluster_wait_seconds),
+                                expert_parallel=expert_parallel)
     client_agreement.check(client_cluster, agreed, FLAGS.cluster_wait_seconds)
     if peers.is_chief:
         built = job_runner.build_jobs(params, options, ['trainer'], FLAGS.logdir, FLAGS.model,
@@ -309,16 +314,21 @@ def _check_sharding(params, count: int, clients: bool = False) -> None:
     sharding.stage_of(params.task.train, count, params.task.pipeline.expert_parallel, clients)
 
 
-def _check_experts_across_clients(expert_parallel: int) -> None:
-    """Refuses expert parallelism over trainer clients before the cluster starts: each
-    client holds one replica, so its all-to-all would have to cross processes, which is
-    not built (without this check the client failed later, after its peers connected,
-    saying that P does not divide num_replicas=1)."""
-    if expert_parallel != 1:
-        raise ValueError(f'task.pipeline.expert_parallel={expert_parallel} across trainer '
-                         'clients is not built (the clients would exchange tokens across '
-                         'processes): run one trainer client with task.pipeline.num_replicas'
-                         f' a multiple of {expert_parallel}, or set expert_parallel=1')
+def _check_experts_across_clients(params, count: int) -> int:
+    """P across `count` trainer clients (consecutive clients form its expert groups),
+    checked before the cluster starts: P divides the clients and every MoE layer's
+    experts, and the global batch cuts into equal micro-batches (all-to-all chunks are
+    equal). Without this a client would fail only after its peers connected."""
+    from tfpipe.pipeline import expert_parallel, microbatch
+    pipeline = params.task.pipeline
+    p = expert_parallel.check_expert_parallel(pipeline.expert_parallel, count, 'task.pipeline')
+    for key, _, value in (line.partition(' : ') for line in params.task.ToText().splitlines()):
+        if key.endswith('.num_experts') and value.strip().isdigit():
+            expert_parallel.check_num_experts(int(value), p, f'task.{key.rsplit(".", 1)[0]}')
+    batch = params.input.train.batch_size
+    expert_parallel.check_even(microbatch.micro_batch_sizes(
+        batch, pipeline.num_micro_batches * count), p, 'task.pipeline')
+    return p
 
 
 def _list_models() -> int:

@@ -25,7 +25,8 @@ every client receives the chief's weights, optimizer slots, step and input
 position over the collective runtime. With sharded optimizer states each client
 holds 1/R of the slots: every save all-gathers them so that the chief's
 checkpoint holds them whole, and at start each client receives its part of the
-chief's.
+chief's. With expert parallelism across clients each client's experts (and their
+slots) travel the same way: gathered whole at each save, cut from the chief's at start.
 """
 from __future__ import annotations
 
@@ -100,7 +101,9 @@ class Trainer:
         if self.trace_step is not None and self.trace_step > self.max_steps:
             raise ValueError(f'--pipeline_trace_step={self.trace_step} is beyond max_steps='
                              f'{self.max_steps}: pick a step in 1..{self.max_steps}')
-        self.task = params.task.Instantiate()
+        with (expert_parallel.spanning_clients(peers) if peers is not None
+              else contextlib.nullcontext()):
+            self.task = params.task.Instantiate()
         self.task.CheckInput(params.input.train)
         self.batch_size = params.input.train.batch_size
         self.input_share = None  # a client reads only its examples of each global batch
@@ -112,7 +115,8 @@ class Trainer:
         self.optimizers: list[BaseOptimizer] | ShardedOptimizer
         stage = sharding.stage_of(tp, count=peers.count if peers else
                                   params.task.pipeline.num_replicas,
-                                  expert_parallel=params.task.pipeline.expert_parallel,
+                                  expert_parallel=peers.expert_parallel if peers else
+                                  params.task.pipeline.expert_parallel,
                                   clients=peers is not None)
         if stage == sharding.WEIGHTS:
             # The layers now hold each replica's parts.
@@ -122,6 +126,9 @@ class Trainer:
         self.replica_variables = [{p: v for p, v in copy.items() if v.trainable}
                                   for copy in self.task.pipe.ReplicaVariablesByPath()]
         self.variables = self.replica_variables[0]
+        # A client's experts: checkpointed whole (before the optimizer's slots are joined).
+        self.client_experts = (expert_parallel.ClientExperts(peers, self.task.VariablesByPath())
+                               if peers is not None and peers.expert_parallel > 1 else None)
         if stage != sharding.NONE:
             if stage == sharding.GRADIENTS:
                 self.task.pipe.DeferGradientSum()  # reduce-scattered by the optimizer
@@ -244,31 +251,40 @@ class Trainer:
         return self.peers is None or self.peers.is_chief
 
     def _checkpointed_variables(self) -> list[tf.Variable]:
-        """Everything a checkpoint restores, in an order every client agrees on."""
+        """Everything a checkpoint restores, in an order every client agrees on (but a
+        client's experts: `client_experts` sends each client its own rows)."""
         out = [self.variables[path] for path in sorted(self.variables)]
         out += [v for path, v in sorted(self.task.VariablesByPath().items())
                 if not v.trainable]
         out += [self.optimizer.iterations, *(
             self.optimizer.whole_slot_variables if isinstance(self.optimizer, ShardedOptimizer)
             else self.optimizer.slot_variables), self.global_step]
-        return out + list(getattr(self.iterator, 'variables', ()))  # the input's position
+        out += list(getattr(self.iterator, 'variables', ()))  # the input's position
+        return [v for v in out if not (self.client_experts and self.client_experts.holds(v))]
 
     def _receive_chief_state(self) -> None:
         sharded = isinstance(self.optimizer, ShardedOptimizer) and self.optimizer.spans_clients
-        self._broadcast_chief_state(self.optimizer.ChiefSlots() if sharded else [])
+        self._broadcast_chief_state(
+            self.optimizer.ChiefSlots() if sharded else [],
+            self.client_experts.ChiefValues() if self.client_experts else [])
 
     @tf.function(autograph=False)
-    def _broadcast_chief_state(self, chief_slots):
+    def _broadcast_chief_state(self, chief_slots, chief_experts):
         across_clients.broadcast_from_chief(self.peers, self._checkpointed_variables(),
                                             self.task.pipe.devices[0])
         if chief_slots:  # sharded optimizer states: each client's part of them
             self.optimizer.ReceiveSlots(chief_slots)
+        if chief_experts:  # experts across clients: each client's rows of them
+            self.client_experts.Receive(chief_experts)
 
     def _gather_slots(self) -> contextlib.AbstractContextManager:
-        """Across clients with sharded optimizer states, every client sends its part of
-        the slots (at each save, on every client); the chief saves inside the context."""
+        """Across clients with sharded optimizer states (or experts), every client sends
+        its part of the slots (and its experts' rows) at each save, on every client; the
+        chief saves inside the context."""
         if isinstance(self.optimizer, ShardedOptimizer):
             return self.optimizer.GatherSlots()
+        if self.client_experts is not None:
+            return self.client_experts.Gathered()
         return contextlib.nullcontext()
 
     @tf.function(autograph=False)

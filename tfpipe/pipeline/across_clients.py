@@ -45,9 +45,12 @@ _instance_keys = itertools.count(1)
 
 @dataclasses.dataclass(frozen=True)
 class Peers:
-    """This process is client `index` of `count`, each holding one replica."""
+    """This process is client `index` of `count`, each holding one replica; with
+    `expert_parallel` P > 1, consecutive clients form groups of P that share the
+    experts of every MoE layer (tfpipe/pipeline/expert_parallel.py)."""
     count: int
     index: int
+    expert_parallel: int = 1
 
     @property
     def is_chief(self) -> bool:
@@ -60,15 +63,24 @@ def next_instance() -> int:
         return next(_instance_keys)
 
 
-def group_key(device: str) -> int:
-    """The same key for local device d on every client, one per device type and index."""
+def group_key(device: str, members: Sequence[int] = ()) -> int:
+    """The same key for local device d on every client, one per device type and index;
+    with `members` (ascending client indices, a subgroup: an expert group, or the clients
+    holding the same experts), one per device and member set, the same on each member."""
     spec = tf.DeviceSpec.from_string(device)
-    return 1 + (spec.device_index or 0) + (0 if spec.device_type == 'CPU' else 100000)
+    key = 1 + (spec.device_index or 0) + (0 if spec.device_type == 'CPU' else 100000)
+    if not members:
+        return key
+    # A subgroup is consecutive (an expert group) or strided (the same experts): its
+    # kind, first member and device identify it among the groups any client forms.
+    strided = len(members) > 1 and members[1] - members[0] > 1
+    return 1_000_000 * (1 + members[0]) + 500_000 * strided + key
 
 
 def all_reduce_sum(peers: Peers, tensors: Sequence[tf.Tensor], device: str,
-                   timeout: float = 0) -> list[tf.Tensor]:
-    """Sums each tensor over the clients, on this client's `device`.
+                   timeout: float = 0, members: Sequence[int] = ()) -> list[tf.Tensor]:
+    """Sums each tensor over the clients (or only over `members`, ascending client
+    indices that include this one), on this client's `device`.
 
     Tensors of one dtype are packed into one flat buffer, so every client
     receives the same bits from one collective per dtype. `timeout` (seconds, 0:
@@ -83,7 +95,8 @@ def all_reduce_sum(peers: Peers, tensors: Sequence[tf.Tensor], device: str,
             shapes = [tensors[i].shape for i in indices]
             sizes = [s.num_elements() for s in shapes]
             packed = tf.concat([tf.reshape(tensors[i], [-1]) for i in indices], 0)
-            summed = collective_ops.all_reduce(packed, peers.count, group_key(device),
+            summed = collective_ops.all_reduce(packed, len(members) or peers.count,
+                                               group_key(device, members),
                                                next_instance(), 'Add', 'Id',
                                                communication_hint='auto', timeout=timeout)
             for i, piece, shape in zip(indices, tf.split(summed, sizes), shapes):

@@ -28,6 +28,12 @@ same order since every member traces the same layers. The op has no gradient;
 the backward of an all-to-all is the same all-to-all of the output gradient
 (chunk j received from member j goes back to member j), under tf.custom_gradient
 with its own instance key.
+
+Across trainer clients (one replica per process, `spanning_clients`) the members are
+P consecutive clients: each process builds its replica with its own E/P experts, its
+all-to-alls take the group's key agreed without messages (across_clients.group_key),
+its expert gradients are summed over the clients holding the same experts
+(`all_reduce_across_clients`) and `ClientExperts` keeps the chief's checkpoints whole.
 """
 from __future__ import annotations
 
@@ -35,13 +41,13 @@ import contextlib
 import dataclasses
 import threading
 import weakref
-from typing import Any, Callable, ContextManager, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import tensorflow as tf
 
 from tfpipe import variable_shards
 from tfpipe.build_scope import BuildScope
-from tfpipe.pipeline import replicas
+from tfpipe.pipeline import across_clients, replicas
 from tfpipe.pipeline import ties as ties_lib
 from tfpipe.pipeline.cell import Cell
 
@@ -83,6 +89,9 @@ class ExpertGroup:
 
     devices: tuple[str, ...]
     rank: int
+    # Across trainer clients: the group's collective key (agreed without messages;
+    # across_clients.group_key), and every member's device is this client's own.
+    client_key: int = 0
 
     @property
     def size(self) -> int:
@@ -91,6 +100,7 @@ class ExpertGroup:
 
 SINGLE = ExpertGroup(('',), 0)
 _building: BuildScope[ExpertGroup] = BuildScope(SINGLE)
+_clients: BuildScope[Optional[across_clients.Peers]] = BuildScope(None)
 
 
 def groups_of(replica_devices: Sequence[str], expert_parallel: int) -> list[ExpertGroup]:
@@ -108,7 +118,12 @@ def expert_data_parallel(num_replicas: int, expert_parallel: int, replica: int) 
 def layout(replica_devices: Sequence[Sequence[str]],
            expert_parallel: int) -> list[list[ExpertGroup]]:
     """[replica][device slot] -> the ExpertGroup of that replica's cells on that slot: the
-    same slot of the P consecutive replicas of its group."""
+    same slot of the P consecutive replicas of its group; built within `spanning_clients`
+    (one replica per process), the same slot of the P consecutive clients of its group."""
+    peers = _clients.current()
+    if peers is not None and peers.expert_parallel > 1:
+        return [[_client_group(peers, device) for device in devices]
+                for devices in replica_devices]
     slots = range(len(replica_devices[0]))
     by_slot = [groups_of([devices[s] for devices in replica_devices], expert_parallel)
                for s in slots]
@@ -161,6 +176,85 @@ class WholeExperts:
             if expert_parallel > 1 and is_expert_variable(var)]
 
 
+class ClientExperts:
+    """A trainer client's expert weights and their slots (this client's E/P experts of each
+    MoE layer, built within `spanning_clients`), which checkpoints hold whole as in one
+    process (WholeExperts): only the chief reads and writes checkpoints, so at each save
+    every client sends it its rows (`Gathered`), and at start every client takes its rows
+    of what the chief restored (`ChiefValues` then `Receive`, in one tf.function run by
+    every client at once). A fresh run keeps its initial rows: each client's experts are
+    its slice of the P=1 initial value already (moe_experts.py)."""
+
+    def __init__(self, peers: across_clients.Peers, variables: dict[str, tf.Variable]):
+        self._peers = peers
+        p = peers.expert_parallel
+        self._weights = [variable_shards.ClientSlices(path, var, peers.index % p, p)
+                         for path, var in sorted(variables.items()) if is_expert_variable(var)]
+        for weight in self._weights:
+            variable_shards.save_whole_as(weight.part, weight)
+
+    @property
+    def _all(self) -> list[variable_shards.ClientSlices]:
+        """The weights, then their slots (known once the optimizer joined them:
+        optimizers.whole_slots), in an order every client agrees on."""
+        return self._weights + [s for w in self._weights
+                                for s in sorted(w.slots.values(), key=lambda s: s.path)]
+
+    def holds(self, variable: tf.Variable) -> bool:
+        """Whether `variable` is one of this client's rows (of a weight or a slot)."""
+        return any(s.part is variable for s in self._all)
+
+    def Gathered(self) -> ContextManager:
+        """Every client's rows of each expert weight and slot, joined now (an all-gather:
+        call on every client at once) for the chief's save made inside the context."""
+        held = self._all
+        values = self._gather(len(held)) if held else []
+        for whole, value in zip(held, values):
+            rows = value[:self._peers.expert_parallel]  # expert group 0: every expert once
+            whole.gathered = tf.reshape(rows, whole.shape) if self._peers.is_chief else None
+        return _clearing(held)
+
+    @tf.function(autograph=False)
+    def _gather(self, count: int) -> list[tf.Tensor]:
+        return [across_clients.all_gather(self._peers, tf.reshape(s.part, [-1]), s.part.device)
+                for s in self._all[:count]]
+
+    def ChiefValues(self) -> list[tf.Tensor]:
+        """What this client gives `Receive`: on the chief whether it restored, then each
+        restored whole; zeros elsewhere (and on a chief that restored nothing)."""
+        held = self._all
+        restored = self._peers.is_chief and all(s.restored is not None for s in held)
+        out = [tf.constant(float(restored))]
+        for s in held:
+            out.append(tf.convert_to_tensor(s.restored) if restored
+                       else tf.zeros(s.shape, s.dtype))
+            s.restored = None
+        return out
+
+    def Receive(self, chief_values: Sequence[tf.Tensor]) -> None:
+        """Each client's rows of the chief's restored values, if it restored (inside a
+        tf.function run by every client at once; `chief_values` from ChiefValues())."""
+        held = self._all
+        if not held:
+            return
+        device = held[0].part.device
+        flag, *wholes = across_clients.all_reduce_sum(self._peers, chief_values, device)
+        for s, whole in zip(held, wholes):
+            n = int(s.part.shape[0])
+            with tf.device(s.part.device):
+                s.part.assign(tf.where(flag > 0, whole[s.rank * n:(s.rank + 1) * n],
+                                       s.part.read_value()))
+
+
+@contextlib.contextmanager
+def _clearing(held: Sequence[variable_shards.ClientSlices]) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for whole in held:
+            whole.gathered = None
+
+
 def source_replica(replica: int, var: tf.Variable, expert_parallel: int) -> int:
     """Whose value replica `replica` copies after a restore: replica 0's, or for an expert
     weight that of the member of group 0 with the same rank (it holds the same experts)."""
@@ -201,6 +295,46 @@ def all_reduce_grads(per_replica: Sequence[Sequence[tf.Tensor]], devices: Sequen
     return out
 
 
+def spanning_clients(peers: across_clients.Peers) -> ContextManager:
+    """Pipelines built inside are client `peers.index`'s replica of `peers.count`: with
+    `peers.expert_parallel` P > 1 their MoE layers hold this client's E/P experts and
+    exchange tokens with the other P-1 clients of its group (their own params say P=1:
+    each process holds one replica, whose local steps know nothing of the others)."""
+    return _clients.setting(peers)
+
+
+def _client_group(peers: across_clients.Peers, device: str) -> ExpertGroup:
+    p = peers.expert_parallel
+    first = peers.index - peers.index % p
+    members = tuple(range(first, first + p))
+    return ExpertGroup((device,) * p, peers.index % p, across_clients.group_key(device, members))
+
+
+def client_expert_members(peers: across_clients.Peers) -> list[int]:
+    """The clients holding the same experts as this one (whose expert gradients it sums)."""
+    return expert_data_parallel(peers.count, peers.expert_parallel, peers.index)
+
+
+def all_reduce_across_clients(peers: across_clients.Peers, grads: Sequence[tf.Tensor],
+                              device: str, is_expert: Sequence[bool]) -> list[tf.Tensor]:
+    """across_clients.all_reduce_sum of one cell's flat gradients, except that an expert
+    weight's gradient is summed only over the clients holding the same experts (none
+    when P is the number of clients); every other gradient over all clients."""
+    if peers.expert_parallel == 1 or not any(is_expert):
+        return across_clients.all_reduce_sum(peers, grads, device)
+    out = list(grads)
+    members = client_expert_members(peers)
+    for indices, among in (([i for i, e in enumerate(is_expert) if not e], ()),
+                           ([i for i, e in enumerate(is_expert) if e], members)):
+        if not indices or len(among) == 1:
+            continue
+        summed = across_clients.all_reduce_sum(peers, [grads[i] for i in indices], device,
+                                               members=among)
+        for i, g in zip(indices, summed):
+            out[i] = g
+    return out
+
+
 def building(group: ExpertGroup) -> ContextManager:
     """MoE layers created inside hold their share of experts for `group` (PipeliningLayer
     sets it around each replica's cells; outside, a layer holds all experts)."""
@@ -215,10 +349,12 @@ def current_group() -> ExpertGroup:
 def instance_key(group: ExpertGroup, name: str) -> int:
     """The instance key every member of `group` uses for collective `name` (a layer path,
     a role, a shape): allocated on the first member's request, found by the others."""
-    key = (tuple(group.devices), name)
+    key = (tuple(group.devices), group.client_key, name)
     with _lock:
         if key not in _instance_keys:
-            _instance_keys[key] = replicas.new_instance_key()
+            # Across clients, in the clients' common trace order (across_clients).
+            _instance_keys[key] = (across_clients.next_instance() if group.client_key
+                                   else replicas.new_instance_key())
         return _instance_keys[key]
 
 
@@ -239,7 +375,7 @@ def _raw_all_to_all(x: tf.Tensor, group: ExpertGroup, key: int) -> tf.Tensor:
     with tf.device(device):
         y = tf.raw_ops.CollectiveAllToAllV2(
             input=tf.reshape(x, [group.size, -1]), group_size=group.size,
-            group_key=replicas.group_key(group.devices), instance_key=key,
+            group_key=group.client_key or replicas.group_key(group.devices), instance_key=key,
             ordering_token=[_ordering_token(device)], communication_hint='auto')
         return tf.reshape(y, x.shape)
 

@@ -134,6 +134,7 @@ class PipeliningLayer(BaseLayer):
         self.devices = self.replica_devices[0]
         # Per replica: a slot's build scope (its tensor-parallel and expert groups).
         expert_groups = expert_parallel.layout(self.replica_devices, p.expert_parallel)
+        self._exchanges = any(g.size > 1 for slots in expert_groups for g in slots)
         building = [expert_parallel.building_with(g, homes, tensor_parallel.building_on)
                     for g, homes in zip(expert_groups, self.replica_devices)]
         layers = []
@@ -290,7 +291,7 @@ class PipeliningLayer(BaseLayer):
         p = self.params
         # Expert parallelism runs unrolled: under cell functions a recomputing last cell
         # holding experts deadlocked in its all-to-all (K=2, M=2; not yet diagnosed).
-        if p.cell_functions and not split_backward and p.expert_parallel == 1:
+        if p.cell_functions and not split_backward and not self._exchanges:
             return FunctionalPipelineRun(*args, jit_compile=p.jit_compile,
                                          recorder=self._recorder, **kwargs)
         return PipelineRun(*args, split_backward=split_backward, recorder=self._recorder,
@@ -564,8 +565,9 @@ class PipeliningLayer(BaseLayer):
             grads: dict = {}
             for k, cell_grads in enumerate(self._SumOverReplicas(runs)):
                 if self._peers is not None and not self._defer_gradient_sum:
-                    cell_grads = across_clients.all_reduce_sum(self._peers, cell_grads,
-                                                               self.cells[k].device)
+                    cell_grads = expert_parallel.all_reduce_across_clients(
+                        self._peers, cell_grads, self.cells[k].device,
+                        expert_parallel.expert_leaves(self.cells[k], theta))
                 grads.update(tf.nest.pack_sequence_as(runs[0].thetas[k], cell_grads))
             ties.fold(grads, self.ties, [cell.shard_devices for cell in self.cells])
             return loss, {name: grads[name] for name in theta}

@@ -1,0 +1,109 @@
+"""Expert parallelism across trainer clients (real processes on loopback).
+
+Two clients of lm.pystdlib.TinyMoETransformerLM with task.pipeline.expert_parallel=2: the
+clients are the expert group, each holds 4 of the 8 experts of its MoE layer and tokens
+cross processes by all-to-all. They must train as one process with R=2 replicas at P=2
+does: the loss (with its auxiliary losses) at every step, and the chief's checkpoints
+(every expert whole under the layer's path, with its whole Adam slots) within 1e-5. The
+second half of the run is 4 clients that restore the chief's checkpoint (the non-chiefs,
+given empty logdirs, must receive their experts' rows from the chief): two expert groups,
+each expert's gradient summed over the 2 clients that hold it. oneDNN is off in every
+process; every process is stopped by its PID in teardown.
+"""
+import os
+import re
+
+import numpy as np
+import pytest
+
+from tests import trainer_helpers as th
+from tests.test_clients import free_port
+
+MODEL = 'lm.pystdlib.TinyMoETransformerLM'
+STEPS = 4
+EXACT = {'TF_ENABLE_ONEDNN_OPTS': '0'}
+EXPERTS = {'task.pipeline.expert_parallel': 2}
+
+
+def _flags(steps: int, **overrides) -> list[str]:
+    return [*th.fast_flags(steps, 2), th.overrides(**EXPERTS, **overrides)]
+
+
+def _start_clients(processes: th.Processes, logdirs, data_dir: str, *flags: str) -> list:
+    spec = 'trainer=' + ','.join(f'127.0.0.1:{free_port()}' for _ in logdirs)
+    cpus = f'--num_logical_cpus={4 // len(logdirs) * 2}'  # 2 cells, on 2 devices or 1
+    return [processes.start([*[cpus if a.startswith('--num_logical_cpus=') else a
+                               for a in th.command(MODEL, logdir, data_dir, *flags)],
+                             f'--task={task}', f'--cluster_spec={spec}'], environ=EXACT)
+            for task, logdir in enumerate(logdirs)]
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory, data_dir, processes):
+    root = tmp_path_factory.mktemp('expert_clients')
+    d = {name: str(root / name) for name in ('chief', 'reference')}
+    others = [str(root / f'other{i}') for i in (1, 2, 3)]
+    first = _start_clients(processes, [d['chief'], others[0]], data_dir, *_flags(STEPS // 2))
+    reference = processes.start(th.command(MODEL, d['reference'], data_dir, *_flags(
+        STEPS, **{'task.pipeline.num_replicas': 2})), environ=EXACT)
+    th.finish(first, timeout=600)
+    assert not os.path.exists(others[0])
+    for other in others:
+        os.makedirs(other)  # empty: the non-chiefs have no access to the chief's logdir
+    # Resumed by 4 clients: two expert groups, and the expert gradients summed over the
+    # pairs of clients that hold the same experts. The checkpoint's 4 micro-batches are
+    # kept (M=1 each), so the steps are the reference's.
+    second = _start_clients(processes, [d['chief'], *others], data_dir, *_flags(STEPS))
+    d['second_stderr'] = th.finish([*second, reference], timeout=600)
+    d['others'] = others
+    return d
+
+
+def test_expert_clients_train_as_one_process_and_save_every_expert_whole(runs):
+    got = th.losses_by_step(os.path.join(runs['chief'], 'train'))
+    want = th.losses_by_step(os.path.join(runs['reference'], 'train'))
+    assert sorted(got) == list(range(1, STEPS + 1)), got
+    for step in got:
+        np.testing.assert_allclose(got[step], want[step], rtol=1e-5, err_msg=f'step {step}')
+    for step in (STEPS // 2, STEPS):
+        actual = th.checkpoint_state(runs['chief'], step)
+        expected = th.checkpoint_state(runs['reference'], step)
+        assert actual.keys() == expected.keys()
+        experts = [n for n in expected if re.search(r'moe(\.S|-)[wb][io]/', n)]
+        assert len(experts) == 12  # wi, wo, bi, bo and their m and v, with all 8 experts:
+        assert all(actual[n].shape[0] == 8 for n in experts)
+        for name in expected:
+            if re.search(r'atten(\.S|-)key(\.S|-)b/', name):
+                # A softmax ignores a bias added to every key: its gradient is rounding
+                # noise, summed in another order by 4 clients, which Adam scales to steps
+                # of lr. Zero in exact arithmetic; here small, not equal.
+                assert np.abs(actual[name]).max() < 1e-4, name
+                continue
+            np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5, atol=1e-6,
+                                       err_msg=f'ckpt-{step} {name}')
+    assert all(os.listdir(other) == [] for other in runs['others'])  # only the chief wrote
+
+
+BAD = {  # overrides -> the error line's text; refused before the cluster starts
+    'experts': ({'task.pipeline.body[3].num_experts': 3},
+                'task.pipeline.body[3]: num_experts=3 is not divisible by expert_parallel=2'),
+    'batch': ({'input.train.batch_size': 14},
+              'a batch of 14 cuts into uneven micro-batches [4, 4, 3, 3]'),
+}
+
+
+def test_bad_expert_layouts_are_refused_before_the_cluster_starts(tmp_path, data_dir,
+                                                                   processes):
+    """Client 1 of 2 alone: one error line, exit 2, within the 60 s the cluster would wait
+    for its missing member, and nothing in its logdir."""
+    spec = f'--cluster_spec=trainer=127.0.0.1:{free_port()},127.0.0.1:{free_port()}'
+    procs = {name: processes.start(
+        [*th.command(MODEL, str(tmp_path / name), data_dir, *_flags(2, **overrides)),
+         '--task=1', spec, '--cluster_wait_seconds=60'])
+        for name, (overrides, _) in BAD.items()}
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=300)
+        lines = [line for line in err.splitlines() if line.startswith('error: ')]
+        assert proc.returncode == 2 and len(lines) == 1, (name, err[-3000:])
+        assert BAD[name][1] in lines[0], (name, lines[0])
+    assert os.listdir(tmp_path) == []
