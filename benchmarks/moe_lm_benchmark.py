@@ -6,8 +6,10 @@ feed-forward 8 experts of half the dense width, top-2: the same FLOPs per token;
 one run, each with its evaler on dev, and prints per model the dev perplexity after
 those steps, the training seconds (the trainer's own 'trained steps ... in S s'
 line, tracing included) and, for the MoE model, its last progress line's aux_loss
-and dropped_fraction. Equal steps, not equal wall time: the seconds say what the
-MoE model's steps cost here.
+and dropped_fraction. Then, at equal wall time, the dense model once more for the
+steps its measured rate fits into the MoE model's training seconds (its learning-rate
+schedule follows those steps, as a run given that budget would), and its dev
+perplexity beside the MoE model's.
 
 --capacity_factors=1.0,1.25,1.5,2.0 trains the MoE model once per training capacity
 factor instead (the evaluation factor stays E / top_k: the evaler drops nothing) and prints
@@ -92,6 +94,13 @@ def main() -> None:
     dense, moe = runs.values()
     print(f'MoE / dense: log-perplexity {moe["log_pplx"] / dense["log_pplx"]:.3f}x, '
           f'training time {moe["seconds"] / dense["seconds"]:.2f}x')
+    steps = round(args.max_steps * moe['seconds'] / dense['seconds'])
+    longer = train(f'lm.pystdlib.{prefix}TransformerLM', steps, repo)
+    print(f'equal wall time: dense for {steps} steps ({longer["seconds"]:.0f} s): dev '
+          f'perplexity {longer["perplexity"]:.2f} (log {longer["log_pplx"]:.3f}); MoE for '
+          f'{args.max_steps} steps ({moe["seconds"]:.0f} s): {moe["perplexity"]:.2f} '
+          f'(log {moe["log_pplx"]:.3f}); MoE / dense log-perplexity '
+          f'{moe["log_pplx"] / longer["log_pplx"]:.3f}x')
 
 
 if __name__ == '__main__':
