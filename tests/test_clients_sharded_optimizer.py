@@ -3,8 +3,9 @@
 Two clients with task.train.shard_optimizer_states=True (Adam, K=2) each hold half of
 every slot. The model is SmallConvPipe with odd-sized conv0 variables
 (tests/odd_sizes_model.py): the second client's part of them is one element short,
-padded for the all-gather that collects the whole slots for the chief's checkpoint. They must train as one process with R=2 unsharded replicas
-does: loss at every step, and the chief's checkpoints (weights and WHOLE Adam slots,
+padded for the all-gather that collects the whole slots for the chief's checkpoint.
+They must train as one process with R=2 unsharded replicas does (so must stages 2 and
+3, the weights' halves of stage 3 included): loss at every step, and the chief's checkpoints (weights and WHOLE Adam slots,
 under the same keys) within 1e-5. The sharded run is done in two halves, so its second
 half restores the chief's checkpoint into sharded clients (the non-chief, given an
 empty logdir, must receive its half of the slots from the chief); the chief's step-2
@@ -122,6 +123,25 @@ def test_stage2_clients_train_as_one_unsharded_process(runs, tmp_path, data_dir,
     _assert_same_checkpoint(chief, runs['reference'], STEPS)
 
 
+def test_stage3_clients_train_and_resume_as_one_unsharded_process(runs, tmp_path, data_dir,
+                                                                  processes):
+    """ZeRO stage 3 across the 2 clients (task.train.sharding='weights'): each client holds
+    half of every weight between steps, all-gathered across the processes once a step;
+    the chief's checkpoint holds the whole weights (every client sends its halves at each
+    save), and a restart restores it into the clients (the non-chief, with an empty
+    logdir, takes its halves of the chief's weights): the reference's losses and
+    checkpoints."""
+    chief, other = str(tmp_path / 'chief'), str(tmp_path / 'other')
+    stage3 = {'task.train.sharding': 'weights'}
+    th.finish(_start_clients(processes, [chief, other], data_dir, *_flags(STEPS // 2, **stage3)))
+    os.makedirs(other)
+    th.finish(_start_clients(processes, [chief, other], data_dir, *_flags(STEPS, **stage3)))
+    _assert_same_losses(chief, runs['reference'], range(1, STEPS + 1))
+    for step in (STEPS // 2, STEPS):
+        _assert_same_checkpoint(chief, runs['reference'], step)
+    assert os.listdir(other) == []
+
+
 # Bad stages, each in a cluster whose other members never start: refused before the
 # cluster starts, so each process exits 2 at once instead of waiting for its peers.
 BAD_STAGES = {
@@ -136,9 +156,6 @@ BAD_STAGES = {
     'workers': ('worker', 2, None, {'task.train.sharding': 'weights',
                                     'task.pipeline.num_replicas': 1},
                 "task.train.sharding='weights' with 1 replica does nothing"),
-    'stage3_clients': ('trainer', 2, 0, {'task.train.sharding': 'weights'},
-                       "task.train.sharding='weights' (ZeRO stage 3) across trainer clients "
-                       'is not built'),
     # Not a stage, refused at the same point for the same reason.
     'experts_clients': ('trainer', 2, 1, {'task.pipeline.expert_parallel': 3},
                         'task.pipeline: expert_parallel=3 does not divide num_replicas=2'),

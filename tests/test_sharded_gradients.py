@@ -139,14 +139,6 @@ def test_bad_stages_are_refused_in_one_line(values, count, message):
     assert '\n' not in str(e.value)
 
 
-def test_stage3_across_trainer_clients_is_refused_in_one_line():
-    with pytest.raises(ValueError, match='across trainer clients is not built') as e:
-        sharding.stage_of(_train_params(sharding='weights'), 2, clients=True)
-    assert '\n' not in str(e.value)
-    assert sharding.stage_of(_train_params(sharding='weights'), 2) == 'weights'
-    assert sharding.stage_of(_train_params(sharding='gradients'), 2, clients=True) == 'gradients'
-
-
 def test_the_older_switch_means_optimizer_states():
     assert sharding.stage_of(_train_params(shard_optimizer_states=True), 2) == 'optimizer_states'
     assert sharding.stage_of(_train_params(sharding='gradients'), 4) == 'gradients'

@@ -85,29 +85,69 @@ class ShardedWeight(tf.Module):
         return tf.group(ops)
 
 
-class ClientSlices(tf.Module):
-    """This process's rows of a weight (or slot) whose other rows other processes hold,
-    saved and restored as the whole: with expert parallelism across trainer clients,
-    client c holds rows [rank*n, (rank+1)*n) of each expert weight [size*n, ...] and its
-    optimizer's element-wise slots (rank = c % size). Only the chief saves, once every
-    client sent it its rows (`gathered`, set for the save); a restore assigns this
-    process's rows and keeps the whole (`restored`) for the chief to send to the others
-    (tfpipe/pipeline/expert_parallel.py, ClientExperts)."""
+class ClientPart(tf.Module):
+    """This process's part of a value whose other parts other trainer clients hold, saved
+    and restored as the whole. Only the chief saves, once every client sent it its part
+    (`gathered`, set for the save: across_clients.gather_wholes); a restore assigns this
+    process's part and keeps the whole (`restored`) for the chief to send to the others
+    (across_clients.receive_wholes). Subclasses say where the part sits in the whole."""
 
-    def __init__(self, path: str, part: tf.Variable, rank: int, size: int):
+    def __init__(self, path: str, part: tf.Variable, shape: tf.TensorShape):
         super().__init__(name=None)
         self.path = path
         self.part = part
-        self.rank = rank
-        self.shape = tf.TensorShape([size * int(part.shape[0]), *part.shape[1:]])
+        self.shape = tf.TensorShape(shape)
         self.dtype = part.dtype
         self.gathered: tf.Tensor | None = None
         self.restored: tf.Tensor | None = None
-        self.slots: dict[int, ClientSlices] = {}  # id(slot variable) -> its ClientSlices
 
     @property
     def shards(self) -> list[tf.Variable]:
         return [self.part]
+
+    def cut(self, whole: tf.Tensor) -> tf.Tensor:
+        """This process's part of `whole`."""
+        raise NotImplementedError
+
+    def join(self, parts: tf.Tensor) -> tf.Tensor:
+        """The whole from every client's part, flattened, in client order ([count, n])."""
+        raise NotImplementedError
+
+    def _trackable_children(self, save_type='checkpoint', **kwargs):  # saved by value only
+        return {}
+
+    def _serialize_to_tensors(self):
+        """The whole while the chief saves, else an empty tensor of its rank: a restore
+        serializes too, but reads only the dtype and device; a save outside the gather
+        would write the empty tensor, which no restore accepts, rather than wrong values."""
+        if self.gathered is not None:
+            return {'VARIABLE_VALUE': self.gathered}
+        with tf.device(self.part.device):
+            return {'VARIABLE_VALUE': tf.zeros([0] * self.shape.rank, self.dtype)}
+
+    def _restore_from_tensors(self, restored_tensors):
+        whole = restored_tensors['VARIABLE_VALUE']
+        self.restored = whole
+        with tf.device(self.part.device):
+            return self.part.assign(self.cut(whole))
+
+
+class ClientSlices(ClientPart):
+    """Rows [rank*n, (rank+1)*n) of a whole [size*n, ...]: with expert parallelism across
+    trainer clients, client c's experts of an expert weight and its optimizer's
+    element-wise slots (rank = c % size; clients 0..size-1 hold every row once)."""
+
+    def __init__(self, path: str, part: tf.Variable, rank: int, size: int):
+        super().__init__(path, part, [size * int(part.shape[0]), *part.shape[1:]])
+        self.rank = rank
+        self.slots: dict[int, ClientSlices] = {}  # id(slot variable) -> its ClientSlices
+
+    def cut(self, whole: tf.Tensor) -> tf.Tensor:
+        n = int(self.part.shape[0])
+        return whole[self.rank * n:(self.rank + 1) * n]
+
+    def join(self, parts: tf.Tensor) -> tf.Tensor:
+        return tf.reshape(parts[:self.shape[0] // self.part.shape[0]], self.shape)
 
     def slot(self, path: str, variable: tf.Variable) -> 'ClientSlices':
         """The ClientSlices of one of this weight's optimizer slots (shaped like it)."""
@@ -122,25 +162,6 @@ class ClientSlices(tf.Module):
                                                     self.shape[0] // variable.shape[0])
         return self.slots[id(variable)]
 
-    def _trackable_children(self, save_type='checkpoint', **kwargs):  # saved by value only
-        return {}
-
-    def _serialize_to_tensors(self):
-        """The whole while the chief saves, else an empty tensor of its rank: a restore
-        serializes too, but reads only the dtype and device; a save outside the gather
-        would write the empty tensor, which no restore accepts, rather than wrong rows."""
-        if self.gathered is not None:
-            return {'VARIABLE_VALUE': self.gathered}
-        with tf.device(self.part.device):
-            return {'VARIABLE_VALUE': tf.zeros([0] * self.shape.rank, self.dtype)}
-
-    def _restore_from_tensors(self, restored_tensors):
-        whole = restored_tensors['VARIABLE_VALUE']
-        self.restored = whole
-        n = int(self.part.shape[0])
-        with tf.device(self.part.device):
-            return self.part.assign(whole[self.rank * n:(self.rank + 1) * n])
-
 
 def of(variable: Any) -> 'ShardedWeight | None':
     """The ShardedWeight a shard variable belongs to, None for a whole variable."""
@@ -150,7 +171,7 @@ def of(variable: Any) -> 'ShardedWeight | None':
 def save_whole_as(variable: tf.Variable, whole: Any) -> None:
     """Checkpoints save `whole` (with `path`, `shape` and `shards`) in place of
     `variable` (`whole_view`), as for expert weights: ZeRO stage 3's parts
-    (tfpipe/pipeline/sharded_weights.py), a trainer client's experts (ClientSlices).
+    (tfpipe/pipeline/sharded_weights.py), a trainer client's part (ClientPart).
     The caller keeps `whole` alive."""
     _checkpoint_only[id(variable)] = whole
 
@@ -176,7 +197,7 @@ def whole_view(variables: dict[str, Any]) -> dict[str, Any]:
     for path, var in variables.items():
         sharded = checkpointed_as(var)
         if sharded is None or (len(sharded.shards) == 1 and
-                               not isinstance(sharded, ClientSlices)):
+                               not isinstance(sharded, ClientPart)):
             out[path] = var
         else:
             out[sharded.path] = sharded

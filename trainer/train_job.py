@@ -116,8 +116,7 @@ class Trainer:
         stage = sharding.stage_of(tp, count=peers.count if peers else
                                   params.task.pipeline.num_replicas,
                                   expert_parallel=peers.expert_parallel if peers else
-                                  params.task.pipeline.expert_parallel,
-                                  clients=peers is not None)
+                                  params.task.pipeline.expert_parallel)
         if stage == sharding.WEIGHTS:
             # The layers now hold each replica's parts.
             self.task.pipe.ShardWeights(per_micro_batch=tp.regather_per_micro_batch)
@@ -127,8 +126,8 @@ class Trainer:
                                   for copy in self.task.pipe.ReplicaVariablesByPath()]
         self.variables = self.replica_variables[0]
         # A client's experts: checkpointed whole (before the optimizer's slots are joined).
-        self.client_experts = (expert_parallel.ClientExperts(peers, self.task.VariablesByPath())
-                               if peers is not None and peers.expert_parallel > 1 else None)
+        experts = (expert_parallel.ClientExperts(peers, self.task.VariablesByPath())
+                   if peers is not None and peers.expert_parallel > 1 else None)
         if stage != sharding.NONE:
             if stage == sharding.GRADIENTS:
                 self.task.pipe.DeferGradientSum()  # reduce-scattered by the optimizer
@@ -147,6 +146,10 @@ class Trainer:
             self.optimizer = self.optimizers[0]  # checkpointed; expert slots joined whole
             self.optimizer.JoinReplicaSlots(self.replica_variables[0], list(
                 zip(self.replica_variables[1:], self.optimizers[1:])))
+        # What clients hold in parts (experts, stage 3's weights): the chief saves it whole.
+        parts = [*(experts.parts if experts else []), *(
+            self.task.pipe.weight_shards.client_parts if self.task.pipe.weight_shards else [])]
+        self.split_values = across_clients.SplitValues(peers, parts) if parts else None
         horizon = lr_schedules.follow_max_steps(tp.lr_schedule, self.max_steps)
         if horizon.message:
             (logging.warning if horizon.warn else logging.info)(horizon.message)
@@ -252,7 +255,7 @@ class Trainer:
 
     def _checkpointed_variables(self) -> list[tf.Variable]:
         """Everything a checkpoint restores, in an order every client agrees on (but a
-        client's experts: `client_experts` sends each client its own rows)."""
+        client's parts: `split_values` sends each client its own)."""
         out = [self.variables[path] for path in sorted(self.variables)]
         out += [v for path, v in sorted(self.task.VariablesByPath().items())
                 if not v.trainable]
@@ -260,32 +263,33 @@ class Trainer:
             self.optimizer.whole_slot_variables if isinstance(self.optimizer, ShardedOptimizer)
             else self.optimizer.slot_variables), self.global_step]
         out += list(getattr(self.iterator, 'variables', ()))  # the input's position
-        return [v for v in out if not (self.client_experts and self.client_experts.holds(v))]
+        return [v for v in out if not (self.split_values and self.split_values.holds(v))]
 
     def _receive_chief_state(self) -> None:
         sharded = isinstance(self.optimizer, ShardedOptimizer) and self.optimizer.spans_clients
         self._broadcast_chief_state(
             self.optimizer.ChiefSlots() if sharded else [],
-            self.client_experts.ChiefValues() if self.client_experts else [])
+            self.split_values.ChiefValues() if self.split_values else [])
 
     @tf.function(autograph=False)
-    def _broadcast_chief_state(self, chief_slots, chief_experts):
+    def _broadcast_chief_state(self, chief_slots, chief_parts):
         across_clients.broadcast_from_chief(self.peers, self._checkpointed_variables(),
                                             self.task.pipe.devices[0])
         if chief_slots:  # sharded optimizer states: each client's part of them
             self.optimizer.ReceiveSlots(chief_slots)
-        if chief_experts:  # experts across clients: each client's rows of them
-            self.client_experts.Receive(chief_experts)
+        if chief_parts:  # experts or stage 3's weights: each client's part of them
+            self.split_values.Receive(chief_parts)
 
-    def _gather_slots(self) -> contextlib.AbstractContextManager:
-        """Across clients with sharded optimizer states (or experts), every client sends
-        its part of the slots (and its experts' rows) at each save, on every client; the
-        chief saves inside the context."""
+    def _gather_slots(self) -> contextlib.ExitStack:
+        """Across clients with sharded optimizer states, experts or stage 3, every client
+        sends its part of the slots and weights at each save, on every client (now, when
+        called); the chief saves inside the context, the others close it."""
+        stack = contextlib.ExitStack()
         if isinstance(self.optimizer, ShardedOptimizer):
-            return self.optimizer.GatherSlots()
-        if self.client_experts is not None:
-            return self.client_experts.Gathered()
-        return contextlib.nullcontext()
+            stack.enter_context(self.optimizer.GatherSlots())
+        if self.split_values is not None:
+            stack.enter_context(self.split_values.Gathered())
+        return stack
 
     @tf.function(autograph=False)
     def _any_client_says(self, flag):
@@ -516,6 +520,7 @@ class Trainer:
         begin = time.monotonic()
         gathered = self._gather_slots()
         if not self._is_chief:
+            gathered.close()
             return
         if not bool(self._weights_are_finite()):
             self._non_finite(f'the weights after step {step} are not finite')

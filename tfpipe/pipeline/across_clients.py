@@ -28,15 +28,16 @@ the same order, so the keys agree without messages.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import threading
-from typing import Sequence
+from typing import ContextManager, Iterator, Sequence
 
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops  # the public tf.distribute wraps these
 
-from tfpipe import fprop_context
+from tfpipe import fprop_context, variable_shards
 from tfpipe.pipeline.cell import Cell
 
 _lock = threading.Lock()
@@ -155,3 +156,63 @@ def broadcast_from_chief(peers: Peers, variables: Sequence[tf.Variable], device:
                   for v in variables]
     for var, value in zip(variables, all_reduce_sum(peers, values, device)):
         var.assign(value)
+
+
+class SplitValues:
+    """Values the clients hold in parts (variable_shards.ClientPart: a client's experts
+    and their slots, its part of each stage-3 weight), which only the chief reads and
+    writes in checkpoints, whole: at each save every client sends the chief its parts
+    (`Gathered`), and at start every client takes its part of what the chief restored
+    (`ChiefValues`, then `Receive` inside the tf.function that broadcasts the chief's
+    other state), so clients need no shared file system. A fresh run keeps each client's
+    initial part. `parts` must come in an order every client agrees on."""
+
+    def __init__(self, peers: Peers, parts: Sequence[variable_shards.ClientPart]):
+        self._peers = peers
+        self._parts = list(parts)
+        self._held = {id(p.part) for p in self._parts}
+
+    def holds(self, variable: tf.Variable) -> bool:
+        """Whether `variable` is a part (its value is not the chief's to broadcast)."""
+        return id(variable) in self._held
+
+    def Gathered(self) -> ContextManager:
+        """Every client's parts joined now (an all-gather: call on every client at once),
+        whole on the chief for the save made inside the context."""
+        for part, rows in zip(self._parts, self._gather() if self._parts else []):
+            part.gathered = part.join(rows) if self._peers.is_chief else None
+        return self._clearing()
+
+    @contextlib.contextmanager
+    def _clearing(self) -> Iterator[None]:
+        try:
+            yield
+        finally:
+            for part in self._parts:
+                part.gathered = None
+
+    @tf.function(autograph=False)
+    def _gather(self) -> list[tf.Tensor]:
+        return [all_gather(self._peers, tf.reshape(p.part, [-1]), p.part.device)
+                for p in self._parts]
+
+    def ChiefValues(self) -> list[tf.Tensor]:
+        """What this client gives `Receive`: on a chief that restored, 1 then each whole
+        it read; elsewhere zeros."""
+        restored = self._peers.is_chief and all(p.restored is not None for p in self._parts)
+        out = [tf.constant(float(restored))]
+        for p in self._parts:
+            out.append(tf.convert_to_tensor(p.restored) if restored
+                       else tf.zeros(p.shape, p.dtype))
+            p.restored = None
+        return out
+
+    def Receive(self, chief_values: Sequence[tf.Tensor]) -> None:
+        """Each client's part of the chief's restored values, if it restored (inside a
+        tf.function run by every client at once; `chief_values` from ChiefValues())."""
+        if not self._parts:
+            return
+        flag, *wholes = all_reduce_sum(self._peers, chief_values, self._parts[0].part.device)
+        for p, whole in zip(self._parts, wholes):
+            with tf.device(p.part.device):
+                p.part.assign(tf.where(flag > 0, p.cut(whole), p.part.read_value()))

@@ -177,16 +177,14 @@ class WholeExperts:
 
 
 class ClientExperts:
-    """A trainer client's expert weights and their slots (this client's E/P experts of each
-    MoE layer, built within `spanning_clients`), which checkpoints hold whole as in one
-    process (WholeExperts): only the chief reads and writes checkpoints, so at each save
-    every client sends it its rows (`Gathered`), and at start every client takes its rows
-    of what the chief restored (`ChiefValues` then `Receive`, in one tf.function run by
-    every client at once). A fresh run keeps its initial rows: each client's experts are
-    its slice of the P=1 initial value already (moe_experts.py)."""
+    """A trainer client's expert weights (this client's E/P experts of each MoE layer,
+    built within `spanning_clients`), which checkpoints hold whole as in one process
+    (WholeExperts), with their optimizer slots (`parts`, once the optimizer joined its
+    slots: optimizers.whole_slots). Only the chief reads and writes checkpoints:
+    across_clients.SplitValues moves the rows. A fresh run keeps its initial rows: each
+    client's experts are its slice of the P=1 initial value already (moe_experts.py)."""
 
     def __init__(self, peers: across_clients.Peers, variables: dict[str, tf.Variable]):
-        self._peers = peers
         p = peers.expert_parallel
         self._weights = [variable_shards.ClientSlices(path, var, peers.index % p, p)
                          for path, var in sorted(variables.items()) if is_expert_variable(var)]
@@ -194,65 +192,10 @@ class ClientExperts:
             variable_shards.save_whole_as(weight.part, weight)
 
     @property
-    def _all(self) -> list[variable_shards.ClientSlices]:
-        """The weights, then their slots (known once the optimizer joined them:
-        optimizers.whole_slots), in an order every client agrees on."""
+    def parts(self) -> list[variable_shards.ClientSlices]:
+        """The weights, then their slots, in an order every client agrees on."""
         return self._weights + [s for w in self._weights
                                 for s in sorted(w.slots.values(), key=lambda s: s.path)]
-
-    def holds(self, variable: tf.Variable) -> bool:
-        """Whether `variable` is one of this client's rows (of a weight or a slot)."""
-        return any(s.part is variable for s in self._all)
-
-    def Gathered(self) -> ContextManager:
-        """Every client's rows of each expert weight and slot, joined now (an all-gather:
-        call on every client at once) for the chief's save made inside the context."""
-        held = self._all
-        values = self._gather(len(held)) if held else []
-        for whole, value in zip(held, values):
-            rows = value[:self._peers.expert_parallel]  # expert group 0: every expert once
-            whole.gathered = tf.reshape(rows, whole.shape) if self._peers.is_chief else None
-        return _clearing(held)
-
-    @tf.function(autograph=False)
-    def _gather(self, count: int) -> list[tf.Tensor]:
-        return [across_clients.all_gather(self._peers, tf.reshape(s.part, [-1]), s.part.device)
-                for s in self._all[:count]]
-
-    def ChiefValues(self) -> list[tf.Tensor]:
-        """What this client gives `Receive`: on the chief whether it restored, then each
-        restored whole; zeros elsewhere (and on a chief that restored nothing)."""
-        held = self._all
-        restored = self._peers.is_chief and all(s.restored is not None for s in held)
-        out = [tf.constant(float(restored))]
-        for s in held:
-            out.append(tf.convert_to_tensor(s.restored) if restored
-                       else tf.zeros(s.shape, s.dtype))
-            s.restored = None
-        return out
-
-    def Receive(self, chief_values: Sequence[tf.Tensor]) -> None:
-        """Each client's rows of the chief's restored values, if it restored (inside a
-        tf.function run by every client at once; `chief_values` from ChiefValues())."""
-        held = self._all
-        if not held:
-            return
-        device = held[0].part.device
-        flag, *wholes = across_clients.all_reduce_sum(self._peers, chief_values, device)
-        for s, whole in zip(held, wholes):
-            n = int(s.part.shape[0])
-            with tf.device(s.part.device):
-                s.part.assign(tf.where(flag > 0, whole[s.rank * n:(s.rank + 1) * n],
-                                       s.part.read_value()))
-
-
-@contextlib.contextmanager
-def _clearing(held: Sequence[variable_shards.ClientSlices]) -> Iterator[None]:
-    try:
-        yield
-    finally:
-        for whole in held:
-            whole.gathered = None
 
 
 def source_replica(replica: int, var: tf.Variable, expert_parallel: int) -> int:

@@ -215,7 +215,7 @@ class PipeliningLayer(BaseLayer):
         a step (sharded_weights.py), or with `per_micro_batch` by every forward and
         backward task of a recomputing cell; the gradients are left for the
         reduce-scatter."""
-        self.weight_shards = sharded_weights.WeightShards(self, self._peers is not None,
+        self.weight_shards = sharded_weights.WeightShards(self, self._peers,
                                                           per_micro_batch)
         self.DeferGradientSum()
 

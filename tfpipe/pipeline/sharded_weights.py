@@ -26,8 +26,14 @@ Checkpoints stay whole: each weight saves its parts joined (`_WholeWeight`, thro
 variable_shards.whole_view), under the unsharded key, so a stage-3 checkpoint restores
 at any stage and R, and the other way round.
 
-Not built: across trainer clients (sharding.stage_of refuses it), tensor-parallel
-(T > 1) cells, tied weights and expert parallelism (refused here).
+Across trainer clients (`peers`: one replica per process) client c holds part c of
+each weight, the all-gathers span the processes (across_clients.all_gather) and each
+weight's `_ClientWeight` stands for it in checkpoints: only the chief writes them, so
+every client sends it its parts at each save and takes its part of the chief's restored
+weights at start (across_clients.SplitValues).
+
+Not built: tensor-parallel (T > 1) cells, tied weights and expert parallelism (refused
+here).
 """
 from __future__ import annotations
 
@@ -40,7 +46,7 @@ import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
 from tfpipe import variable_shards
-from tfpipe.pipeline import replicas
+from tfpipe.pipeline import across_clients, replicas
 from tfpipe.pipeline.sharded_optimizer import shard_bounds
 
 __all__ = ['WeightShards']
@@ -86,36 +92,60 @@ class _WholeWeight(tf.Module):
         return self.assign(restored_tensors['VARIABLE_VALUE'])
 
 
+class _ClientWeight(variable_shards.ClientPart):
+    """A trainer client's part of one weight: elements [index*s, (index+1)*s) of the
+    flattened whole (s = the part's size; zero-padded past the end)."""
+
+    def __init__(self, path: str, part: tf.Variable, shape: tf.TensorShape, index: int):
+        super().__init__(path, part, shape)
+        self.index = index
+
+    def cut(self, whole: tf.Tensor) -> tf.Tensor:
+        size, n = int(self.part.shape[0]), self.shape.num_elements()
+        piece = tf.reshape(whole, [-1])[self.index * size:(self.index + 1) * size]
+        return tf.pad(piece, [[0, size - max(0, min(n - self.index * size, size))]])
+
+    def join(self, parts: tf.Tensor) -> tf.Tensor:
+        return tf.reshape(tf.reshape(parts, [-1])[:self.shape.num_elements()], self.shape)
+
+
 class WeightShards:
     """Every replica's part of every trainable weight of `pipe` (a PipeliningLayer), which
     it swaps into the pipeline's layers in place of the whole variables; refused (one
-    line) for what is not built, e.g. `across_clients` (the pipeline is one client's)."""
+    line) for what is not built. With `peers` the pipeline is trainer client
+    `peers.index`'s one replica of `peers.count`, which holds part `peers.index`."""
 
-    def __init__(self, pipe: Any, across_clients: bool = False,
+    def __init__(self, pipe: Any, peers: across_clients.Peers | None = None,
                  per_micro_batch: bool = False):
         """per_micro_batch: recomputing cells regather their weights in each forward and
         backward task instead of once a step (task.train.regather_per_micro_batch)."""
         p = pipe.params
         unbuilt = [what for what, on in (('tensor_parallel > 1', p.tensor_parallel > 1),
                                          ('tied_weights', bool(pipe.ties)),
-                                         ('expert_parallel > 1', p.expert_parallel > 1),
-                                         ('trainer clients', across_clients)) if on]
+                                         ('expert_parallel > 1', p.expert_parallel > 1 or (
+                                             peers is not None and peers.expert_parallel > 1)))
+                   if on]
         if unbuilt:
             raise ValueError(f"{pipe.path}: task.train.sharding='weights' with "
                              f"{', '.join(unbuilt)} is not built: use 'gradients' there")
         whole = [{path: v for path, v in copy.items() if v.trainable}
                  for copy in pipe.ReplicaVariablesByPath()]
-        self.num_shards = len(whole)
+        self._peers = peers
+        self.num_shards = peers.count if peers else len(whole)
+        index = [peers.index] if peers else list(range(len(whole)))  # each local part's
         self.per_micro_batch = per_micro_batch
         self.shapes = {path: tf.TensorShape(v.shape) for path, v in whole[0].items()}
-        self.parts = [{path: self._part(r, var) for path, var in copy.items()}
+        self.parts = [{path: self._part(index[r], var) for path, var in copy.items()}
                       for r, copy in enumerate(whole)]
         # The replicas' copies of one variable: one all-gather group (a cell's devices).
         self._devices = {path: tuple(copy[path].device for copy in self.parts)
                          for path in self.shapes}
         self._path_of = {id(part): path for copy in self.parts for path, part in copy.items()}
-        self._wholes = {path: _WholeWeight(path, shape, [c[path] for c in self.parts])
+        self._wholes = {path: _ClientWeight(path, self.parts[0][path], shape, peers.index)
+                        if peers else _WholeWeight(path, shape, [c[path] for c in self.parts])
                         for path, shape in self.shapes.items()}
+        # Across clients, what the chief checkpoints whole (Trainer: SplitValues).
+        self.client_parts = [self._wholes[path] for path in sorted(self._wholes)] if peers else []
         for path, w in self._wholes.items():
             variable_shards.save_whole_as(self.parts[0][path], w)
         replacements = {id(var): self.parts[r][path]
@@ -170,7 +200,7 @@ class WeightShards:
         wholes: list[dict] = [{} for _ in self.parts]
         for (devices, _), group in self._groups(paths):
             key = replicas.new_instance_key()
-            for r in range(self.num_shards):
+            for r in range(len(self.parts)):  # the local replicas
                 wholes[r].update(self._gather(r, devices, group, key))
         return [self._substitute(theta, wholes[r]) for r, theta in enumerate(replica_thetas)]
 
@@ -219,9 +249,12 @@ class WeightShards:
         wholes = {}
         with tf.device(devices[r]), tf.name_scope(f'gather_weights_{r}'):
             packed = tf.concat([self.parts[r][path].read_value() for path in paths], 0)
-            rows = tf.reshape(collective_ops.all_gather(
-                packed, self.num_shards, replicas.group_key(devices), key,
-                communication_hint='auto'), [self.num_shards, -1])
+            if self._peers is not None:  # its own keys, in the clients' trace order
+                rows = across_clients.all_gather(self._peers, packed, devices[r])
+            else:
+                rows = tf.reshape(collective_ops.all_gather(
+                    packed, self.num_shards, replicas.group_key(devices), key,
+                    communication_hint='auto'), [self.num_shards, -1])
             for path, column in zip(paths, tf.split(rows, sizes, axis=1)):
                 flat = tf.reshape(column, [-1])[:self.shapes[path].num_elements()]
                 wholes[path] = tf.reshape(flat, self.shapes[path])

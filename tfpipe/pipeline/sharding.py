@@ -8,8 +8,7 @@
 - 'weights' (ZeRO stage 3): also 1/R of each weight between steps, all-gathered
   once per step before the cell's first forward (tfpipe/pipeline/sharded_weights.py),
   or with `task.train.regather_per_micro_batch` in each task of a recomputing cell.
-In tfpipe/pipeline/sharded_optimizer.py; docs/optimizer_sharding.md. Stage 3 across
-trainer clients is not built: refused in one line.
+In tfpipe/pipeline/sharded_optimizer.py; docs/optimizer_sharding.md.
 
 The older switch `task.train.shard_optimizer_states=True` still means
 'optimizer_states' (also at R=1, as before, where it changes nothing); set with
@@ -25,10 +24,9 @@ NONE, OPTIMIZER_STATES, GRADIENTS, WEIGHTS = 'none', 'optimizer_states', 'gradie
 STAGES = (NONE, OPTIMIZER_STATES, GRADIENTS, WEIGHTS)
 
 
-def stage_of(train: Params, count: int, expert_parallel: int = 1,
-             clients: bool = False) -> str:
-    """The stage `train` (task.train) asks for over `count` replicas (`clients`: one per
-    trainer client); ValueError (one line) for an unknown or unbuilt stage, a
+def stage_of(train: Params, count: int, expert_parallel: int = 1) -> str:
+    """The stage `train` (task.train) asks for over `count` replicas (in one process, or
+    one per trainer client); ValueError (one line) for an unknown or unbuilt stage, a
     contradiction (also regather_per_micro_batch at a stage other than 'weights'), a
     stage at R=1, or a stage with expert parallelism (expert weights are held by R/P
     replicas each, so their slots and gradients would shard over another group than
@@ -38,10 +36,6 @@ def stage_of(train: Params, count: int, expert_parallel: int = 1,
         raise ValueError(f'task.train.regather_per_micro_batch=True with task.train.sharding='
                          f"{name!r}: only stage 3 gathers weights; set sharding='weights' or "
                          'regather_per_micro_batch=False')
-    if name == WEIGHTS and clients:
-        raise ValueError("task.train.sharding='weights' (ZeRO stage 3) across trainer clients "
-                         "is not built: use 'gradients' (stage 2) there, or one trainer "
-                         'client with task.pipeline.num_replicas')
     if name not in STAGES:
         close = difflib.get_close_matches(str(name), STAGES, n=1)
         hint = f' (did you mean {close[0]!r}?)' if close else ''
