@@ -168,3 +168,21 @@ def test_the_language_model_s_moe_block_is_what_p_divides_and_exchanges():
                                    'task.pipeline.num_replicas=2')
     assert expert_parallel_memory.expert_layers(plain.task.Instantiate().pipe, None,
                                                 task.PipelineInputs(batch), 2) is None
+
+
+def test_the_trainer_measures_a_p2_model_s_configuration_as_one_replica_at_p1():
+    """The model runs R=2, P=2; the planner's measuring function runs one replica, which
+    cannot hold half the experts alone: it measures the configuration at P=1."""
+    from trainer import experiment, plan_mode
+    params = experiment.load_params('lm.pystdlib.TinyMoETransformerLM',
+                                    'task.pipeline.num_replicas=2,'
+                                    'task.pipeline.expert_parallel=2')
+    task = params.task.Instantiate()
+    configured = plan_mode.configured_pipeline(task)
+    assert (configured.expert_parallel, configured.overrides()['task.pipeline.expert_parallel']
+            ) == (2, 2)
+    with plan_mode.StepMeasurer(params) as measure:
+        run = measure(configured, 1, False)
+        pipe = next(iter(measure._runs.values())).trainer.task.pipe  # noqa: SLF001
+    assert run.balance == list(task.pipe.balance) and run.step_seconds[0] > 0
+    assert (pipe.num_replicas, pipe.params.expert_parallel) == (1, 1)
