@@ -28,7 +28,7 @@ def mib(num_bytes: float) -> str:
     return f'{num_bytes / 2**20:.4g} MiB'
 
 
-def _sample_inputs(params: Params, task) -> tuple[object, int]:
+def sample_inputs(params: Params, task) -> tuple[object, int]:
     """One training batch of the model's real input, as the pipeline's input."""
     batch = next(iter(params.input.train.Instantiate().Dataset()))
     inputs = task.PipelineInputs(batch)
@@ -36,14 +36,17 @@ def _sample_inputs(params: Params, task) -> tuple[object, int]:
 
 
 def profile_model(params: Params, task, max_micro_batches: int,
-                  timed: bool = True) -> list[profile.LayerProfile]:
+                  timed: bool = True, member: bool = True) -> list[profile.LayerProfile]:
     """Every body layer of the model profiled on its first cell's device, on a real batch
-    (bytes alone unless `timed`: profile.profile_body); with expert parallelism, its
-    weights and slots cut to what one member holds."""
-    sample, batch_size = _sample_inputs(params, task)
+    (bytes alone unless `timed`: profile.profile_body); with expert parallelism and
+    `member`, its weights and slots cut to what one member holds (else P=1's, which the
+    planner cuts to each P it tries)."""
+    sample, batch_size = sample_inputs(params, task)
     sizes = profile.profiling_batch_sizes(batch_size, max_micro_batches)
     profiles = profile.profile_body(params.task.pipeline.body, sample, task.pipe.devices[0],
                                     sizes, params.task.train.optimizer, timed=timed)
+    if not member:
+        return profiles
     return expert_parallel_memory.member_profiles(task.pipe, profiles,
                                                   params.task.train.optimizer)
 
@@ -117,7 +120,7 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
     m = pipe.params.num_micro_batches
     batch = params.input.train.batch_size // pipe.num_replicas  # each replica's share
     shards = slot_shards(params)
-    sample, _ = _sample_inputs(params, task)
+    sample, _ = sample_inputs(params, task)
     replica = tf.nest.map_structure(lambda t: t[:batch], sample)
     # A member of an expert group cannot run alone (its all-to-all waits for the others):
     # its working sets are a P=1 twin's plus the exchange (expert_parallel_memory).

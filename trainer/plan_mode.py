@@ -16,7 +16,7 @@ import time
 from typing import Optional
 
 from tfpipe.hyperparams import Params
-from tfpipe.tuning import planner, planning, tensor_split, timeline
+from tfpipe.tuning import expert_parallel_memory, planner, planning, tensor_split, timeline
 from tfpipe.tuning.calibration import MeasuredRun
 from trainer import inspect_modes
 
@@ -26,12 +26,14 @@ PLAN_GIN_FILE = 'inspect_pipeline.gin'
 
 def configured_pipeline(task) -> planner.Config:
     """The model's own pipeline (its balance as partitioned) as a configuration to measure
-    (setting T when the model's is not 1: calibration measures it at T=1)."""
+    (setting T and P when the model's are not 1: calibration measures it at T=1, P=1)."""
     pipe = task.pipe
     t = (pipe.params.tensor_parallel or 1) if 'tensor_parallel' in pipe.params else 1
+    p = expert_parallel_memory.degree(pipe.params)
     return planner.Config(len(pipe.balance), list(pipe.balance), pipe.params.num_micro_batches,
                           pipe.params.recompute, pipe.params.schedule, tensor_parallel=t,
-                          set_tensor_parallel=t != 1)
+                          set_tensor_parallel=t != 1, expert_parallel=p,
+                          set_expert_parallel=p != 1)
 
 
 def warm_up(trainer, batch, record: bool) -> None:
@@ -69,7 +71,9 @@ class StepMeasurer:
     """`planning.Measure` for this model: `measure(config, steps, record)` runs the model's
     training step (pipeline, loss, gradient norm, update) with `config`'s overrides, as
     one replica on its share of the batch with one virtual stage (the pipeline the
-    planner plays), in a throwaway train dir: the logdir is never touched.
+    planner plays) holding every expert (P=1: a member cannot run without its group; the
+    exchange is the planner's model alone), in a throwaway train dir: the logdir is
+    never touched.
 
     A configuration's trainer is built, traced and warmed up on its first call and kept
     for the next (candidates are measured in interleaved rounds of a few steps), the
@@ -91,6 +95,8 @@ class StepMeasurer:
         params = self.params.Copy().Set(**config.overrides())
         params.input.train.batch_size //= params.task.pipeline.num_replicas
         params.task.pipeline.Set(num_replicas=1, virtual_stages=1)
+        if 'expert_parallel' in params.task.pipeline:
+            params.task.pipeline.expert_parallel = 1
         train_dir = tempfile.TemporaryDirectory()
         trainer = train_job.Trainer(params, train_dir.name, runtime_options.RuntimeOptions())
         run = _Run(trainer, next(trainer.iterator), train_dir)
@@ -146,24 +152,31 @@ def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[f
     inspect_modes.print_placement(task.pipe)
     batch_size = params.input.train.batch_size
     max_m = min(max(planner.MICRO_BATCHES), batch_size)
-    profiles = inspect_modes.profile_model(params, task, max_m)
+    profiles = inspect_modes.profile_model(params, task, max_m, member=False)
     replicas = params.task.pipeline.num_replicas
     degrees = tensor_split.tensor_parallel_degrees(params.task.pipeline,
                                                    num_devices // replicas)
     configured = configured_pipeline(task)
+    experts = expert_parallel_memory.expert_layers(
+        task.pipe, params.task.train.optimizer, inspect_modes.sample_inputs(params, task)[0],
+        replicas)
+    expert_degrees = experts.degrees() if experts is not None else [1]
     with StepMeasurer(params, capacity=planning.CANDIDATES) as measure:
         # When the model splits layers or runs T != 1, every candidate sets T: one of T=1
         # must not run (nor be recommended) on the model's own T.
         plan = planning.plan(profiles, batch_size, num_devices, device, configured,
                              None if device_profile else measure, replicas,
                              tensor_parallel=degrees,
-                             set_tensor_parallel=degrees != [1] or configured.set_tensor_parallel)
+                             set_tensor_parallel=degrees != [1] or configured.set_tensor_parallel,
+                             experts=experts, set_expert_parallel=(
+                                 expert_degrees != [1] or configured.set_expert_parallel))
     best = plan.best
     print(f'{len(profiles)} layers profiled on {task.pipe.devices[0]}, batch {batch_size}; '
           f'{len(plan.configs)} configurations simulated for up to {num_devices} devices'
           + (f' ({replicas} replicas of K x T <= {num_devices // replicas})' if replicas > 1
              else '')
           + (f', T in {degrees}' if degrees != [1] else '')
+          + (f', P in {expert_degrees}' if expert_degrees != [1] else '')
           + (f', budget {inspect_modes.mib(device.memory)} per device' if device.memory
              else ''))
     print(plan.calibration.describe())
@@ -173,7 +186,9 @@ def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[f
     print(f'best: {best.describe()}: predicted {1e3 * best.step_time:.2f} ms/step, bubble '
           f'{best.bubble:.2f}, peak {inspect_modes.mib(max(best.peak_bytes))}')
     print(best.shell_flag())
-    inspect_modes.print_memory_prediction(params, task, profiles)
+    inspect_modes.print_memory_prediction(
+        params, task, expert_parallel_memory.member_profiles(task.pipe, profiles,
+                                                             params.task.train.optimizer))
     if logdir:
         _write(logdir, params, num_devices, device, profiles, plan)
 

@@ -52,8 +52,10 @@ class ExpertStack:
         self._act = activation
         p, rank = self.group.size, self.group.rank
         local = num_experts // p
+        self.variables: list[tf.Variable] = []  # at any P (P=1 marks none as experts)
         for name, (shape_of, init) in _WEIGHTS.items():
             var = layer.CreateVariable(name, shape_of(local, model_dim, hidden_dim), init)
+            self.variables.append(var)
             if p > 1:  # this member's slice of the whole P=1 initial value
                 expert_parallel.mark_expert_variable(var)
                 whole = initializers.get(init)(
@@ -81,3 +83,13 @@ class ExpertStack:
         """The stacked feed-forwards on slots [e, n, D] of the e experts held here."""
         hidden = self._act(tf.einsum('ecd,edh->ech', slots, theta['wi']) + theta['bi'][:, None])
         return tf.einsum('ech,ehd->ecd', hidden, theta['wo']) + theta['bo'][:, None]
+
+
+def expert_variables(layer: BaseLayer) -> list[tf.Variable]:
+    """The expert weights of every ExpertStack in a built layer and its children, at any P:
+    what the planner divides by each P it tries (tfpipe/tuning/expert_parallel_memory.py)."""
+    found = [var for value in vars(layer).values() if isinstance(value, ExpertStack)
+             for var in value.variables]
+    for child in layer.children.values():
+        found += expert_variables(child)
+    return found

@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from tfpipe.pipeline import partition, schedule
-from tfpipe.tuning import simulator
+from tfpipe.tuning import expert_parallel_memory, simulator
 from tfpipe.pipeline.cell import recompute_flags
 from tfpipe.tuning.profile import LayerProfile
 from tfpipe.pipeline.schedule import BACKWARD, FORWARD
@@ -109,7 +109,8 @@ class MeasuredRun:
 def cell_costs(profiles: Sequence[LayerProfile], balance: Sequence[int],
                num_micro_batches: int, batch_size: int, recompute: str,
                calibration: Calibration = Calibration(),
-               tensor_parallel: int = 1) -> list[simulator.CellCosts]:
+               tensor_parallel: int = 1, expert_parallel: int = 1,
+               buffers: Optional[Sequence[float]] = None) -> list[simulator.CellCosts]:
     """Per-micro-batch costs of each cell of one configuration.
 
     Memory (bytes, an estimate from layer inputs and outputs): static = weights,
@@ -122,12 +123,21 @@ def cell_costs(profiles: Sequence[LayerProfile], balance: Sequence[int],
     cell's home device, which also keeps every layer that is not split and the
     activations between layers), and every forward and backward runs the split
     units' all-reduces of their outputs among the T devices.
+
+    With `expert_parallel` P > 1 (`profiles` already cut to a member's experts:
+    `expert_parallel_memory.cut`), every MoE layer runs two all-to-alls (dispatch and
+    combine) of its buffer (`buffers`, per layer at this micro-batch) per forward and as
+    many per backward, and a cell's working set holds its layers' exchange buffers
+    (`expert_parallel_memory.exchange_working_bytes`). Compute is P=1's: a member's E/P
+    experts take P members' tokens, [E/P, P x C] slots, as many as [E, C].
     """
     b = batch_size / num_micro_batches
     t = tensor_parallel
     flags = recompute_flags(recompute, len(balance))
+    exchanged = [0.0] * len(profiles) if expert_parallel == 1 or buffers is None else buffers
+    exchange = expert_parallel_memory.exchange_working_bytes(exchanged, balance)
     cells = []
-    for (start, stop), recomputes in zip(partition.cell_ranges(balance), flags):
+    for (start, stop), recomputes, held in zip(partition.cell_ranges(balance), flags, exchange):
         layers = profiles[start:stop]
         forward = sum(p.forward.per_example * b * p.per_device(t) for p in layers)
         forward_fixed = sum(p.forward.fixed for p in layers)
@@ -147,12 +157,15 @@ def cell_costs(profiles: Sequence[LayerProfile], balance: Sequence[int],
             time=time,
             static_bytes=2 * params + sum(p.slot_bytes * p.per_device(t) for p in layers),
             stash_bytes=cell_input if recomputes else activations,
-            working_bytes=(activations if recomputes else 0.0) + params,
+            working_bytes=(activations if recomputes else 0.0) + params + held,
             output_bytes=b * layers[-1].output_bytes_per_example, devices=t,
             width=_width(layers, t),
             collectives=sum(p.all_reduces for p in layers),
             collective_bytes=b * sum(p.all_reduces * p.output_bytes_per_example
-                                     for p in layers)))
+                                     for p in layers),
+            members=expert_parallel,
+            exchanges=2 * sum(1 for x in exchanged[start:stop] if x > 0),
+            exchange_bytes=2 * sum(exchanged[start:stop])))
     return cells
 
 
@@ -365,9 +378,10 @@ def simulate(profiles: Sequence[LayerProfile], balance: Sequence[int], num_micro
              batch_size: int, recompute: str, schedule_name: str,
              device: simulator.DeviceModel,
              calibration: Calibration = Calibration(),
-             tensor_parallel: int = 1) -> simulator.Result:
+             tensor_parallel: int = 1, expert_parallel: int = 1,
+             buffers: Optional[Sequence[float]] = None) -> simulator.Result:
     """One configuration's pipeline played by the simulator (without the step overhead)."""
     costs = cell_costs(profiles, balance, num_micro_batches, batch_size, recompute, calibration,
-                       tensor_parallel)
+                       tensor_parallel, expert_parallel, buffers)
     return simulator.simulate(SCHEDULES[schedule_name](len(balance), num_micro_batches), costs,
                               calibration.device(device))

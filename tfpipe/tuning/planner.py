@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 
 from tfpipe.pipeline import schedule
 from tfpipe.pipeline.cell import RECOMPUTE_POLICIES, recompute_flags
-from tfpipe.tuning import simulator
+from tfpipe.tuning import expert_parallel_memory, simulator
 from tfpipe.tuning.calibration import SCHEDULES, Calibration, balance_for, cell_costs, simulate
 from tfpipe.tuning.profile import LayerProfile
 
@@ -53,18 +53,23 @@ class Config:
     fits: bool = True
     tensor_parallel: int = 1
     set_tensor_parallel: bool = False
+    expert_parallel: int = 1
+    set_expert_parallel: bool = False
 
     def overrides(self, prefix: str = 'task.pipeline') -> dict[str, Any]:
         """The model params this configuration sets, by path. T when it is not 1 or
         `set_tensor_parallel` (the model has T, and its own may not be 1: a T=1 plan
         that left it out would run K cells of the model's T devices each); otherwise
-        not, so a plan without tensor parallelism applies to any model."""
+        not, so a plan without tensor parallelism applies to any model. P likewise
+        (`set_expert_parallel`: the model sets its own P)."""
         balance = None if self.balance is None else list(self.balance)
         out = {f'{prefix}.num_cells': self.num_cells, f'{prefix}.balance': balance,
                f'{prefix}.num_micro_batches': self.num_micro_batches,
                f'{prefix}.recompute': self.recompute, f'{prefix}.schedule': self.schedule}
         if self.tensor_parallel != 1 or self.set_tensor_parallel:
             out[f'{prefix}.tensor_parallel'] = self.tensor_parallel
+        if self.expert_parallel != 1 or self.set_expert_parallel:
+            out[f'{prefix}.expert_parallel'] = self.expert_parallel
         return out
 
     @property
@@ -73,8 +78,9 @@ class Config:
         return self.num_cells * self.tensor_parallel
 
     def describe(self) -> str:
-        """'K=2 M=4 recompute=always schedule=1f1b' (and T when it is not 1)."""
+        """'K=2 M=4 recompute=always schedule=1f1b' (and T, P when they are not 1)."""
         tensor = f' T={self.tensor_parallel}' if self.tensor_parallel != 1 else ''
+        tensor += f' P={self.expert_parallel}' if self.expert_parallel != 1 else ''
         return (f'K={self.num_cells}{tensor} M={self.num_micro_batches} '
                 f'recompute={self.recompute} schedule={self.schedule}')
 
@@ -138,7 +144,10 @@ def search(profiles: Sequence[LayerProfile], batch_size: int, num_devices: int,
            calibration: Calibration = Calibration(),
            cells: Optional[Sequence[int]] = None,
            tensor_parallel: Sequence[int] = (1,),
-           set_tensor_parallel: bool = False) -> list[Config]:
+           set_tensor_parallel: bool = False,
+           experts: Optional[expert_parallel_memory.ExpertLayers] = None,
+           expert_parallel: Optional[Sequence[int]] = None,
+           set_expert_parallel: bool = False) -> list[Config]:
     """Every configuration of K cells of T devices each with K*T <= num_devices, sorted:
     fitting ones first, then by time.
 
@@ -151,26 +160,43 @@ def search(profiles: Sequence[LayerProfile], batch_size: int, num_devices: int,
     slots on each device, and all-reduces activations among its T devices
     (`calibration.cell_costs`). `set_tensor_parallel`: every configuration's overrides
     set T, even at 1 (for a model that has T: `Config.overrides`).
+
+    `experts` (a body with MoE layers, `expert_parallel_memory.expert_layers`): each P of
+    `expert_parallel` (default: every P it allows, `ExpertLayers.degrees`; one it does not
+    allow is a ValueError) is tried, a member holding 1/P of each MoE layer's experts'
+    weights, gradient sums and slots plus the all-to-all buffers, and paying two
+    all-to-alls per MoE layer per micro-batch forward and backward
+    (`calibration.cell_costs`). `set_expert_parallel`: every configuration sets P.
     """
+    if experts is None:
+        degrees = [1]
+    else:
+        degrees = [experts.check(p) for p in expert_parallel or experts.degrees()]
     results = []
     for t in tensor_parallel:
         ks = cells or range(1, min(num_devices // t, len(profiles)) + 1)
         for k in (k for k in ks if k * t <= num_devices):
             for m in sorted({min(m, batch_size) for m in micro_batches}):
                 balance = balance_for(profiles, k, batch_size / m, calibration, t)
-                for policy in recompute:
-                    for name in schedules:
-                        r = simulate(profiles, balance, m, batch_size, policy, name,
-                                     device.model, calibration, t)
-                        peak = [float(p) for p in r.peak_bytes]
-                        fits = device.memory is None or max(peak) <= device.memory
-                        results.append(Config(k, balance, m, policy, name,
-                                              float(r.step_time) + calibration.step_overhead,
-                                              float(r.bubble), peak, fits, t,
-                                              set_tensor_parallel))
-    # Ties (equal to the microsecond) go to fewer devices, fewer micro-batches, less memory.
+                for p in degrees:
+                    member = (profiles if p == 1 else
+                              expert_parallel_memory.cut(profiles, experts.fractions, p))
+                    buffers = None if p == 1 else experts.buffers(batch_size / m)
+                    for policy in recompute:
+                        for name in schedules:
+                            r = simulate(member, balance, m, batch_size, policy, name,
+                                         device.model, calibration, t, p, buffers)
+                            peak = [float(b) for b in r.peak_bytes]
+                            fits = device.memory is None or max(peak) <= device.memory
+                            results.append(Config(
+                                k, balance, m, policy, name,
+                                float(r.step_time) + calibration.step_overhead,
+                                float(r.bubble), peak, fits, t, set_tensor_parallel, p,
+                                set_expert_parallel))
+    # Ties (equal to the microsecond) go to fewer devices, less exchange, fewer micro-batches,
+    # less memory.
     results.sort(key=lambda c: (not c.fits, round(c.step_time, 6), c.devices, c.num_cells,
-                                c.num_micro_batches, max(c.peak_bytes)))
+                                c.expert_parallel, c.num_micro_batches, max(c.peak_bytes)))
     return results
 
 
@@ -250,13 +276,16 @@ def pick_measured(candidates: Sequence[Config], step_seconds: Sequence[Sequence[
 
 def format_table(configs: Sequence[Config], limit: int = 8) -> str:
     """The best few configurations as a text table (step time in ms, peak in MiB; a T
-    column when tensor parallelism was searched)."""
+    column when tensor parallelism was searched, a P column when expert parallelism was)."""
     tensor = any(c.tensor_parallel != 1 for c in configs)
-    lines = [f'{"K":>2} {"T  " if tensor else ""}{"M":>3} {"recompute":<11} {"schedule":<10} '
+    experts = any(c.expert_parallel != 1 for c in configs)
+    lines = [f'{"K":>2} {"T  " if tensor else ""}{"P  " if experts else ""}{"M":>3} '
+             f'{"recompute":<11} {"schedule":<10} '
              f'{"step ms":>8} {"bubble":>6} {"peak MiB/device":<24} fits  balance']
     for c in configs[:limit]:
         peaks = '/'.join(f'{p / 2**20:.0f}' for p in c.peak_bytes)
         t = f'{c.tensor_parallel:<2} ' if tensor else ''
+        t += f'{c.expert_parallel:<2} ' if experts else ''
         lines.append(f'{c.num_cells:>2} {t}{c.num_micro_batches:>3} {c.recompute:<11} '
                      f'{c.schedule:<10} {1e3 * c.step_time:>8.2f} {c.bubble:>6.2f} '
                      f'{peaks:<24} {"yes" if c.fits else "NO":<5} {c.balance}')

@@ -50,6 +50,11 @@ class CellCosts:
     (`collective_time`). Under shared cores a running task of the cell counts
     as `width` tasks: the cores it keeps busy on average (T while it computes a
     split layer, 1 while it computes one that is not split).
+
+    Expert parallelism: the cell is one of `members` (P) that hold its MoE layers'
+    experts together, and each forward and each backward task runs `exchanges`
+    all-to-alls of `exchange_bytes` bytes in all with the other members
+    (`exchange_time`).
     """
 
     time: dict[str, Number]
@@ -61,6 +66,9 @@ class CellCosts:
     collectives: int = 0
     collective_bytes: float = 0.0
     width: float = 1.0
+    members: int = 1
+    exchanges: int = 0
+    exchange_bytes: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,11 +121,23 @@ def collective_time(cell: CellCosts, device: DeviceModel) -> float:
     return seconds
 
 
+def exchange_time(cell: CellCosts, device: DeviceModel) -> float:
+    """Seconds of one task's all-to-alls among the cell's P members: each pays the hand-over
+    `latency`, and an all-to-all sends and receives the (P-1)/P of its buffer that other
+    members' experts take on every device's link (`bandwidth`; None: free)."""
+    if cell.members == 1 or not cell.exchanges:
+        return 0.0
+    seconds = cell.exchanges * device.latency
+    if device.bandwidth:
+        seconds += (cell.members - 1) / cell.members * cell.exchange_bytes / device.bandwidth
+    return seconds
+
+
 def _collective_calls(task: Task, cell: CellCosts, phases: set[str]) -> int:
-    """How many times a task runs its cell's forward (or backward) all-reduces: a
-    recompute runs the forward's again, inside the backward unless it is its own task;
-    the weight half of a split backward runs none."""
-    if cell.devices == 1 or task.phase == BACKWARD_WEIGHT:
+    """How many times a task runs its cell's forward (or backward) all-reduces and
+    all-to-alls: a recompute runs the forward's again, inside the backward unless it is
+    its own task; the weight half of a split backward runs none."""
+    if (cell.devices == 1 and cell.members == 1) or task.phase == BACKWARD_WEIGHT:
         return 0
     inside = (task.phase in (BACKWARD, BACKWARD_INPUT) and RECOMPUTE not in phases
               and RECOMPUTE in cell.time)
@@ -172,7 +192,8 @@ def simulate(sched: Schedule, cells: list[CellCosts], device: DeviceModel = Devi
             work[task] = _task_time(task, cells, phases) / speed
             calls = _collective_calls(task, cells[task.cell], phases)
             if calls:  # (only then: 0.0 would turn exact Fraction costs into floats)
-                work[task] += calls * collective_time(cells[task.cell], device)
+                work[task] += calls * (collective_time(cells[task.cell], device)
+                                       + exchange_time(cells[task.cell], device))
     cursor = [0] * num_devices
     start: dict[Task, Number] = {}
     end: dict[Task, Number] = {}
