@@ -88,9 +88,9 @@ class ShardedWeight(tf.Module):
 class ClientPart(tf.Module):
     """This process's part of a value whose other parts other trainer clients hold, saved
     and restored as the whole. Only the chief saves, once every client sent it its part
-    (`gathered`, set for the save: across_clients.gather_wholes); a restore assigns this
+    (`gathered`, set for the save by across_clients.SplitValues); a restore assigns this
     process's part and keeps the whole (`restored`) for the chief to send to the others
-    (across_clients.receive_wholes). Subclasses say where the part sits in the whole."""
+    (SplitValues again). Subclasses say where the part sits in the whole."""
 
     def __init__(self, path: str, part: tf.Variable, shape: tf.TensorShape):
         super().__init__(name=None)

@@ -20,7 +20,6 @@ with status 2 and a one-line error, before anything is written to --logdir.
 from __future__ import annotations
 
 import dataclasses
-
 import errno
 import os
 import sys

@@ -253,11 +253,6 @@ def _client_group(peers: across_clients.Peers, device: str) -> ExpertGroup:
     return ExpertGroup((device,) * p, peers.index % p, across_clients.group_key(device, members))
 
 
-def client_expert_members(peers: across_clients.Peers) -> list[int]:
-    """The clients holding the same experts as this one (whose expert gradients it sums)."""
-    return expert_data_parallel(peers.count, peers.expert_parallel, peers.index)
-
-
 def all_reduce_across_clients(peers: across_clients.Peers, grads: Sequence[tf.Tensor],
                               device: str, is_expert: Sequence[bool]) -> list[tf.Tensor]:
     """across_clients.all_reduce_sum of one cell's flat gradients, except that an expert
@@ -266,7 +261,8 @@ def all_reduce_across_clients(peers: across_clients.Peers, grads: Sequence[tf.Te
     if peers.expert_parallel == 1 or not any(is_expert):
         return across_clients.all_reduce_sum(peers, grads, device)
     out = list(grads)
-    members = client_expert_members(peers)
+    # The clients holding the same experts as this one.
+    members = expert_data_parallel(peers.count, peers.expert_parallel, peers.index)
     for indices, among in (([i for i, e in enumerate(is_expert) if not e], ()),
                            ([i for i, e in enumerate(is_expert) if e], members)):
         if not indices or len(among) == 1:
