@@ -12,7 +12,9 @@ the weight), SGD with Nesterov momentum and plain SGD (no slot at all) at K in {
 R in {2, 4}, and both the cell-function and the unrolled executor (with recompute on
 and off). Three points regather per task (task.train.regather_per_micro_batch), one with
 a last cell that keeps its activations (recompute='except_last': it gathers once), one
-with a split backward (zb_h1: the weight task uses the input task's gather). A
+with a split backward (zb_h1: the weight task uses the input task's gather). Three
+points tie a weight (fc2 reads fc1's: across cells, and within one at K=1), one with a
+user cell that keeps its activations reading a recomputing cell's weight. A
 float32 model computing in bfloat16 (fprop_dtype) is compared with its own unsharded
 bfloat16 run.
 """
@@ -27,7 +29,7 @@ from tests import test_tensor_parallel_optimizers as tp_optimizers
 from tests.test_sharded_gradients import PipelineRun
 from tests.test_sharded_optimizer import OPTIMIZERS
 from tfpipe import optimizers
-from tfpipe.pipeline import sharding
+from tfpipe.pipeline import sharding, ties
 
 STEPS = 4
 CLIP = 0.5  # PipelineRun's: below every step's norm here, so every step clips
@@ -44,6 +46,12 @@ GRID = {  # name: (optimizer, K, R, pipeline params, regather_per_micro_batch)
     'regather_adafactor_k2_r4_unrolled_except_last': (
         'adafactor', 2, 4, {'cell_functions': False, 'recompute': 'except_last'}, True),
     'regather_sgd_momentum_k2_r2_zb_h1': ('sgd_momentum', 2, 2, {'schedule': 'zb_h1'}, True),
+    # fc2 reads fc1's weight (ties.py): across cells at K=2, within the cell at K=1.
+    'tied_adam_k2_r4_functional': ('adam', 2, 4, {'tied': True}, False),
+    'tied_regather_adafactor_k2_r2_unrolled_except_last': (
+        'adafactor', 2, 2, {'tied': True, 'cell_functions': False, 'recompute': 'except_last'},
+        True),
+    'tied_regather_sgd_momentum_k1_r2_functional': ('sgd_momentum', 1, 2, {'tied': True}, True),
 }
 
 
@@ -123,9 +131,15 @@ def test_a_step_gathers_each_cells_weights_once_or_in_each_task(trained):
     nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
     gathers = [n.name for n in nodes if n.op == 'CollectiveGather']
     shards, m = pipe.weight_shards, pipe.params.num_micro_batches
-    regathered = [len(shards.paths_of({name: pipe.theta[name] for name in cell.names}))
-                  if shards.per_micro_batch and cell.recompute else 0 for cell in pipe.cells]
-    per_replica = sum(2 * m * n if n else 1 for n in regathered)
+    read = [set(shards.paths_of([pipe.theta[name] for name in cell.names]
+                                + ties.owner_weights(pipe.theta, cell.ties)))
+            for cell in pipe.cells]  # a tied layer reads its owner's weight, maybe elsewhere
+    regathered = [len(paths) if shards.per_micro_batch and cell.recompute else 0
+                  for cell, paths in zip(pipe.cells, read)]
+    once = set().union(*(paths for paths, n in zip(read, regathered) if not n))
+    groups = {(tuple(copy[path].device for copy in shards.parts), shards.parts[0][path].dtype)
+              for path in once}  # gathered once a step: one per cell's devices and dtype
+    per_replica = 2 * m * sum(regathered) + len(groups)
     if rule.cls.__name__ == 'Adafactor':
         per_replica += sum(1 + (v.shape.rank >= 2) for v in ref.variables[0].values())
     assert len(gathers) == pipe.num_replicas * per_replica

@@ -29,12 +29,19 @@ from trainer.guarded_update import guarded_update
 LR = 0.01
 
 
-def pipeline(t, k, r, dtype=tf.float64, **pipeline_params):
-    """The T-way split model over K cells and R replicas, its variables in `dtype`."""
+def pipeline(t, k, r, dtype=tf.float64, tied=False, **pipeline_params):
+    """The T-way split model over K cells and R replicas, its variables in `dtype`. `tied`:
+    two more 8x8 layers around the MLP, the second reading the first's weight (ties.py;
+    in cells 0 and 1 at K=2)."""
     body = [ColumnParallelDense.Params().Set(name='fc0', input_dim=6, output_dim=8,
                                              activation='relu'),
             ParallelMLP.Params().Set(name='mlp', input_dim=8, hidden_dim=16, keep_prob=0.8),
             RowParallelDense.Params().Set(name='fc3', input_dim=8, output_dim=5)]
+    if tied:
+        body[1:1] = [ColumnParallelDense.Params().Set(name='fc1', input_dim=8, output_dim=8,
+                                                      activation='tanh')]
+        body[3:3] = [ColumnParallelDense.Params().Set(name='fc2', input_dim=8, output_dim=8)]
+        pipeline_params['tied_weights'] = {'fc2/w': 'fc1/w'}
     for p in body:
         p.dtype = dtype
     return tfpipe.PipeliningLayer.Params().Set(

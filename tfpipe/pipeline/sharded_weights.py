@@ -32,8 +32,12 @@ weight's `_ClientWeight` stands for it in checkpoints: only the chief writes the
 every client sends it its parts at each save and takes its part of the chief's restored
 weights at start (across_clients.SplitValues).
 
-Not built: tensor-parallel (T > 1) cells, tied weights and expert parallelism (refused
-here).
+Tied weights (ties.py) are one variable, the owner's, so one part per replica like any
+other; a cell whose tied layer reads another cell's weight gets it whole from the same
+gather (or, under per_micro_batch, gathers it in its own tasks), and the user's gradient
+is folded onto the owner's before the reduce-scatter, as unsharded.
+
+Not built: tensor-parallel (T > 1) cells and expert parallelism (refused here).
 """
 from __future__ import annotations
 
@@ -46,7 +50,7 @@ import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
 from tfpipe import variable_shards
-from tfpipe.pipeline import across_clients, replicas
+from tfpipe.pipeline import across_clients, replicas, ties
 from tfpipe.pipeline.sharded_optimizer import shard_bounds
 
 __all__ = ['WeightShards']
@@ -121,7 +125,6 @@ class WeightShards:
         backward task instead of once a step (task.train.regather_per_micro_batch)."""
         p = pipe.params
         unbuilt = [what for what, on in (('tensor_parallel > 1', p.tensor_parallel > 1),
-                                         ('tied_weights', bool(pipe.ties)),
                                          ('expert_parallel > 1', p.expert_parallel > 1 or (
                                              peers is not None and peers.expert_parallel > 1)))
                    if on]
@@ -195,8 +198,8 @@ class WeightShards:
         which its tasks regather (`regatherers`)."""
         paths: Any = self.shapes
         if cells is not None and self.per_micro_batch:
-            paths = [path for cell in cells if not cell.recompute for path in
-                     self.paths_of({name: replica_thetas[0][name] for name in cell.names})]
+            paths = {path for cell in cells if not cell.recompute
+                     for path in self.paths_of(_read_by(cell, replica_thetas[0]))}
         wholes: list[dict] = [{} for _ in self.parts]
         for (devices, _), group in self._groups(paths):
             key = replicas.new_instance_key()
@@ -226,13 +229,12 @@ class WeightShards:
     def _regather(self, r: int, cells: Sequence[Any], theta: dict, keys: dict,
                   calls: collections.Counter, k: int) -> dict:
         n, calls[k] = calls[k], calls[k] + 1
-        own = {name: theta[name] for name in cells[k].names}
         wholes: dict = {}
-        for path in sorted(self.paths_of(own)):  # weight by weight: see `regatherers`
+        for path in sorted(set(self.paths_of(_read_by(cells[k], theta)))):  # see `regatherers`
             if (k, n, path) not in keys:
                 keys[(k, n, path)] = replicas.new_instance_key()
             wholes.update(self._gather(r, self._devices[path], [path], keys[(k, n, path)]))
-        return cells[k].read_theta(self._substitute(own, wholes))
+        return cells[k].read_theta(self._substitute(theta, wholes))
 
     def _groups(self, paths: Any) -> list[tuple[tuple, list[str]]]:
         """`paths` by all-gather group: ((the replicas' devices, dtype), sorted paths)."""
@@ -264,3 +266,10 @@ class WeightShards:
         """`theta` with each part of `wholes`' weights replaced by its whole weight."""
         return tf.nest.map_structure(
             lambda leaf: wholes.get(self._path_of.get(id(leaf)), leaf), theta)
+
+
+def _read_by(cell: Any, theta: dict) -> list:
+    """The weights cell `cell` reads from the pipeline's `theta`: its layers', and the
+    owners' weights its tied layers use (ties.py: the user cell reads the owner's weight,
+    so at stage 3 it needs the owner's whole weight too, gathered in its own tasks)."""
+    return [theta[name] for name in cell.names] + ties.owner_weights(theta, cell.ties)

@@ -146,6 +146,11 @@ def read_into(cell_theta: dict, theta: dict, ties: Sequence[Tie], read) -> None:
         _set(cell_theta, t.user, read(_get(theta, t.owner)))
 
 
+def owner_weights(theta: dict, ties: Sequence[Tie]) -> list:
+    """The owners' weights in the pipeline's `theta` that `ties`' users read."""
+    return [_get(theta, t.owner) for t in ties]
+
+
 def fold(grads: dict, ties: Sequence[Tie], cell_devices: Sequence[Sequence[str]]) -> None:
     """Moves each tied use's gradient from `grads` onto its owner's, on the owner's device
     (cell_devices: each cell's devices, home first; a shard's is its cell's shard-th)."""
