@@ -54,27 +54,39 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def count_ops(model: str) -> None:
-    """Ops of the model's traced training step, the seconds tracing it took and those of
-    its first call, as the trainer builds the step (its own tf.function)."""
-    import tfpipe
-    tfpipe.configure_logical_cpus(8)  # the trainer's --num_logical_cpus default
-    import model_registry
+def step_costs(params, calls: int = 1) -> dict:
+    """The trainer's own step function for `params` (train_job.Trainer), traced on the
+    first training batch: `ops` of the traced step (its graph and every function in its
+    library), the seconds tracing took (`trace`) and those of each of its first `calls`
+    calls (`calls`; the first pays grappler, placement and executors beside the step)."""
     from trainer import runtime_options, train_job
 
-    params = model_registry.get_params(model)
     batch = next(iter(params.input.train.Instantiate().Dataset()))
     with tempfile.TemporaryDirectory() as train_dir:
         trainer = train_job.Trainer(params, train_dir, runtime_options.RuntimeOptions())
         step = trainer._step  # pylint: disable=protected-access
         start = time.perf_counter()
         graph = step.get_concrete_function(batch).graph
-        traced = time.perf_counter()
-        float(step(batch)[0])  # grappler, placement, executors, the step itself
-        first = time.perf_counter() - traced
+        trace, seconds = time.perf_counter() - start, []
+        for _ in range(calls):
+            start = time.perf_counter()
+            float(step(batch)[0])
+            seconds.append(time.perf_counter() - start)
     library = graph.as_graph_def().library.function
     ops = len(graph.get_operations()) + sum(len(f.node_def) for f in library)
-    print(json.dumps(dict(ops=ops, trace=traced - start, first=first)), flush=True)
+    return dict(ops=ops, trace=trace, calls=seconds)
+
+
+def count_ops(model: str) -> None:
+    """Prints one JSON line: the ops of the model's traced training step, the seconds
+    tracing it took and those of its first call, as the trainer builds the step."""
+    import tfpipe
+    tfpipe.configure_logical_cpus(8)  # the trainer's --num_logical_cpus default
+    import model_registry
+
+    costs = step_costs(model_registry.get_params(model))
+    print(json.dumps(dict(ops=costs['ops'], trace=costs['trace'], first=costs['calls'][0])),
+          flush=True)
 
 
 def run_count(tree: str, model: str) -> dict:

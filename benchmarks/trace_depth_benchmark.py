@@ -30,8 +30,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEPTHS = {12: [5, 3, 3, 6], 24: [8, 6, 6, 9]}  # blocks: balance (embedding, position, head)
@@ -52,30 +50,17 @@ def measure(blocks: int, first: bool) -> None:
     trainer's step for GPT2SmallShapedLM's shape at `blocks` blocks."""
     import tfpipe
     tfpipe.configure_logical_cpus(8)  # the trainer's --num_logical_cpus default
+    from benchmarks.trace_cost_benchmark import step_costs
     from params.lm.pystdlib import GPT2SmallShapedLM
-    from trainer import runtime_options, train_job
 
     class Deep(GPT2SmallShapedLM):
         SIZES = (768, 3072, 12, blocks)
         BALANCE = DEPTHS[blocks]
 
-    params = Deep().Model()
-    batch = next(iter(params.input.train.Instantiate().Dataset()))
-    with tempfile.TemporaryDirectory() as train_dir:
-        trainer = train_job.Trainer(params, train_dir, runtime_options.RuntimeOptions())
-        step = trainer._step  # pylint: disable=protected-access
-        start = time.perf_counter()
-        graph = step.get_concrete_function(batch).graph
-        out = dict(trace=time.perf_counter() - start)
-        if first:
-            times = []
-            for _ in range(2):
-                start = time.perf_counter()
-                float(step(batch)[0])
-                times.append(time.perf_counter() - start)
-            out['first'] = times[0] - times[1]
-    library = graph.as_graph_def().library.function
-    out['ops'] = len(graph.get_operations()) + sum(len(f.node_def) for f in library)
+    costs = step_costs(Deep().Model(), calls=2 if first else 0)
+    out = dict(ops=costs['ops'], trace=costs['trace'])
+    if first:
+        out['first'] = costs['calls'][0] - costs['calls'][1]
     print(json.dumps(out), flush=True)
 
 
