@@ -1,6 +1,8 @@
 """memory_model.py: the predicted bytes per device, from layer profiles."""
 import dataclasses
 
+import re
+
 import pytest
 
 from tfpipe.tuning import memory_model
@@ -118,11 +120,8 @@ def test_measured_cell_inputs_replace_the_profiled_float32_ones_when_recomputing
     assert d0.held == 3 * 4 * (7.0 + 5.0)  # outputs kept, not inputs
 
 
-def _inspected_slot_mib(data_dir, capsys, sharded: bool, stage: str = 'none') -> list[float]:
-    """Every 'optimizer slots X MiB' inspect_model prints for SmallConvPipe at R=2: the
-    four cells' lines, then the four devices' predicted lines."""
-    import re
-
+def _inspected(data_dir, capsys, sharded: bool, stage: str = 'none') -> str:
+    """What inspect_model prints for SmallConvPipe at R=2."""
     from tests import trainer_helpers
     from trainer import experiment, inspect_modes
     params = experiment.load_params(
@@ -130,8 +129,34 @@ def _inspected_slot_mib(data_dir, capsys, sharded: bool, stage: str = 'none') ->
         f'task.train.shard_optimizer_states={sharded},task.train.sharding={stage}')
     params.input.train.data_dir = data_dir
     inspect_modes.inspect_model(params)
-    out = capsys.readouterr().out
-    return [float(v) for v in re.findall(r'optimizer slots ([\d.e+-]+) MiB', out)]
+    return capsys.readouterr().out
+
+
+def _inspected_slot_mib(data_dir, capsys, sharded: bool, stage: str = 'none') -> list[float]:
+    """Every 'optimizer slots X MiB' inspect_model prints for SmallConvPipe at R=2: the
+    four cells' lines, then the four devices' predicted lines."""
+    return [float(v) for v in re.findall(r'optimizer slots ([\d.e+-]+) MiB',
+                                         _inspected(data_dir, capsys, sharded, stage))]
+
+
+def _between_steps(out: str) -> list[tuple[float, float, float, float]]:
+    """(weights, gradient sums, slots, the step's peak) MiB of each device's
+    between-steps line."""
+    number = r'([\d.e+-]+) MiB'
+    return [tuple(map(float, m)) for m in re.findall(
+        rf': weights {number}  gradient sums {number}  slots {number}  total [^(]*'
+        rf"\(the step's peak above: {number}\)", out)]
+
+
+def test_inspect_model_shows_stage_3s_weights_at_1_over_r_between_steps(data_dir, capsys):
+    none = _between_steps(_inspected(data_dir, capsys, False))
+    weights = _between_steps(_inspected(data_dir, capsys, False, 'weights'))
+    assert len(none) == len(weights) == 4  # 2 replicas x 2 cells' devices
+    for (w0, g0, s0, peak0), (w3, g3, s3, peak3) in zip(none, weights):
+        assert w0 > 0 and (g0, g3) == (0, 0)
+        assert w3 == pytest.approx(w0 / 2, rel=1e-3)
+        assert s3 == pytest.approx(s0 / 2, rel=1e-3)
+        assert w3 + s3 < peak3  # the step's peak holds the gathered weights whole
 
 
 def test_inspect_model_divides_sharded_slot_bytes_by_r(data_dir, capsys):

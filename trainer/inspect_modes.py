@@ -15,8 +15,9 @@ import tensorflow as tf
 
 from tfpipe.hyperparams import Params
 from tfpipe import memory_stats
+from tfpipe.pipeline import sharding
 from tfpipe.tuning import (expert_parallel_memory, memory_model, planner, profile,
-                           tensor_parallel_memory, working_memory)
+                           sharding_plan, tensor_parallel_memory, working_memory)
 from tfpipe.pipeline.partition import cell_ranges
 
 CHECK_TOLERANCE = 1e-5
@@ -164,6 +165,7 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
         for device in replica_devices:
             print(f'  {device.describe()}')
     print(f'  all devices {mib(sum(d.total for r in devices for d in r))}')
+    print_between_steps(params, devices, shards)
     if input_measurement is None:
         input_measurement = host_input_measurement(params, task)
     if input_measurement is None:
@@ -198,6 +200,25 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
           f'{mib(host.activations)}, update temporaries {mib(host.update)})')
     print(f'  host allocator if the input refills its buffers while a step runs (its next '
           f'epoch, a long document later in the stream): up to {mib(host.refill_bound)}')
+
+
+def print_between_steps(params: Params, devices: list[list[memory_model.DeviceMemory]],
+                        shards: int) -> None:
+    """Each device's model state between steps at the configured ZeRO stage, beside the
+    step's peak printed above: at stage 3 ('weights') the weights are 1/R there, while
+    the step gathers them whole (docs/optimizer_sharding.md); the gradient sums are freed
+    after the update at every stage (stages 2 and 3 reduce them to 1/R for it)."""
+    pipe, train = params.task.pipeline, params.task.train
+    stage = sharding.OPTIMIZER_STATES if train.shard_optimizer_states else train.sharding
+    print(f'model state between steps (sharding={stage!r} over {pipe.num_replicas} '
+          'replicas; gradient sums freed after the update):')
+    for replica_devices in devices:
+        for d in replica_devices:
+            weights, slots = sharding_plan.between_steps(stage, pipe.num_replicas, d.weights,
+                                                         d.slots * shards)
+            print(f'  {d.device}: weights {mib(weights)}  gradient sums {mib(0)}  slots '
+                  f'{mib(slots)}  total {mib(weights + slots)} (the step\'s peak above: '
+                  f'{mib(d.total)})')
 
 
 def _relative_difference(a: np.ndarray, b: np.ndarray, floor: float = 0.0) -> float:

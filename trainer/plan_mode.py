@@ -16,7 +16,8 @@ import time
 from typing import Optional
 
 from tfpipe.hyperparams import Params
-from tfpipe.tuning import expert_parallel_memory, planner, planning, tensor_split, timeline
+from tfpipe.tuning import (expert_parallel_memory, planner, planning, sharding_plan,
+                           tensor_split, timeline)
 from tfpipe.tuning.calibration import MeasuredRun
 from trainer import inspect_modes
 
@@ -95,6 +96,10 @@ class StepMeasurer:
         params = self.params.Copy().Set(**config.overrides())
         params.input.train.batch_size //= params.task.pipeline.num_replicas
         params.task.pipeline.Set(num_replicas=1, virtual_stages=1)
+        # One replica shards nothing: every stage runs its step as 'none' (the planner
+        # models the stages' memory and collectives, tfpipe/tuning/sharding_plan.py).
+        params.task.train.Set(sharding='none', shard_optimizer_states=False,
+                              regather_per_micro_batch=False)
         if 'expert_parallel' in params.task.pipeline:
             params.task.pipeline.expert_parallel = 1
         train_dir = tempfile.TemporaryDirectory()
@@ -169,7 +174,8 @@ def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[f
                              tensor_parallel=degrees,
                              set_tensor_parallel=degrees != [1] or configured.set_tensor_parallel,
                              experts=experts, set_expert_parallel=(
-                                 expert_degrees != [1] or configured.set_expert_parallel))
+                                 expert_degrees != [1] or configured.set_expert_parallel),
+                             ties=bool(task.pipe.ties))
     best = plan.best
     print(f'{len(profiles)} layers profiled on {task.pipe.devices[0]}, batch {batch_size}; '
           f'{len(plan.configs)} configurations simulated for up to {num_devices} devices'
@@ -177,6 +183,9 @@ def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[f
              else '')
           + (f', T in {degrees}' if degrees != [1] else '')
           + (f', P in {expert_degrees}' if expert_degrees != [1] else '')
+          + (', each at sharding in '
+             f'{sorted({c.sharding for c in plan.configs}, key=sharding_plan.order)}'
+             if replicas > 1 else '')
           + (f', budget {inspect_modes.mib(device.memory)} per device' if device.memory
              else ''))
     print(plan.calibration.describe())

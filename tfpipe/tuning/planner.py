@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 
 from tfpipe.pipeline import schedule
 from tfpipe.pipeline.cell import RECOMPUTE_POLICIES, recompute_flags
-from tfpipe.tuning import expert_parallel_memory, simulator
+from tfpipe.tuning import expert_parallel_memory, sharding_plan, simulator
 from tfpipe.tuning.calibration import SCHEDULES, Calibration, balance_for, cell_costs, simulate
 from tfpipe.tuning.profile import LayerProfile
 
@@ -55,13 +55,16 @@ class Config:
     set_tensor_parallel: bool = False
     expert_parallel: int = 1
     set_expert_parallel: bool = False
+    sharding: str = 'none'
+    set_sharding: bool = False
 
     def overrides(self, prefix: str = 'task.pipeline') -> dict[str, Any]:
         """The model params this configuration sets, by path. T when it is not 1 or
         `set_tensor_parallel` (the model has T, and its own may not be 1: a T=1 plan
         that left it out would run K cells of the model's T devices each); otherwise
         not, so a plan without tensor parallelism applies to any model. P likewise
-        (`set_expert_parallel`: the model sets its own P)."""
+        (`set_expert_parallel`: the model sets its own P). The ZeRO stage,
+        task.train.sharding, when stages were searched (`set_sharding`, R > 1)."""
         balance = None if self.balance is None else list(self.balance)
         out = {f'{prefix}.num_cells': self.num_cells, f'{prefix}.balance': balance,
                f'{prefix}.num_micro_batches': self.num_micro_batches,
@@ -70,6 +73,8 @@ class Config:
             out[f'{prefix}.tensor_parallel'] = self.tensor_parallel
         if self.expert_parallel != 1 or self.set_expert_parallel:
             out[f'{prefix}.expert_parallel'] = self.expert_parallel
+        if self.set_sharding:
+            out[f'{prefix.rpartition(".")[0]}.train.sharding'] = self.sharding
         return out
 
     @property
@@ -78,11 +83,13 @@ class Config:
         return self.num_cells * self.tensor_parallel
 
     def describe(self) -> str:
-        """'K=2 M=4 recompute=always schedule=1f1b' (and T, P when they are not 1)."""
+        """'K=2 M=4 recompute=always schedule=1f1b' (and T, P when they are not 1, the
+        stage when stages were searched)."""
         tensor = f' T={self.tensor_parallel}' if self.tensor_parallel != 1 else ''
         tensor += f' P={self.expert_parallel}' if self.expert_parallel != 1 else ''
         return (f'K={self.num_cells}{tensor} M={self.num_micro_batches} '
-                f'recompute={self.recompute} schedule={self.schedule}')
+                f'recompute={self.recompute} schedule={self.schedule}'
+                + (f' sharding={self.sharding}' if self.set_sharding else ''))
 
     def params_override(self, prefix: str = 'task.pipeline') -> str:
         """The --params_override text that applies this configuration to a model: strings
@@ -100,7 +107,12 @@ class Config:
         return f'model.overrides = {self.overrides(prefix)!r}\n'
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields; the stage's only when stages were searched (an R=1 plan's report
+        is as before)."""
+        out = dataclasses.asdict(self)
+        if not self.set_sharding:
+            del out['sharding'], out['set_sharding']
+        return out
 
 
 def parse_bytes(text: str) -> float:
@@ -147,7 +159,8 @@ def search(profiles: Sequence[LayerProfile], batch_size: int, num_devices: int,
            set_tensor_parallel: bool = False,
            experts: Optional[expert_parallel_memory.ExpertLayers] = None,
            expert_parallel: Optional[Sequence[int]] = None,
-           set_expert_parallel: bool = False) -> list[Config]:
+           set_expert_parallel: bool = False, replicas: int = 1,
+           ties: bool = False) -> list[Config]:
     """Every configuration of K cells of T devices each with K*T <= num_devices, sorted:
     fitting ones first, then by time.
 
@@ -167,6 +180,11 @@ def search(profiles: Sequence[LayerProfile], batch_size: int, num_devices: int,
     weights, gradient sums and slots plus the all-to-all buffers, and paying two
     all-to-alls per MoE layer per micro-batch forward and backward
     (`calibration.cell_costs`). `set_expert_parallel`: every configuration sets P.
+
+    With `replicas` R > 1 each configuration is also tried at each ZeRO stage the
+    trainer builds for it (`sharding_plan.stages`; `ties`: the model ties weights), its
+    peak and time adjusted by `sharding_plan` (slots at 1/R, stage 3's weight shards
+    beside the gathered cell, the stage's collectives over 'none''s all-reduce).
     """
     if experts is None:
         degrees = [1]
@@ -188,16 +206,45 @@ def search(profiles: Sequence[LayerProfile], batch_size: int, num_devices: int,
                                          device.model, calibration, t, p, buffers)
                             peak = [float(b) for b in r.peak_bytes]
                             fits = device.memory is None or max(peak) <= device.memory
-                            results.append(Config(
+                            config = Config(
                                 k, balance, m, policy, name,
                                 float(r.step_time) + calibration.step_overhead,
                                 float(r.bubble), peak, fits, t, set_tensor_parallel, p,
-                                set_expert_parallel))
+                                set_expert_parallel)
+                            results += _at_stages(config, member, replicas, ties, device,
+                                                  calibration)
     # Ties (equal to the microsecond) go to fewer devices, less exchange, fewer micro-batches,
     # less memory.
     results.sort(key=lambda c: (not c.fits, round(c.step_time, 6), c.devices, c.num_cells,
-                                c.expert_parallel, c.num_micro_batches, max(c.peak_bytes)))
+                                c.expert_parallel, c.num_micro_batches,
+                                sharding_plan.order(c.sharding), max(c.peak_bytes)))
     return results
+
+
+def _at_stages(config: Config, profiles: Sequence[LayerProfile], replicas: int, ties: bool,
+               device: DeviceProfile, calibration: Calibration) -> list[Config]:
+    """`config` at each ZeRO stage `sharding_plan.stages` offers it (itself alone at R=1)."""
+    offered = sharding_plan.stages(replicas, config.tensor_parallel, config.expert_parallel,
+                                   ties)
+    if not offered:
+        return [config]
+    t = config.tensor_parallel
+    starts = [sum(config.balance[:k]) for k in range(len(config.balance))]
+    cells = [profiles[start:start + n] for start, n in zip(starts, config.balance)]
+    weights = [sum(p.param_bytes * p.per_device(t) for p in c) for c in cells]
+    slots = [sum(p.slot_bytes * p.per_device(t) for p in c) for c in cells]
+    model = calibration.device(device.model)
+    out = []
+    for stage in offered:
+        peak = [b + sharding_plan.peak_delta(stage, replicas, w, s)
+                for b, w, s in zip(config.peak_bytes, weights, slots)]
+        out.append(dataclasses.replace(
+            config, peak_bytes=peak,
+            fits=device.memory is None or max(peak) <= device.memory,
+            step_time=config.step_time + sharding_plan.extra_seconds(stage, replicas,
+                                                                    weights, model),
+            sharding=stage, set_sharding=True))
+    return out
 
 
 def best_fitting(configs: Sequence[Config], budget: Optional[float]) -> Config:
@@ -276,17 +323,21 @@ def pick_measured(candidates: Sequence[Config], step_seconds: Sequence[Sequence[
 
 def format_table(configs: Sequence[Config], limit: int = 8) -> str:
     """The best few configurations as a text table (step time in ms, peak in MiB; a T
-    column when tensor parallelism was searched, a P column when expert parallelism was)."""
+    column when tensor parallelism was searched, a P column when expert parallelism was, the
+    ZeRO stage when stages were)."""
     tensor = any(c.tensor_parallel != 1 for c in configs)
     experts = any(c.expert_parallel != 1 for c in configs)
+    stages = any(c.set_sharding for c in configs)
+    stage = f'{"sharding":<16} ' if stages else ''
     lines = [f'{"K":>2} {"T  " if tensor else ""}{"P  " if experts else ""}{"M":>3} '
-             f'{"recompute":<11} {"schedule":<10} '
+             f'{stage}{"recompute":<11} {"schedule":<10} '
              f'{"step ms":>8} {"bubble":>6} {"peak MiB/device":<24} fits  balance']
     for c in configs[:limit]:
         peaks = '/'.join(f'{p / 2**20:.0f}' for p in c.peak_bytes)
         t = f'{c.tensor_parallel:<2} ' if tensor else ''
         t += f'{c.expert_parallel:<2} ' if experts else ''
-        lines.append(f'{c.num_cells:>2} {t}{c.num_micro_batches:>3} {c.recompute:<11} '
+        stage = f'{c.sharding:<16} ' if stages else ''
+        lines.append(f'{c.num_cells:>2} {t}{c.num_micro_batches:>3} {stage}{c.recompute:<11} '
                      f'{c.schedule:<10} {1e3 * c.step_time:>8.2f} {c.bubble:>6.2f} '
                      f'{peaks:<24} {"yes" if c.fits else "NO":<5} {c.balance}')
     return '\n'.join(lines)

@@ -143,13 +143,16 @@ def plan(profiles: Sequence[LayerProfile], batch_size: int, num_devices: int,
     CPU steps can put configurations within 1% that run 1.4x apart. `measure` runs
     one replica on its share of the batch. A budget no configuration fits is a
     ValueError raised before anything is measured. `search_options` go to
-    `planner.search` (e.g. `tensor_parallel`, the T to try).
+    `planner.search` (e.g. `tensor_parallel`, the T to try); with `replicas` > 1 the search
+    tries each ZeRO stage too, which `measure` (one replica) cannot tell apart: their
+    predictions differ by the memory and collectives `sharding_plan` models.
     """
     if num_devices < replicas:
         raise ValueError(f'{replicas} replicas need at least as many devices, not '
                          f'{num_devices}: raise --num_devices or lower num_replicas')
     batch, devices = batch_size // replicas, num_devices // replicas
-    configs = planner.search(profiles, batch, devices, device, **search_options)
+    configs = planner.search(profiles, batch, devices, device, replicas=replicas,
+                             **search_options)
     best = planner.best_fitting(configs, device.memory)  # memory needs no calibration
     if measure is None:
         return Plan(configs, best)
@@ -157,7 +160,7 @@ def plan(profiles: Sequence[LayerProfile], batch_size: int, num_devices: int,
             for c in calibration_configs(configured, profiles, batch)]
     calibration = fit_calibration(profiles, runs, batch, device.model.parallelism)
     configs = planner.search(profiles, batch, devices, device, calibration=calibration,
-                             **search_options)
+                             replicas=replicas, **search_options)
     planner.best_fitting(configs, device.memory)
     begin = time.perf_counter()
     measured = planner.measurement_candidates(configs, candidates)

@@ -1,0 +1,80 @@
+"""What each ZeRO stage (`task.train.sharding`) changes in a planned configuration.
+
+The planner plays one replica's pipeline; with R > 1 replicas each candidate layout is
+tried at every stage the trainer builds for it (`stages`), its predicted peak and step
+time adjusted here per cell (the planner puts one cell on each device):
+
+memory at the step's peak (as `inspect_model` predicts it, docs/optimizer_sharding.md):
+  slots at 1/R from stage 1 on; gradient sums whole at every stage, because a pipeline
+  cell accumulates its micro-batches' gradients whole until its last backward (stage 2's
+  1/R exists only between the reduce-scatter and the update); stage 3 keeps 1/R of the
+  weights between steps and gathers the whole cell for the step, so its peak holds
+  W/R + W: at the peak it costs W/R more than stage 2, and saves only between steps
+  (`between_steps`).
+time: each stage's collectives on a cell's weights, each costed like the T and P
+  collectives (`simulator.collective_time`): the hand-over latency per collective plus
+  the bytes each device sends over `bandwidth`. 'none' all-reduces the gradient sums
+  (a ring: 2 (R-1)/R of the bytes); stage 1 adds the all-gather of the updated parts
+  ((R-1)/R); stage 2 reduce-scatters (an all-to-all and a sum: (R-1)/R) and all-gathers;
+  stage 3 all-gathers the weights before the step and reduce-scatters after it. The
+  planner adds the difference from 'none' (which it never costed, so an R=1 plan and
+  'none' stay as before), the largest over the cells: cell 0's come last in the step,
+  the others' overlap the pipeline's drain and fill only partly. The update's saving
+  (each replica updates 1/R) is not modelled.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from tfpipe.pipeline.sharding import GRADIENTS, NONE, OPTIMIZER_STATES, STAGES, WEIGHTS
+from tfpipe.tuning import simulator
+
+# (collectives, ring-equivalent multiples of (R-1)/R of a cell's weight bytes) per stage.
+_COLLECTIVES = {NONE: (1, 2), OPTIMIZER_STATES: (2, 3), GRADIENTS: (2, 2), WEIGHTS: (2, 2)}
+
+
+def stages(replicas: int, tensor_parallel: int = 1, expert_parallel: int = 1,
+           ties: bool = False) -> tuple[str, ...]:
+    """The stages to try: none at R=1 (nothing to shard over); only 'none' with expert
+    parallelism, and not 'weights' with T > 1 or tied weights (the trainer refuses them)."""
+    if replicas <= 1:
+        return ()
+    if expert_parallel > 1:
+        return (NONE,)
+    if tensor_parallel > 1 or ties:
+        return tuple(s for s in STAGES if s != WEIGHTS)
+    return STAGES
+
+
+def peak_delta(stage: str, replicas: int, weights: float, slots: float) -> float:
+    """Bytes a cell's device holds at the step's peak at `stage` minus at 'none' (the cell's
+    `weights` and `slots` bytes per device, unsharded)."""
+    if stage == NONE:
+        return 0.0
+    delta = -slots * (1 - 1 / replicas)
+    return delta + (weights / replicas if stage == WEIGHTS else 0.0)
+
+
+def between_steps(stage: str, replicas: int, weights: float, slots: float
+                  ) -> tuple[float, float]:
+    """(weights, slots) bytes a device holds between steps at `stage` (the gradient sums
+    are freed after the update at every stage)."""
+    return (weights / replicas if stage == WEIGHTS else weights,
+            slots if stage == NONE else slots / replicas)
+
+
+def extra_seconds(stage: str, replicas: int, cell_weights: Sequence[float],
+                  device: simulator.DeviceModel) -> float:
+    """Seconds the stage's collectives add to a step over 'none''s all-reduce."""
+    def seconds(name: str, weights: float) -> float:
+        count, multiple = _COLLECTIVES[name]
+        time = count * device.latency
+        if device.bandwidth:
+            time += multiple * (replicas - 1) / replicas * weights / device.bandwidth
+        return time
+    return max((seconds(stage, w) - seconds(NONE, w) for w in cell_weights), default=0.0)
+
+
+def order(stage: Optional[str]) -> int:
+    """Ties between stages go to the one that shards least."""
+    return STAGES.index(stage or NONE)
