@@ -174,8 +174,7 @@ def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[f
                              tensor_parallel=degrees,
                              set_tensor_parallel=degrees != [1] or configured.set_tensor_parallel,
                              experts=experts, set_expert_parallel=(
-                                 expert_degrees != [1] or configured.set_expert_parallel),
-                             ties=bool(task.pipe.ties))
+                                 expert_degrees != [1] or configured.set_expert_parallel))
     best = plan.best
     print(f'{len(profiles)} layers profiled on {task.pipe.devices[0]}, batch {batch_size}; '
           f'{len(plan.configs)} configurations simulated for up to {num_devices} devices'

@@ -159,8 +159,7 @@ def search(profiles: Sequence[LayerProfile], batch_size: int, num_devices: int,
            set_tensor_parallel: bool = False,
            experts: Optional[expert_parallel_memory.ExpertLayers] = None,
            expert_parallel: Optional[Sequence[int]] = None,
-           set_expert_parallel: bool = False, replicas: int = 1,
-           ties: bool = False) -> list[Config]:
+           set_expert_parallel: bool = False, replicas: int = 1) -> list[Config]:
     """Every configuration of K cells of T devices each with K*T <= num_devices, sorted:
     fitting ones first, then by time.
 
@@ -182,7 +181,7 @@ def search(profiles: Sequence[LayerProfile], batch_size: int, num_devices: int,
     (`calibration.cell_costs`). `set_expert_parallel`: every configuration sets P.
 
     With `replicas` R > 1 each configuration is also tried at each ZeRO stage the
-    trainer builds for it (`sharding_plan.stages`; `ties`: the model ties weights), its
+    trainer builds for it (`sharding_plan.stages`), its
     peak and time adjusted by `sharding_plan` (slots at 1/R, stage 3's weight shards
     beside the gathered cell, the stage's collectives over 'none''s all-reduce).
     """
@@ -211,7 +210,7 @@ def search(profiles: Sequence[LayerProfile], batch_size: int, num_devices: int,
                                 float(r.step_time) + calibration.step_overhead,
                                 float(r.bubble), peak, fits, t, set_tensor_parallel, p,
                                 set_expert_parallel)
-                            results += _at_stages(config, member, replicas, ties, device,
+                            results += _at_stages(config, member, replicas, device,
                                                   calibration)
     # Ties (equal to the microsecond) go to fewer devices, less exchange, fewer micro-batches,
     # less memory.
@@ -221,11 +220,10 @@ def search(profiles: Sequence[LayerProfile], batch_size: int, num_devices: int,
     return results
 
 
-def _at_stages(config: Config, profiles: Sequence[LayerProfile], replicas: int, ties: bool,
+def _at_stages(config: Config, profiles: Sequence[LayerProfile], replicas: int,
                device: DeviceProfile, calibration: Calibration) -> list[Config]:
     """`config` at each ZeRO stage `sharding_plan.stages` offers it (itself alone at R=1)."""
-    offered = sharding_plan.stages(replicas, config.tensor_parallel, config.expert_parallel,
-                                   ties)
+    offered = sharding_plan.stages(replicas, config.tensor_parallel, config.expert_parallel)
     if not offered:
         return [config]
     t = config.tensor_parallel

@@ -33,15 +33,15 @@ from tfpipe.tuning import simulator
 _COLLECTIVES = {NONE: (1, 2), OPTIMIZER_STATES: (2, 3), GRADIENTS: (2, 2), WEIGHTS: (2, 2)}
 
 
-def stages(replicas: int, tensor_parallel: int = 1, expert_parallel: int = 1,
-           ties: bool = False) -> tuple[str, ...]:
+def stages(replicas: int, tensor_parallel: int = 1, expert_parallel: int = 1
+           ) -> tuple[str, ...]:
     """The stages to try: none at R=1 (nothing to shard over); only 'none' with expert
-    parallelism, and not 'weights' with T > 1 or tied weights (the trainer refuses them)."""
+    parallelism, and not 'weights' with T > 1 (the trainer refuses them)."""
     if replicas <= 1:
         return ()
     if expert_parallel > 1:
         return (NONE,)
-    if tensor_parallel > 1 or ties:
+    if tensor_parallel > 1:
         return tuple(s for s in STAGES if s != WEIGHTS)
     return STAGES
 
