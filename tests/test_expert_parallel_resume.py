@@ -28,13 +28,13 @@ SLOTS = ('m', 'v')
 
 
 class Run:
-    """A P x R pipeline (K=1) with one Adam per replica, joined and synced as the trainer
+    """A P x R pipeline (K cells) with one Adam per replica, joined and synced as the trainer
     does; the inputs of each step are fixed by the global step, as a resumed trainer's."""
 
-    def __init__(self, p, r):
+    def __init__(self, p, r, k=1):
         # R x M = 4 micro-batches at every R, as the trainer keeps them when R changes
         # (trainer/batch_split.py): capacity and the auxiliary losses are per micro-batch.
-        self.p, self.pipe = p, pipeline(p, r, 1, m=4 // r)
+        self.p, self.pipe = p, pipeline(p, r, k, m=4 // r)
         self.variables = [{q: v for q, v in copy.items() if v.trainable}
                           for copy in self.pipe.ReplicaVariablesByPath()]
         self.optimizers = [optimizers.Adam.Params().Set(name='adam').Instantiate()

@@ -1,0 +1,105 @@
+"""ZeRO stage 1 with expert parallelism in one process: an expert weight's Adam slots shard
+over the R/P replicas holding the same experts, every other weight's over all R.
+
+2 steps of P=2 at R=4 (expert groups of 2 replicas, K=1) and at R=2 (groups of 1: expert
+slots not sharded, K=2), sharded, against the same pipeline unsharded: losses, every
+replica's weights and slots within 1e-5 (float64; the trainer's own update). The R=4 run's
+checkpoint holds each expert slot whole ([E, ...]) and resumes into P=1 R=2 unsharded, which
+takes the uninterrupted run's steps 3 and 4. tests/test_expert_parallel_resume.py's Run
+(unsharded) and inputs; one traced run per grid point, shared by the module.
+"""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.test_expert_parallel_resume import SLOTS, Run, is_expert
+from tfpipe import checkpoints, optimizers
+from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
+
+
+class ShardedRun(Run):
+    """Run with one ShardedOptimizer over the replicas (as train_job builds it)."""
+
+    def __init__(self, p, r, k=1):
+        super().__init__(p, r, k)
+        self.optimizers = ShardedOptimizer(optimizers.Adam.Params().Set(name='adam'),
+                                           self.variables, expert_parallel=p)
+
+    def checkpoint(self):
+        return checkpoints.make(self.pipe.VariablesByPath(), optimizer=self.optimizers,
+                                step=self.global_step)
+
+    def state(self, replica):
+        out = {}
+        for path, var in self.variables[replica].items():
+            out[path] = var.numpy()
+            for name in SLOTS:
+                out[f'{path}/{name}'] = self.optimizers.GetSlot(path, name, replica).numpy()
+        return out
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+    """{(P, R, K): (2 losses, [replica state], run)} sharded and unsharded, the R=4 sharded
+    run's checkpoint after 2 steps, and its losses and states of steps 3-4."""
+    out = {}
+    for p, r, k in ((2, 4, 1), (2, 2, 2)):
+        for sharded in (True, False):
+            run = (ShardedRun if sharded else Run)(p, r, k)
+            losses = run.train(2)
+            out[sharded, p, r, k] = (losses, [run.state(i) for i in range(r)], run)
+    sharded = out[True, 2, 4, 1][2]
+    saved = sharded.checkpoint().save(str(tmp_path_factory.mktemp('ep_zero') / 'ckpt'),
+                                      options=checkpoints.io_options())
+    later = sharded.train(2)
+    return out, saved, (later, [sharded.state(i) for i in range(4)])
+
+
+@pytest.mark.parametrize('p,r,k', [(2, 4, 1), (2, 2, 2)])
+def test_sharded_steps_equal_the_unsharded_ones(runs, p, r, k):
+    out, _, _ = runs
+    got_losses, got, _ = out[True, p, r, k]
+    want_losses, want, _ = out[False, p, r, k]
+    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
+    for replica in range(r):
+        assert sorted(got[replica]) == sorted(want[replica])
+        for key, value in want[replica].items():
+            np.testing.assert_allclose(got[replica][key], value, rtol=1e-5, atol=1e-12,
+                                       err_msg=f'P={p} R={r} K={k} replica {replica}: {key}')
+    assert np.abs(want[0]['pipe/moe/wi/v']).min() > 0  # the slots took real steps
+
+
+@pytest.mark.parametrize('p,r,k', [(2, 4, 1), (2, 2, 2)])
+def test_an_expert_slot_is_sharded_over_its_r_over_p_replicas(runs, p, r, k):
+    """Each replica holds 1/(R/P) of its experts' slots and 1/R of another weight's."""
+    run = runs[0][True, p, r, k][2]
+    for replica in range(r):
+        expert = run.optimizers.SlotParts('pipe/moe/wi', 'm', replica)
+        shared = run.optimizers.SlotParts('pipe/fc2/w', 'm', replica)
+        assert [v.shape.num_elements() for v in expert] == [4 // p * 8 * 6 // (r // p)] * (r // p)
+        assert [v.shape.num_elements() for v in shared] == [8 * 5 // r] * r
+        assert {v.device for v in expert} == {
+            run.variables[i]['pipe/moe/wi'].device for i in range(replica % p, r, p)}
+
+
+def test_the_checkpoint_holds_expert_slots_whole(runs):
+    shapes = dict(tf.train.list_variables(runs[1]))
+    for name in SLOTS:
+        assert shapes[f'optimizer/_slots/pipe-moe-wi/{name}/.ATTRIBUTES/VARIABLE_VALUE'] == \
+            [4, 8, 6]
+        assert shapes[f'optimizer/_slots/pipe-fc2-w/{name}/.ATTRIBUTES/VARIABLE_VALUE'] == \
+            [8, 5]
+
+
+def test_a_sharded_p2_checkpoint_resumes_unsharded_at_p1(runs):
+    """P=2 R=4 sharded, saved after step 2, resumed at P=1 R=2 unsharded: steps 3-4 equal."""
+    _, saved, (losses, reference) = runs
+    run = Run(1, 2).restore(saved)
+    np.testing.assert_allclose(run.train(2), losses, rtol=1e-5)
+    whole = {key: np.concatenate([reference[0][key], reference[1][key]]) if is_expert(key)
+             else value for key, value in reference[0].items()}  # replicas 0, 1: a group
+    for replica in range(2):
+        got = run.state(replica)
+        for key, want in whole.items():
+            np.testing.assert_allclose(got[key], want, rtol=1e-5, atol=1e-12,
+                                       err_msg=f'replica {replica}: {key}')
