@@ -1,9 +1,11 @@
-"""ZeRO stage 1 with expert parallelism in one process: an expert weight's Adam slots shard
-over the R/P replicas holding the same experts, every other weight's over all R.
+"""ZeRO stages 1 and 2 with expert parallelism in one process: an expert weight's Adam slots
+(and at stage 2 its gradient sums) shard over the R/P replicas holding the same experts,
+every other weight's over all R.
 
-2 steps of P=2 at R=4 (expert groups of 2 replicas, K=1) and at R=2 (groups of 1: expert
-slots not sharded, K=2), sharded, against the same pipeline unsharded: losses, every
-replica's weights and slots within 1e-5 (float64; the trainer's own update). The R=4 run's
+2 steps of P=2 at R=4 (expert groups of 2 replicas, K=1; stages 1 and 2) and at R=2
+(groups of 1: expert slots not sharded, K=2; stage 1), against the same pipeline
+unsharded: losses, every replica's weights and slots within 1e-5 (float64; the trainer's
+own update, no clipping). The R=4 stage-1 run's
 checkpoint holds each expert slot whole ([E, ...]) and resumes into P=1 R=2 unsharded, which
 takes the uninterrupted run's steps 3 and 4. tests/test_expert_parallel_resume.py's Run
 (unsharded) and inputs; one traced run per grid point, shared by the module.
@@ -18,12 +20,16 @@ from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
 
 
 class ShardedRun(Run):
-    """Run with one ShardedOptimizer over the replicas (as train_job builds it)."""
+    """Run with one ShardedOptimizer over the replicas (as train_job builds it), at stage 2
+    (`shard_gradients`) the pipeline's gradient sums deferred to its ReduceScatter."""
 
-    def __init__(self, p, r, k=1):
+    def __init__(self, p, r, k=1, shard_gradients=False):
         super().__init__(p, r, k)
+        if shard_gradients:
+            self.pipe.DeferGradientSum()
         self.optimizers = ShardedOptimizer(optimizers.Adam.Params().Set(name='adam'),
-                                           self.variables, expert_parallel=p)
+                                           self.variables, shard_gradients=shard_gradients,
+                                           expert_parallel=p)
 
     def checkpoint(self):
         return checkpoints.make(self.pipe.VariablesByPath(), optimizer=self.optimizers,
@@ -40,43 +46,44 @@ class ShardedRun(Run):
 
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
-    """{(P, R, K): (2 losses, [replica state], run)} sharded and unsharded, the R=4 sharded
-    run's checkpoint after 2 steps, and its losses and states of steps 3-4."""
+    """{(stage, P, R, K): (2 losses, [replica state], run)} (stage 0: unsharded), the R=4
+    stage-1 run's checkpoint after 2 steps, and its losses and states of steps 3-4."""
     out = {}
-    for p, r, k in ((2, 4, 1), (2, 2, 2)):
-        for sharded in (True, False):
-            run = (ShardedRun if sharded else Run)(p, r, k)
-            losses = run.train(2)
-            out[sharded, p, r, k] = (losses, [run.state(i) for i in range(r)], run)
-    sharded = out[True, 2, 4, 1][2]
+    for stage, p, r, k in ((0, 2, 4, 1), (1, 2, 4, 1), (2, 2, 4, 1), (0, 2, 2, 2), (1, 2, 2, 2)):
+        run = ShardedRun(p, r, k, shard_gradients=stage == 2) if stage else Run(p, r, k)
+        losses = run.train(2)
+        out[stage, p, r, k] = (losses, [run.state(i) for i in range(r)], run)
+    sharded = out[1, 2, 4, 1][2]
     saved = sharded.checkpoint().save(str(tmp_path_factory.mktemp('ep_zero') / 'ckpt'),
                                       options=checkpoints.io_options())
     later = sharded.train(2)
     return out, saved, (later, [sharded.state(i) for i in range(4)])
 
 
-@pytest.mark.parametrize('p,r,k', [(2, 4, 1), (2, 2, 2)])
-def test_sharded_steps_equal_the_unsharded_ones(runs, p, r, k):
+@pytest.mark.parametrize('stage,p,r,k', [(1, 2, 4, 1), (2, 2, 4, 1), (1, 2, 2, 2)])
+def test_sharded_steps_equal_the_unsharded_ones(runs, stage, p, r, k):
     out, _, _ = runs
-    got_losses, got, _ = out[True, p, r, k]
-    want_losses, want, _ = out[False, p, r, k]
+    got_losses, got, _ = out[stage, p, r, k]
+    want_losses, want, _ = out[0, p, r, k]
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
     for replica in range(r):
         assert sorted(got[replica]) == sorted(want[replica])
         for key, value in want[replica].items():
             np.testing.assert_allclose(got[replica][key], value, rtol=1e-5, atol=1e-12,
-                                       err_msg=f'P={p} R={r} K={k} replica {replica}: {key}')
+                                       err_msg=f'stage {stage} P={p} R={r} K={k} '
+                                       f'replica {replica}: {key}')
     assert np.abs(want[0]['pipe/moe/wi/v']).min() > 0  # the slots took real steps
 
 
-@pytest.mark.parametrize('p,r,k', [(2, 4, 1), (2, 2, 2)])
-def test_an_expert_slot_is_sharded_over_its_r_over_p_replicas(runs, p, r, k):
+@pytest.mark.parametrize('stage,p,r,k', [(1, 2, 4, 1), (2, 2, 4, 1), (1, 2, 2, 2)])
+def test_an_expert_slot_is_sharded_over_its_r_over_p_replicas(runs, stage, p, r, k):
     """Each replica holds 1/(R/P) of its experts' slots and 1/R of another weight's."""
-    run = runs[0][True, p, r, k][2]
+    run = runs[0][stage, p, r, k][2]
     for replica in range(r):
         expert = run.optimizers.SlotParts('pipe/moe/wi', 'm', replica)
         shared = run.optimizers.SlotParts('pipe/fc2/w', 'm', replica)
-        assert [v.shape.num_elements() for v in expert] == [4 // p * 8 * 6 // (r // p)] * (r // p)
+        group = r // p  # the replicas holding the same experts
+        assert [v.shape.num_elements() for v in expert] == [4 // p * 8 * 6 // group] * group
         assert [v.shape.num_elements() for v in shared] == [8 * 5 // r] * r
         assert {v.device for v in expert} == {
             run.variables[i]['pipe/moe/wi'].device for i in range(replica % p, r, p)}
@@ -103,3 +110,19 @@ def test_a_sharded_p2_checkpoint_resumes_unsharded_at_p1(runs):
         for key, want in whole.items():
             np.testing.assert_allclose(got[key], want, rtol=1e-5, atol=1e-12,
                                        err_msg=f'replica {replica}: {key}')
+
+
+def test_stage_2_sums_an_expert_gradient_over_its_group_only(runs):
+    """ReduceScatter at P=2 R=4: replica r keeps its half of the sum over replicas r % 2 and
+    r % 2 + 2 of an expert gradient, and its quarter of the sum over all 4 of another."""
+    run = runs[0][2, 2, 4, 1][2]
+    rng = np.random.default_rng(1)
+    grads = [{q: rng.normal(size=v.shape) for q, v in vs.items()} for vs in run.variables]
+    parts = tf.function(lambda: run.optimizers.ReduceScatter(
+        [{q: tf.constant(g) for q, g in gr.items()} for gr in grads]), autograph=False)()
+    for replica in range(4):
+        for path, group in (('pipe/moe/wi', [replica % 2, replica % 2 + 2]),
+                            ('pipe/fc2/w', [0, 1, 2, 3])):
+            pieces = np.split(sum(grads[i][path] for i in group).reshape(-1), len(group))
+            np.testing.assert_allclose(parts[replica][path], pieces[group.index(replica)],
+                                       rtol=1e-12, err_msg=f'replica {replica}: {path}')

@@ -23,7 +23,7 @@ from tfpipe.hyperparams import Params
 NONE, OPTIMIZER_STATES, GRADIENTS, WEIGHTS = 'none', 'optimizer_states', 'gradients', 'weights'
 STAGES = (NONE, OPTIMIZER_STATES, GRADIENTS, WEIGHTS)
 # The stages an expert weight shards over its R/P replicas in (expert_parallel P > 1).
-BUILT_WITH_EXPERTS = (OPTIMIZER_STATES,)
+BUILT_WITH_EXPERTS = (OPTIMIZER_STATES, GRADIENTS)
 
 
 def stage_of(train: Params, count: int, expert_parallel: int = 1,
