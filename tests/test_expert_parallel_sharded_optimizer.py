@@ -16,6 +16,8 @@ import tensorflow as tf
 
 from tests.test_expert_parallel_resume import SLOTS, Run, is_expert
 from tfpipe import checkpoints, optimizers
+from tfpipe.pipeline import expert_parallel
+from tfpipe.pipeline.shard_parts import shard_bounds
 from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
 
 
@@ -34,6 +36,12 @@ class ShardedRun(Run):
     def checkpoint(self):
         return checkpoints.make(self.pipe.VariablesByPath(), optimizer=self.optimizers,
                                 step=self.global_step)
+
+    def restore(self, path):
+        """As the trainer restores: each slot part cut from the whole slot it reads."""
+        checkpoints.restore(self.checkpoint(), path)
+        self.pipe.SyncReplicas()
+        return self
 
     def state(self, replica):
         out = {}
@@ -98,20 +106,6 @@ def test_the_checkpoint_holds_expert_slots_whole(runs):
             [8, 5]
 
 
-def test_a_sharded_p2_checkpoint_resumes_unsharded_at_p1(runs):
-    """P=2 R=4 sharded, saved after step 2, resumed at P=1 R=2 unsharded: steps 3-4 equal."""
-    _, saved, (losses, reference) = runs
-    run = Run(1, 2).restore(saved)
-    np.testing.assert_allclose(run.train(2), losses, rtol=1e-5)
-    whole = {key: np.concatenate([reference[0][key], reference[1][key]]) if is_expert(key)
-             else value for key, value in reference[0].items()}  # replicas 0, 1: a group
-    for replica in range(2):
-        got = run.state(replica)
-        for key, want in whole.items():
-            np.testing.assert_allclose(got[key], want, rtol=1e-5, atol=1e-12,
-                                       err_msg=f'replica {replica}: {key}')
-
-
 def test_stage_2_sums_an_expert_gradient_over_its_group_only(runs):
     """ReduceScatter at P=2 R=4: replica r keeps its half of the sum over replicas r % 2 and
     r % 2 + 2 of an expert gradient, and its quarter of the sum over all 4 of another."""
@@ -126,3 +120,67 @@ def test_stage_2_sums_an_expert_gradient_over_its_group_only(runs):
             pieces = np.split(sum(grads[i][path] for i in group).reshape(-1), len(group))
             np.testing.assert_allclose(parts[replica][path], pieces[group.index(replica)],
                                        rtol=1e-12, err_msg=f'replica {replica}: {path}')
+
+
+def test_a_sharded_p2_checkpoint_resumes_unsharded_at_p1_and_back(runs, tmp_path):
+    """P=2 R=4 sharded, saved after step 2, resumed at P=1 R=2 unsharded: steps 3-4 equal.
+    Then back: that run's checkpoint restores into the sharded run (every replica's
+    weights and slots as P=1's, experts cut by rank), and both take the same step 5.
+    Last in the module: it moves the shared sharded run."""
+    out, saved, (losses, reference) = runs
+    run = Run(1, 2).restore(saved)
+    np.testing.assert_allclose(run.train(2), losses, rtol=1e-5)
+    whole = {key: np.concatenate([reference[0][key], reference[1][key]]) if is_expert(key)
+             else value for key, value in reference[0].items()}  # replicas 0, 1: a group
+    for replica in range(2):
+        got = run.state(replica)
+        for key, want in whole.items():
+            np.testing.assert_allclose(got[key], want, rtol=1e-5, atol=1e-12,
+                                       err_msg=f'replica {replica}: {key}')
+    back = run.checkpoint().save(str(tmp_path / 'ckpt'), options=checkpoints.io_options())
+    sharded = out[1, 2, 4, 1][2].restore(back)
+    whole = run.state(0)  # at P=1 every replica holds all experts
+    for replica in range(4):
+        got = sharded.state(replica)
+        for key, want in whole.items():
+            if is_expert(key):
+                want = np.split(want, 2)[replica % 2]
+            np.testing.assert_allclose(got[key], want, rtol=1e-12, atol=1e-15,
+                                       err_msg=f'restored replica {replica}: {key}')
+    np.testing.assert_allclose(sharded.train(1), run.train(1), rtol=1e-5)
+
+
+def test_the_trainer_shards_expert_slots_and_restores_them_from_an_unsharded_run(tmp_path):
+    """train_job's wiring (lm.pystdlib.TinyMoETransformerLM, Adam, no step taken): an
+    unsharded P=2 R=2 trainer's checkpoint restores into a P=2 R=4 trainer at
+    sharding='optimizer_states', each replica with its experts' slots, held in halves."""
+    import model_registry
+    from trainer import runtime_options, train_job
+
+    def trainer(r, sharding):
+        params = model_registry.get_params('lm.pystdlib.TinyMoETransformerLM')
+        params.task.pipeline.Set(num_replicas=r, expert_parallel=2)
+        params.task.train.sharding = sharding
+        return train_job.Trainer(params, str(tmp_path),
+                                 runtime_options.RuntimeOptions(max_steps=1))
+
+    source = trainer(2, 'none')
+    experts = sorted(q for q, v in source.variables.items()
+                     if expert_parallel.is_expert_variable(v))
+    rng = np.random.default_rng(3)
+    for optimizer in source.optimizers:
+        for slot in optimizer.slot_variables:
+            slot.assign(rng.normal(size=slot.shape).astype(slot.dtype.as_numpy_dtype))
+    source.save(1)
+    held = {(q, name): [o.GetSlot(q, name).numpy() for o in source.optimizers]
+            for q in experts for name in SLOTS}
+    target = trainer(4, 'optimizer_states')
+    assert isinstance(target.optimizers, ShardedOptimizer)
+    assert target.restore_latest() == 0
+    for (q, name), want in held.items():
+        for r in range(4):
+            np.testing.assert_array_equal(target.optimizers.GetSlot(q, name, r).numpy(),
+                                          want[r % 2], err_msg=f'replica {r}: {q}/{name}')
+            parts = target.optimizers.SlotParts(q, name, r)
+            assert [v.shape.num_elements() for v in parts] == [
+                stop - start for start, stop in shard_bounds(want[0].size, 2)], q

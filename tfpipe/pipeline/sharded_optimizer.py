@@ -46,6 +46,15 @@ over the replicas' parts too; its factored moments, whole per replica, are
 per shard split like the weight or held whole by every shard, and save as the
 T=1 slot.
 
+With expert parallelism (`expert_parallel` P > 1, in one process) replica r holds
+the experts of rank r % P, whose gradient is summed only over the R/P replicas
+holding the same experts; their slots (and at stage 2 their gradient sums) shard
+over that group, as the other weights' over all R: each weight's shard group is
+the replicas that sum its gradient (`_shard_group`), so its update needs no other
+replica. An expert weight has one slot per rank; checkpoints join the P into the
+whole slot ([E, ...], as the unsharded optimizer's JoinReplicaSlots), so a sharded
+P=2 checkpoint moves to P=1 unsharded and back.
+
 Collectives are TensorFlow's v1 ops (`all_reduce`, `all_gather`), which work
 between logical CPUs of one process and across processes; like the pipeline's
 all-reduce they must be built inside a tf.function. In one process `Apply`
