@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.test_expert_parallel_resume import SLOTS, Run, is_expert
+from tests.test_expert_parallel_resume import (SLOTS, Run, is_expert, moe_trainer,
+                                               saved_expert_slots)
 from tfpipe import checkpoints, optimizers
-from tfpipe.pipeline import expert_parallel
 from tfpipe.pipeline.shard_parts import shard_bounds
 from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
 
@@ -43,13 +43,8 @@ class ShardedRun(Run):
         self.pipe.SyncReplicas()
         return self
 
-    def state(self, replica):
-        out = {}
-        for path, var in self.variables[replica].items():
-            out[path] = var.numpy()
-            for name in SLOTS:
-                out[f'{path}/{name}'] = self.optimizers.GetSlot(path, name, replica).numpy()
-        return out
+    def slot(self, replica, path, name):
+        return self.optimizers.GetSlot(path, name, replica)
 
 
 @pytest.fixture(scope='module')
@@ -154,27 +149,8 @@ def test_the_trainer_shards_expert_slots_and_restores_them_from_an_unsharded_run
     """train_job's wiring (lm.pystdlib.TinyMoETransformerLM, Adam, no step taken): an
     unsharded P=2 R=2 trainer's checkpoint restores into a P=2 R=4 trainer at
     sharding='optimizer_states', each replica with its experts' slots, held in halves."""
-    import model_registry
-    from trainer import runtime_options, train_job
-
-    def trainer(r, sharding):
-        params = model_registry.get_params('lm.pystdlib.TinyMoETransformerLM')
-        params.task.pipeline.Set(num_replicas=r, expert_parallel=2)
-        params.task.train.sharding = sharding
-        return train_job.Trainer(params, str(tmp_path),
-                                 runtime_options.RuntimeOptions(max_steps=1))
-
-    source = trainer(2, 'none')
-    experts = sorted(q for q, v in source.variables.items()
-                     if expert_parallel.is_expert_variable(v))
-    rng = np.random.default_rng(3)
-    for optimizer in source.optimizers:
-        for slot in optimizer.slot_variables:
-            slot.assign(rng.normal(size=slot.shape).astype(slot.dtype.as_numpy_dtype))
-    source.save(1)
-    held = {(q, name): [o.GetSlot(q, name).numpy() for o in source.optimizers]
-            for q in experts for name in SLOTS}
-    target = trainer(4, 'optimizer_states')
+    held = saved_expert_slots(moe_trainer(tmp_path, 2, 2))
+    target = moe_trainer(tmp_path, 2, 4, 'optimizer_states')
     assert isinstance(target.optimizers, ShardedOptimizer)
     assert target.restore_latest() == 0
     for (q, name), want in held.items():
