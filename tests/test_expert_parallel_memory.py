@@ -33,6 +33,11 @@ def test_a_member_holds_its_experts_and_the_whole_router():
     d, e, h = 8, 4, 6  # router [D, E] whole, experts' E x (D H + H + H D + D) halved
     assert got[1].param_bytes == 8 * (d * e + e // 2 * (2 * d * h + h + d))
     assert expert_parallel_memory.member_profiles(whole, profiles, ADAM) == profiles
+    # Sharded slots (ZeRO 1/2): the member's expert slots shard over R/P replicas, the
+    # others over R, so the slots stay P=1's for the model's division by R.
+    sharded = expert_parallel_memory.member_profiles(member, profiles, ADAM, sharded_slots=True)
+    assert [p.slot_bytes for p in sharded] == [p.slot_bytes for p in profiles]
+    assert [p.param_bytes for p in sharded] == [p.param_bytes for p in got]
 
 
 def test_the_all_to_all_buffers_follow_the_capacity():

@@ -28,13 +28,13 @@ SLOTS = ('m', 'v')
 
 
 class Run:
-    """A P x R pipeline (K=1) with one Adam per replica, joined and synced as the trainer
+    """A P x R pipeline (K cells) with one Adam per replica, joined and synced as the trainer
     does; the inputs of each step are fixed by the global step, as a resumed trainer's."""
 
-    def __init__(self, p, r):
+    def __init__(self, p, r, k=1):
         # R x M = 4 micro-batches at every R, as the trainer keeps them when R changes
         # (trainer/batch_split.py): capacity and the auxiliary losses are per micro-batch.
-        self.p, self.pipe = p, pipeline(p, r, 1, m=4 // r)
+        self.p, self.pipe = p, pipeline(p, r, k, m=4 // r)
         self.variables = [{q: v for q, v in copy.items() if v.trainable}
                           for copy in self.pipe.ReplicaVariablesByPath()]
         self.optimizers = [optimizers.Adam.Params().Set(name='adam').Instantiate()
@@ -73,8 +73,12 @@ class Run:
         for path, var in self.variables[replica].items():
             out[path] = var.numpy()
             for name in SLOTS:
-                out[f'{path}/{name}'] = self.optimizers[replica].GetSlot(path, name).numpy()
+                out[f'{path}/{name}'] = self.slot(replica, path, name).numpy()
         return out
+
+    def slot(self, replica, path, name):
+        """The replica's whole slot `name` of `path`."""
+        return self.optimizers[replica].GetSlot(path, name)
 
 
 def inputs(step):
@@ -136,31 +140,37 @@ def test_resumed_at_another_p_takes_the_uninterrupted_steps(chain, p, r):
     assert np.abs(whole['pipe/moe/wi/v']).min() > 0  # every expert's slots were compared
 
 
+def moe_trainer(train_dir, p, r, sharding='none'):
+    """The trainer of lm.pystdlib.TinyMoETransformerLM (Adam) at P x R, writing `train_dir`."""
+    import model_registry
+    from trainer import runtime_options, train_job
+    params = model_registry.get_params('lm.pystdlib.TinyMoETransformerLM')
+    params.task.pipeline.Set(num_replicas=r, expert_parallel=p)
+    params.task.train.sharding = sharding
+    return train_job.Trainer(params, str(train_dir), runtime_options.RuntimeOptions(max_steps=1))
+
+
+def saved_expert_slots(trainer):
+    """Gives the unsharded `trainer`'s slots distinct values and saves them (no step taken):
+    {(expert weight's path, slot name): [each replica's slot]}."""
+    experts = sorted(q for q, v in trainer.variables.items()
+                     if expert_parallel.is_expert_variable(v))
+    assert experts and all('/moe/' in q for q in experts)
+    rng = np.random.default_rng(3)
+    for optimizer in trainer.optimizers:
+        for slot in optimizer.slot_variables:
+            slot.assign(rng.normal(size=slot.shape).astype(slot.dtype.as_numpy_dtype))
+    trainer.save(1)
+    return {(q, name): [o.GetSlot(q, name).numpy() for o in trainer.optimizers]
+            for q in experts for name in SLOTS}
+
+
 def test_the_trainer_saves_expert_slots_whole_and_gives_each_replica_its_own(tmp_path):
     """The trainer's own wiring (lm.pystdlib.TinyMoETransformerLM, Adam, no step taken):
     distinct slots on the 2 replicas of a P=2 trainer, saved by it, restore whole into a
     P=1 trainer and, at P=2 R=4, each replica gets the slots of its experts."""
-    import model_registry
-    from trainer import runtime_options, train_job
-
-    def trainer(p, r):
-        params = model_registry.get_params('lm.pystdlib.TinyMoETransformerLM')
-        params.task.pipeline.Set(num_replicas=r, expert_parallel=p)
-        return train_job.Trainer(params, str(tmp_path),
-                                 runtime_options.RuntimeOptions(max_steps=1))
-
-    source = trainer(2, 2)
-    experts = sorted(q for q, v in source.variables.items()
-                     if expert_parallel.is_expert_variable(v))
-    assert experts and all('/moe/' in q for q in experts)
-    rng = np.random.default_rng(3)
-    for optimizer in source.optimizers:
-        for slot in optimizer.slot_variables:
-            slot.assign(rng.normal(size=slot.shape).astype(slot.dtype.as_numpy_dtype))
-    source.save(1)
-    want = {(q, name): [o.GetSlot(q, name).numpy() for o in source.optimizers]
-            for q in experts for name in SLOTS}
-    whole, by_replica = trainer(1, 2), trainer(2, 4)
+    want = saved_expert_slots(moe_trainer(tmp_path, 2, 2))
+    whole, by_replica = moe_trainer(tmp_path, 1, 2), moe_trainer(tmp_path, 2, 4)
     for target in (whole, by_replica):
         assert target.restore_latest() == 0  # ckpt-1 holds global step 0: none was taken
     for (q, name), held in want.items():

@@ -12,7 +12,8 @@ import tensorflow as tf
 
 from tfpipe import checkpoints, optimizers
 from tfpipe.pipeline import replicas
-from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer, shard_bounds
+from tfpipe.pipeline.shard_parts import shard_bounds
+from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
 from trainer.guarded_update import guarded_update
 
 # Sizes 15, 5 and 30: R=2 and R=4 divide none of them; 'one' leaves replicas empty.

@@ -49,7 +49,8 @@ def profile_model(params: Params, task, max_micro_batches: int,
     if not member:
         return profiles
     return expert_parallel_memory.member_profiles(task.pipe, profiles,
-                                                  params.task.train.optimizer)
+                                                  params.task.train.optimizer,
+                                                  sharded_slots=slot_shards(params) > 1)
 
 
 def inspect_model(params: Params) -> None:

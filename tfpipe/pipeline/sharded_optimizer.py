@@ -46,6 +46,15 @@ over the replicas' parts too; its factored moments, whole per replica, are
 per shard split like the weight or held whole by every shard, and save as the
 T=1 slot.
 
+With expert parallelism (`expert_parallel` P > 1, in one process) replica r holds
+the experts of rank r % P, whose gradient is summed only over the R/P replicas
+holding the same experts; their slots (and at stage 2 their gradient sums) shard
+over that group, as the other weights' over all R: each weight's shard group is
+the replicas that sum its gradient (`_shard_group`), so its update needs no other
+replica. An expert weight has one slot per rank; checkpoints join the P into the
+whole slot ([E, ...], as the unsharded optimizer's JoinReplicaSlots), so a sharded
+P=2 checkpoint moves to P=1 unsharded and back.
+
 Collectives are TensorFlow's v1 ops (`all_reduce`, `all_gather`), which work
 between logical CPUs of one process and across processes; like the pipeline's
 all-reduce they must be built inside a tf.function. In one process `Apply`
@@ -72,141 +81,14 @@ from tensorflow.python.ops import collective_ops
 from tensorflow.python.trackable import base as trackable
 
 from tfpipe.hyperparams import InstantiableParams
-from tfpipe.optimizers import (BaseOptimizer, Grads, Variables, Whole, cast_args,
+from tfpipe.optimizers import (BaseOptimizer, Grads, Variables, cast_args,
                                check_split_weights, checkpointed_slots, slot_key, whole_slots)
-from tfpipe.pipeline import across_clients, reduce_scatter, replicas
+from tfpipe.pipeline import across_clients, expert_parallel as expert_parallel_lib
+from tfpipe.pipeline import reduce_scatter, replicas
+from tfpipe.pipeline.shard_parts import Part, Slot, as_rows, shard_bounds
 from tfpipe.split_statistics import Split, groups
 
-__all__ = ['ShardedOptimizer', 'shard_bounds']
-
-
-def shard_bounds(size: int, num_shards: int) -> list[tuple[int, int]]:
-    """[start, stop) of each replica's part of a flattened variable of `size` elements."""
-    s = math.ceil(size / num_shards)
-    return [(min(r * s, size), min((r + 1) * s, size)) for r in range(num_shards)]
-
-
-def _as_rows(grad: tf.Tensor, size: int, num_shards: int) -> tf.Tensor:
-    """[num_shards, size]: row s is shard s's part of the flat `grad`, zero-padded."""
-    flat = tf.reshape(grad, [-1])
-    return tf.reshape(tf.pad(flat, [[0, size * num_shards - flat.shape[0]]]), [num_shards, size])
-
-
-class _Slot(trackable.Trackable):
-    """One slot of one variable, checkpointed as one whole tensor.
-
-    `parts[i]` lives on local replica i's copy of the variable's device: the flat
-    elements `bounds[i]` (`sharded`) or a whole copy (Adafactor's factored
-    moments). In one process the parts cover the slot; a trainer client holds
-    one part, and the whole is `gathered` while its chief saves.
-    """
-
-    def __init__(self, shape: tf.TensorShape, parts: list[tf.Variable],
-                 bounds: list[tuple[int, int]], sharded: bool, complete: bool):
-        self.shape, self.parts, self.bounds, self.sharded = shape, parts, bounds, sharded
-        self.complete = complete or not sharded
-        self.gathered: Optional[tf.Tensor] = None  # the whole slot while a client's chief saves
-        self.restored: Optional[tf.Tensor] = None  # the whole slot a chief read, until sent
-
-    @property
-    def dtype(self) -> tf.DType:
-        return self.parts[0].dtype
-
-    @property
-    def device(self) -> str:
-        return self.parts[0].device
-
-    def read_value(self) -> tf.Tensor:
-        """The whole slot, as the unsharded optimizer would hold it (named as a variable's
-        read, so that a split weight's slots join as its shards do: variable_shards)."""
-        return self.value()
-
-    def assign(self, whole: tf.Tensor):
-        """Sets the whole slot: each local part gets its elements."""
-        return self._restore_from_tensors({trackable.VARIABLE_VALUE_KEY: whole})
-
-    def value(self) -> tf.Tensor:
-        """The whole slot, as the unsharded optimizer would hold it."""
-        with tf.device(self.parts[0].device):
-            if not self.complete:
-                return self._gathered_or_empty()
-            if not self.sharded:
-                return self.parts[0].read_value()
-            return tf.reshape(tf.concat([p.read_value() for p in self.parts], 0), self.shape)
-
-    def _gathered_or_empty(self) -> tf.Tensor:
-        """A client's whole slot while its chief saves, else an empty tensor: a restore
-        serializes too, but reads only the dtype and device; a save outside
-        `ShardedOptimizer.GatherSlots` would write the empty tensor, which no restore
-        accepts (it fits no slot), rather than a wrong slot. Of the slot's rank, so that
-        a split weight's slots join (variable_shards) into an empty tensor too."""
-        if self.gathered is not None:
-            return self.gathered
-        return tf.zeros([0] * max(1, self.shape.rank), self.parts[0].dtype)
-
-    def _serialize_to_tensors(self) -> dict:
-        return {trackable.VARIABLE_VALUE_KEY: self.value()}
-
-    def _restore_from_tensors(self, restored_tensors: dict):
-        whole = restored_tensors[trackable.VARIABLE_VALUE_KEY]
-        if not self.sharded:
-            return tf.group([p.assign(whole) for p in self.parts])
-        if not self.complete:
-            self.restored = whole  # the other clients' parts: ReceiveSlots sends them
-        flat = tf.reshape(whole, [-1])
-        return tf.group([p.assign(flat[start:stop])
-                         for p, (start, stop) in zip(self.parts, self.bounds)])
-
-
-class _Part(Whole):
-    """Replica r's flat part of a variable, for the optimizer's rule (see `Whole`).
-
-    With sharded gradients (ZeRO stage 2) the replica holds only its part of the
-    summed gradient, `own`; the whole `grad` is then all-gathered by `gather` when
-    a rule reads it (Adafactor's factored row and column moments), else never.
-    With sharded weights (stage 3) likewise its part of the weight, `own_weight`,
-    and `weight` is gathered (`gather_weight`) only when read (Adafactor's
-    parameter scale).
-    """
-
-    def __init__(self, grad: Optional[tf.Tensor], weight: Optional[tf.Tensor],
-                 bounds: tuple[int, int], total, own: Optional[tf.Tensor] = None, gather=None,
-                 shape: Optional[tf.TensorShape] = None, own_weight: Optional[tf.Tensor] = None,
-                 gather_weight=None) -> None:
-        self._grad, self._weight = grad, weight
-        self._bounds, self._total, self._own, self._gather = bounds, total, own, gather
-        self._shape, self._own_weight, self._gather_weight = shape, own_weight, gather_weight
-
-    @property
-    def grad(self) -> tf.Tensor:
-        if self._grad is None:
-            self._grad = self._gather(self._own)
-        return self._grad
-
-    @property
-    def weight(self) -> tf.Tensor:
-        if self._weight is None:
-            self._weight = self._gather_weight(self._own_weight)
-        return self._weight
-
-    @property
-    def shape(self) -> tf.TensorShape:
-        return self._shape if self._shape is not None else self.weight.shape
-
-    def own_grad(self) -> tf.Tensor:
-        """The part of the summed gradient this replica updates with."""
-        return self.cut(self._grad) if self._own is None else self._own
-
-    def own_weight(self) -> tf.Tensor:
-        """The part of the weight this replica updates."""
-        return self.cut(self.weight) if self._own_weight is None else self._own_weight
-
-    def cut(self, x: tf.Tensor) -> tf.Tensor:
-        start, stop = self._bounds
-        return tf.reshape(x, [-1])[start:stop]
-
-    def total(self, x: tf.Tensor) -> tf.Tensor:
-        return self._total(x)
+__all__ = ['ShardedOptimizer', 'shard_bounds']  # shard_bounds from shard_parts
 
 
 class ShardedOptimizer(tf.Module):
@@ -220,11 +102,15 @@ class ShardedOptimizer(tf.Module):
     `weight_shapes` (stage 3, path -> the whole weight's shape): `replica_variables`
     are the replicas' parts of the weights (tfpipe/pipeline/sharded_weights.py),
     which `Apply` updates in place, gathering nothing; gradients are sharded too.
+    `expert_parallel` P > 1 (in one process): an expert weight's slots shard over the
+    R/P replicas holding the same experts (its gradient is summed over them only), in
+    P slots per name (one per expert rank), which checkpoints join whole ([E, ...]).
     """
 
     def __init__(self, params: InstantiableParams, replica_variables: Sequence[Variables],
                  peers: Optional[across_clients.Peers] = None, shard_gradients: bool = False,
-                 weight_shapes: Optional[dict[str, tf.TensorShape]] = None):
+                 weight_shapes: Optional[dict[str, tf.TensorShape]] = None,
+                 expert_parallel: int = 1):
         rule = params.Instantiate()
         super().__init__(name=rule.name)
         with trackable.no_automatic_dependency_tracking_scope(self):
@@ -246,34 +132,67 @@ class ShardedOptimizer(tf.Module):
                     p: tf.TensorShape(v.shape) for p, v in replica_variables[0].items()}:
                 raise ValueError(f'ShardedOptimizer: replica {r} has other variables than '
                                  'replica 0; pass every replica\'s ReplicaVariablesByPath()')
-        slots = {}
-        with tf.init_scope():
-            for path in sorted(self._shapes):
-                slots[slot_key(path)] = {
-                    name: self._new_slot(path, name, tf.TensorShape(shape), replica_variables)
-                    for name, shape in rule.SlotShapes(self._shapes[path]).items()}
-        self._slots = slots
-        self._whole_slots = whole_slots(replica_variables[0], slots, rule.SlotShapes)
         # The devices holding a variable's local copies: one collective group per cell.
         self._group_devices = {path: tuple(v[path].device for v in replica_variables)
                                for path in self._shapes}
+        # [local replica] -> the local replicas that share its slots of a variable: all,
+        # or for an expert weight those holding the same experts.
+        everyone = tuple(range(self._num_local))
+        self._members = {path: [everyone] * self._num_local for path in self._shapes}
+        for path, var in replica_variables[0].items():
+            if expert_parallel > 1 and expert_parallel_lib.is_expert_variable(var):
+                self._members[path] = [
+                    tuple(expert_parallel_lib.expert_data_parallel(self._num_local,
+                                                                   expert_parallel, r))
+                    for r in range(self._num_local)]
+        # {first member: {slot key: {name: Slot}}}: replica 0's slots, then those of the
+        # expert weights' other ranks (checkpointed joined into replica 0's: whole_slots).
+        slot_sets: dict[int, dict] = {}
+        with tf.init_scope():
+            for path in sorted(self._shapes):
+                for members in sorted(set(self._members[path])):
+                    slot_sets.setdefault(members[0], {})[slot_key(path)] = {
+                        name: self._new_slot(path, name, tf.TensorShape(shape),
+                                             replica_variables, members)
+                        for name, shape in rule.SlotShapes(self._shapes[path]).items()}
+        self._slots = slot_sets[0]
+        with trackable.no_automatic_dependency_tracking_scope(self):
+            self._slot_sets = slot_sets
+        self._whole_slots = whole_slots(
+            replica_variables[0], self._slots, rule.SlotShapes,
+            [(replica_variables[first], held) for first, held in slot_sets.items() if first])
         self._keys: dict = {}  # collective instance keys of the step being built
         self.shards_weights = weight_shapes is not None
         self.shards_gradients = shard_gradients or self.shards_weights
 
     def _new_slot(self, path: str, name: str, shape: tf.TensorShape,
-                 replica_variables: Sequence[Variables]) -> _Slot:
+                 replica_variables: Sequence[Variables], members: tuple[int, ...]) -> Slot:
+        """Slot `name` of `path` over the local replicas `members` (a part on each)."""
         sharded = shape == self._shapes[path]
-        all_bounds = shard_bounds(shape.num_elements(), self._num_shards)
-        bounds = [all_bounds[shard] for shard in self._shards]
+        bounds = [self._bounds_of(path, r, shape.num_elements()) for r in members]
         parts = []
-        for r, variables in enumerate(replica_variables):
-            var = variables[path]
-            part_shape = [bounds[r][1] - bounds[r][0]] if sharded else shape
+        for r, (start, stop) in zip(members, bounds):
+            var = replica_variables[r][path]
+            part_shape = [stop - start] if sharded else shape
             with tf.device(var.device):
                 parts.append(tf.Variable(tf.zeros(part_shape, var.dtype), trainable=False,
                                          name=f'{path}/{name}/replica_{self._shards[r]}'))
-        return _Slot(shape, parts, bounds, sharded, complete=not self.spans_clients)
+        return Slot(shape, parts, bounds, sharded, complete=not self.spans_clients)
+
+    def _shard_group(self, path: str, r: int) -> tuple[tuple[str, ...], int, int]:
+        """(the devices of the replicas sharing local replica r's slots of `path`, r's
+        shard among them, their number: across clients, the clients')."""
+        members = self._members[path][r]
+        devices = tuple(self._group_devices[path][m] for m in members)
+        if self._peers is not None:
+            return devices, self._peers.index, self._peers.count
+        return devices, members.index(r), len(members)
+
+    def _slots_of(self, path: str, r: int) -> dict[str, tf.Variable]:
+        """{name: local replica r's part} of the slots of `path`."""
+        members = self._members[path][r]
+        return {name: slot.parts[members.index(r)]
+                for name, slot in self._slot_sets[members[0]][slot_key(path)].items()}
 
     def _trackable_children(self, save_type='checkpoint', **kwargs):
         return checkpointed_slots(super()._trackable_children(save_type, **kwargs), save_type)
@@ -287,14 +206,16 @@ class ShardedOptimizer(tf.Module):
         """Whether the shards live in several trainer clients (else all in this process)."""
         return self._peers is not None and self._num_shards > 1
 
-    def GetSlot(self, path: str, name: str) -> tf.Tensor:
-        """The whole slot `name` of the variable at `path` (its parts joined; on a trainer
-        client only inside GatherSlots())."""
-        return self._slots[slot_key(path)][name].value()
+    def GetSlot(self, path: str, name: str, replica: int = 0) -> tf.Tensor:
+        """The whole slot `name` of the variable at `path` as local replica `replica` holds
+        it unsharded (its parts joined; on a trainer client only inside GatherSlots())."""
+        return self._slot_sets[self._members[path][replica][0]][slot_key(path)][name].value()
 
-    def SlotParts(self, path: str, name: str) -> list[tf.Variable]:
-        """The variables holding slot `name` of `path`, one per local replica."""
-        return list(self._slots[slot_key(path)][name].parts)
+    def SlotParts(self, path: str, name: str, replica: int = 0) -> list[tf.Variable]:
+        """The variables holding slot `name` of `path` over the replicas sharing local
+        replica `replica`'s (every local replica, or an expert weight's R/P), one each."""
+        return list(self._slot_sets[self._members[path][replica][0]][slot_key(path)][name]
+                    .parts)
 
     def SlotBytes(self) -> tuple[int, int]:
         """(bytes of slots held by each local replica, bytes of one whole copy)."""
@@ -305,33 +226,37 @@ class ShardedOptimizer(tf.Module):
             whole += slot.shape.num_elements() * part.dtype.size
         return held, whole
 
-    def _all_slots(self) -> list[_Slot]:
+    def _all_slots(self) -> list[Slot]:
         return [s[name] for _, s in sorted(self._slots.items()) for name in sorted(s)]
 
     def ReduceScatter(self, replica_grads: Sequence[Grads]) -> list[Grads]:
-        """Each local replica's part of the gradients summed over all replicas (stage 2).
+        """Each local replica's part of the gradients summed over the replicas sharing its
+        slots (stage 2): all replicas, or an expert weight's R/P.
 
         `replica_grads[i]`: local replica i's own gradient sums, not yet summed over
         replicas (whole shapes). Returns, per local replica, {path: its flat part}
-        (`shard_bounds`; None stays None). One reduce-scatter per cell and dtype: each
-        variable padded to R equal rows, the cell's rows side by side.
+        (`shard_bounds`; None stays None). One reduce-scatter per cell, dtype and group:
+        each variable padded to equal rows, one per member, the cell's rows side by side.
         """
         out = [dict.fromkeys(grads) for grads in replica_grads]
-        by_group: dict = {}
+        by_group: dict = {}  # {(devices, dtype): (members, [path])}
         for path in sorted(p for p, g in replica_grads[0].items() if g is not None):
-            by_group.setdefault((self._group_devices[path], replica_grads[0][path].dtype),
-                                []).append(path)
-        for (devices, _), paths in by_group.items():
-            sizes = [math.ceil(self._shapes[p].num_elements() / self._num_shards) for p in paths]
+            for members in sorted(set(self._members[path])):
+                devices = self._shard_group(path, members[0])[0]
+                by_group.setdefault((devices, replica_grads[0][path].dtype),
+                                    (members, []))[1].append(path)
+        for (devices, _), (members, paths) in by_group.items():
+            count = self._count(devices)
+            sizes = [self._padded_size(p, members[0]) for p in paths]
             rows = []
-            for i, grads in enumerate(replica_grads):
-                with tf.device(devices[i]), tf.name_scope(f'shard_grads_{i}'):
-                    rows.append(tf.concat([_as_rows(grads[p], size, self._num_shards)
+            for device, i in zip(devices, members):
+                with tf.device(device), tf.name_scope(f'shard_grads_{i}'):
+                    rows.append(tf.concat([as_rows(replica_grads[i][p], size, count)
                                            for p, size in zip(paths, sizes)], 1))
             summed = reduce_scatter.reduce_scatter_sum(
                 rows, devices, self._peers if self.spans_clients else None)
-            for i, flat in enumerate(summed):
-                with tf.device(devices[i]):
+            for device, i, flat in zip(devices, members, summed):
+                with tf.device(device):
                     for path, piece in zip(paths, tf.split(flat, sizes)):
                         start, stop = self._bounds_of(path, i)
                         out[i][path] = piece[:stop - start]
@@ -370,9 +295,16 @@ class ShardedOptimizer(tf.Module):
                             for path, g in parts.items()})
         return clipped, norms[0]
 
-    def _bounds_of(self, path: str, r: int) -> tuple[int, int]:
-        """[start, stop) of local replica r's part of the variable at `path`."""
-        return shard_bounds(self._shapes[path].num_elements(), self._num_shards)[self._shards[r]]
+    def _bounds_of(self, path: str, r: int, size: Optional[int] = None) -> tuple[int, int]:
+        """[start, stop) of local replica r's part of the variable at `path` (or of a slot
+        of `size` elements)."""
+        _, shard, count = self._shard_group(path, r)
+        return shard_bounds(self._shapes[path].num_elements() if size is None else size,
+                            count)[shard]
+
+    def _padded_size(self, path: str, r: int) -> int:
+        """The elements of local replica r's part of `path` padded for an all-gather."""
+        return math.ceil(self._shapes[path].num_elements() / self._shard_group(path, r)[2])
 
     def Apply(self, lr: tf.Tensor, replica_grads: Sequence[Grads],
               replica_variables: Sequence[Variables]) -> None:
@@ -400,8 +332,12 @@ class ShardedOptimizer(tf.Module):
                     with tf.device(replica_variables[r][path].device):
                         replica_variables[r][path].assign(padded)
             return
-        for group in pieces[0]:
-            self._gather(group, [p[group] for p in pieces], replica_variables)
+        by_group: dict = {}  # {(devices, dtype): {local replica: its pieces}}
+        for r, replica_pieces in enumerate(pieces):
+            for group, items in replica_pieces.items():
+                by_group.setdefault(group, {})[r] = items
+        for group, held in by_group.items():
+            self._gather(group, held, replica_variables)
 
     def _key(self, name: tuple) -> int:
         """The instance key of collective `name` in this step, the same for every replica."""
@@ -409,27 +345,33 @@ class ShardedOptimizer(tf.Module):
             self._keys[name] = replicas.new_instance_key()
         return self._keys[name]
 
-    def _sum(self, x: tf.Tensor, name: tuple, devices: tuple, r: int) -> tf.Tensor:
-        """`x` summed over the shards' holders (local replica r's device)."""
-        if self._num_shards == 1:
+    def _count(self, devices: tuple) -> int:
+        """The shards' holders: the local `devices`, or across clients every client."""
+        return self._num_shards if self._peers is not None else len(devices)
+
+    def _sum(self, x: tf.Tensor, name: tuple, devices: tuple) -> tf.Tensor:
+        """`x` summed over the shards' holders `devices` (one process), or the clients."""
+        count = self._count(devices)
+        if count == 1:
             return x
         if self._peers is not None:
-            return across_clients.all_reduce_sum(self._peers, [x], devices[r])[0]
-        return collective_ops.all_reduce(x, self._num_shards, replicas.group_key(devices),
-                                         self._key(name), 'Add', 'Id',
+            return across_clients.all_reduce_sum(self._peers, [x], devices[0])[0]
+        return collective_ops.all_reduce(x, count, replicas.group_key(devices),
+                                         self._key((devices,) + name), 'Add', 'Id',
                                          communication_hint='auto')
 
-    def _all_gather(self, packed: tf.Tensor, name: tuple, devices: tuple, r: int) -> tf.Tensor:
-        """[num_shards, n]: row s is the 1-D `packed` of shard s's holder (local replica r's
-        device)."""
-        if self._num_shards == 1:
+    def _all_gather(self, packed: tf.Tensor, name: tuple, devices: tuple) -> tf.Tensor:
+        """[shards, n]: row s is the 1-D `packed` of shard s's holder (among `devices` in one
+        process, or the clients)."""
+        count = self._count(devices)
+        if count == 1:
             return packed[tf.newaxis]
         if self._peers is not None:
-            return across_clients.all_gather(self._peers, packed, devices[r])
-        gathered = collective_ops.all_gather(packed, self._num_shards,
-                                             replicas.group_key(devices), self._key(name),
+            return across_clients.all_gather(self._peers, packed, devices[0])
+        gathered = collective_ops.all_gather(packed, count, replicas.group_key(devices),
+                                             self._key((devices,) + name),
                                              communication_hint='auto')
-        return tf.reshape(gathered, [self._num_shards, -1])
+        return tf.reshape(gathered, [count, -1])
 
     def _apply_replica(self, r: int, lr: tf.Tensor, step: tf.Tensor, grads: Grads,
                       variables: Variables) -> dict:
@@ -444,64 +386,60 @@ class ShardedOptimizer(tf.Module):
                         for path in paths]
                 (lr_, step_, _), parts = cast[0], [part for _, _, part in cast]
                 split = Split(parts, [variables[path].device for path in paths], axis)
-                slots = [{name: slot.parts[r]
-                          for name, slot in self._slots[slot_key(path)].items()}
-                         for path in paths]
+                slots = [self._slots_of(path, r) for path in paths]
                 deltas = self._rule.Deltas(lr_, step_,
                                            split.each(lambda p: p.own_grad(), parts),
                                            slots, split)
                 for path, part, delta in zip(paths, parts, deltas):
-                    n = self._shapes[path].num_elements()
                     with tf.device(variables[path].device):
                         new = part.own_weight() - delta
-                        padded = tf.pad(new, [[0, math.ceil(n / self._num_shards)
-                                               - new.shape[0]]])
-                    out.setdefault((self._group_devices[path], new.dtype), []).append(
+                        padded = tf.pad(new, [[0, self._padded_size(path, r) - new.shape[0]]])
+                    out.setdefault((self._shard_group(path, r)[0], new.dtype), []).append(
                         (path, padded))
         return out
 
     def _part(self, r: int, lr: tf.Tensor, step: tf.Tensor, grad: tf.Tensor,
-              var: tf.Variable, path: str) -> tuple[tf.Tensor, tf.Tensor, _Part]:
+              var: tf.Variable, path: str) -> tuple[tf.Tensor, tf.Tensor, Part]:
         """lr and step in the variable's dtype and local replica r's part of the variable at
         `path`, for the rule (on its device)."""
-        devices = self._group_devices[path]
+        devices = self._shard_group(path, r)[0]
         start, stop = self._bounds_of(path, r)
         with tf.device(var.device):
             lr_, step_, grad_ = cast_args(lr, step, grad, var.dtype)
 
             def total(x):
-                return self._sum(x, (path, 'total'), devices, r)
+                return self._sum(x, (path, 'total'), devices)
 
             if not self.shards_gradients:
-                return lr_, step_, _Part(grad_, var.read_value(), (start, stop), total)
+                return lr_, step_, Part(grad_, var.read_value(), (start, stop), total)
 
             def gather(own, what):  # a whole summed gradient or weight, for a rule reading it
                 shape = self._shapes[path]
                 with tf.device(var.device):
-                    padded = tf.pad(own, [[0, math.ceil(shape.num_elements() / self._num_shards)
-                                           - own.shape[0]]])
-                    rows = self._all_gather(padded, (path, what), devices, r)
+                    padded = tf.pad(own, [[0, self._padded_size(path, r) - own.shape[0]]])
+                    rows = self._all_gather(padded, (path, what), devices)
                     return tf.reshape(tf.reshape(rows, [-1])[:shape.num_elements()], shape)
 
             def gather_grad(own):
                 return gather(own, 'grad')
 
             if not self.shards_weights:
-                return lr_, step_, _Part(None, var.read_value(), (start, stop), total, grad_,
+                return lr_, step_, Part(None, var.read_value(), (start, stop), total, grad_,
                                          gather_grad)
-            return lr_, step_, _Part(None, None, (start, stop), total, grad_, gather_grad,
+            return lr_, step_, Part(None, None, (start, stop), total, grad_, gather_grad,
                                      self._shapes[path], var.read_value()[:stop - start],
                                      lambda own: gather(own, 'weight'))
 
-    def _gather(self, group: tuple, pieces: Sequence[list], variables: Sequence[Variables]):
-        """All-gathers one cell's updated parts (one buffer per dtype) into every copy."""
+    def _gather(self, group: tuple, pieces: dict[int, list], variables: Sequence[Variables]):
+        """All-gathers one cell's updated parts (one buffer per dtype) into every copy held
+        by the group's replicas (`pieces`: {local replica: its [(path, padded part)]})."""
         devices, _ = group
-        sizes = [piece.shape[0] for _, piece in pieces[0]]
-        for r in range(self._num_local):
-            with tf.device(devices[r]), tf.name_scope(f'shard_gather_{r}'):
-                packed = tf.concat([piece for _, piece in pieces[r]], 0)
-                rows = self._all_gather(packed, ('gather',) + group, devices, r)
-                for (path, _), column in zip(pieces[r], tf.split(rows, sizes, axis=1)):
+        sizes = [piece.shape[0] for _, piece in next(iter(pieces.values()))]
+        for device, (r, own) in zip(devices, sorted(pieces.items())):
+            with tf.device(device), tf.name_scope(f'shard_gather_{r}'):
+                packed = tf.concat([piece for _, piece in own], 0)
+                rows = self._all_gather(packed, ('gather',) + group, devices)
+                for (path, _), column in zip(own, tf.split(rows, sizes, axis=1)):
                     var = variables[r][path]
                     flat = tf.reshape(column, [-1])[:self._shapes[path].num_elements()]
                     var.assign(tf.reshape(flat, self._shapes[path]))
@@ -525,7 +463,7 @@ class ShardedOptimizer(tf.Module):
                 packed = tf.concat([tf.pad(s.parts[0].read_value(),
                                            [[0, size - s.parts[0].shape[0]]])
                                     for s, size in zip(slots, sizes)], 0)
-                rows = self._all_gather(packed, (), (device,), 0)
+                rows = self._all_gather(packed, (), (device,))
                 for slot, column in zip(slots, tf.split(rows, sizes, axis=1)):
                     flat = tf.reshape(column, [-1])[:slot.shape.num_elements()]
                     out.append(tf.reshape(flat, slot.shape))

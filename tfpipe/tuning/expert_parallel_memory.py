@@ -64,23 +64,29 @@ def expert_fractions(pipe: Any, optimizer: Optional[Params] = None
 
 
 def cut(profiles: Sequence[LayerProfile], fractions: Sequence[tuple[float, float]],
-        p: int) -> list[LayerProfile]:
+        p: int, sharded_slots: bool = False) -> list[LayerProfile]:
     """`profiles` (P=1) with parameter and slot bytes cut to what one member holds at `p`:
-    1/p of each layer's expert share (`fractions`, `expert_fractions`), the rest whole."""
+    1/p of each layer's expert share (`fractions`, `expert_fractions`), the rest whole.
+    With `sharded_slots` (ZeRO stages 1 and 2) the slots stay P=1's: a member's E/P
+    experts' slots shard over the R/P replicas holding them and the others over all R, so
+    a replica holds 1/R of P=1's slots, which the memory model's division by R gives."""
     if p == 1:
         return list(profiles)
     return [dataclasses.replace(profile, param_bytes=profile.param_bytes * (1 - w + w / p),
-                                slot_bytes=profile.slot_bytes * (1 - s + s / p))
+                                slot_bytes=profile.slot_bytes * (
+                                    1 if sharded_slots else 1 - s + s / p))
             for profile, (w, s) in zip(profiles, fractions)]
 
 
 def member_profiles(pipe: Any, profiles: Sequence[LayerProfile],
-                    optimizer: Optional[Params] = None) -> list[LayerProfile]:
+                    optimizer: Optional[Params] = None,
+                    sharded_slots: bool = False) -> list[LayerProfile]:
     """`profiles` (one per body layer, P=1) with parameter and slot bytes cut to what one
-    member of the built `pipe` holds: an MoE layer's E/P experts, every other weight whole."""
+    member of the built `pipe` holds: an MoE layer's E/P experts, every other weight whole
+    (slots: see `cut`)."""
     if degree(pipe.params) == 1:
         return list(profiles)
-    return cut(profiles, expert_fractions(pipe, optimizer), degree(pipe.params))
+    return cut(profiles, expert_fractions(pipe, optimizer), degree(pipe.params), sharded_slots)
 
 
 def buffer_bytes(pipeline: Params, micro_batch_shapes: Any) -> list[float]:
