@@ -35,8 +35,10 @@ _COLLECTIVES = {NONE: (1, 2), OPTIMIZER_STATES: (2, 3), GRADIENTS: (2, 2), WEIGH
 
 def stages(replicas: int, tensor_parallel: int = 1, expert_parallel: int = 1
            ) -> tuple[str, ...]:
-    """The stages to try: none at R=1 (nothing to shard over); only 'none' with expert
-    parallelism, and not 'weights' with T > 1 (the trainer refuses them)."""
+    """The stages to try: none at R=1 (nothing to shard over); not 'weights' with T > 1
+    (the trainer refuses it); only 'none' with expert parallelism: the trainer builds
+    stages 1 and 2 there, but an expert weight's slots shard over its R/P replicas, not
+    R, which `peak_delta` does not model yet."""
     if replicas <= 1:
         return ()
     if expert_parallel > 1:
