@@ -19,6 +19,7 @@ from tfpipe.pipeline import sharding
 from tfpipe.tuning import (expert_parallel_memory, memory_model, planner, profile,
                            sharding_plan, tensor_parallel_memory, working_memory)
 from tfpipe.pipeline.partition import cell_ranges
+from trainer import guarded_update
 
 CHECK_TOLERANCE = 1e-5
 NOISE_FLOOR = 1e-3  # of the largest gradient: below it a gradient is rounding noise
@@ -190,7 +191,8 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
     # with Adam on wide weights they, not a backward, set the peak (issue 40).
     variables = {path: v for path, v in pipe.ReplicaVariablesByPath()[0].items() if v.trainable}
     update = working_memory.measure_update(params.task.train.optimizer, variables,
-                                           params.task.train.clip_gradient_norm_to_value or None)
+                                           params.task.train.clip_gradient_norm_to_value or None,
+                                           guarded_update.guarded_update)
     host = dataclasses.replace(host, update=update or 0.0)
     phase = max((host.training, 'a step'), (host.filling, 'the input filling its buffers'),
                 (host.updating, 'the optimizer\'s update'))[1]
@@ -244,7 +246,6 @@ def _one_step(params: Params, batch) -> tuple[tuple[float, dict, dict], list[int
     from tfpipe import fprop_context
     from tfpipe.base_layer import flatten_by_path
     from trainer import runtime_options, train_job
-    from trainer.guarded_update import guarded_update
 
     with tempfile.TemporaryDirectory() as train_dir:
         trainer = train_job.Trainer(params, train_dir, runtime_options.RuntimeOptions())
@@ -257,8 +258,9 @@ def _one_step(params: Params, batch) -> tuple[tuple[float, dict, dict], list[int
             replica_grads = [flatten_by_path(g, task.path)
                              for g in (grads if isinstance(grads, list) else [grads])]
             lr = trainer.learning_rate * trainer.schedule.Value(step + 1)
-            guarded_update(loss, replica_grads, trainer.clip_norm, trainer.optimizers,
-                           trainer.replica_variables, lr, step)
+            guarded_update.guarded_update(loss, replica_grads, trainer.clip_norm,
+                                          trainer.optimizers, trainer.replica_variables, lr,
+                                          step)
             return loss, replica_grads[0]  # all-reduced: every replica's are the same
 
         loss, grads = train_step(batch)
