@@ -441,25 +441,38 @@ class Adafactor(BaseOptimizer):
         return split.each(lambda u: lr * u, updates)
 
 
+def squared_norm(grads: Grads) -> tf.Tensor:
+    """The sum of the gradients' squares in float32, each square on its gradient's device
+    (only scalars cross devices)."""
+    squares = []
+    for g in (tf.convert_to_tensor(g) for _, g in sorted(grads.items()) if g is not None):
+        with tf.device(g.device):
+            squares.append(tf.reduce_sum(tf.square(tf.cast(g, tf.float32))))
+    return tf.add_n(squares) if squares else tf.constant(0.0)
+
+
+def clip_by_norm_of(grads: Grads, max_norm: Optional[float], norm: tf.Tensor) -> Grads:
+    """Scales all gradients by ``min(1, max_norm / norm)``: clipping by a global norm the
+    caller computed (with expert parallelism, over every replica's experts)."""
+    if max_norm is not None and not (isinstance(max_norm, (int, float)) and max_norm >= 0):
+        raise ValueError(f'clip_by_global_norm: max_norm={max_norm!r} must be None or >= 0')
+    if not max_norm:
+        return dict(grads)
+    scale = max_norm / tf.maximum(norm, max_norm)
+    clipped: Grads = dict.fromkeys(grads)
+    for key, g in grads.items():
+        if g is not None:
+            g = tf.convert_to_tensor(g)
+            with tf.device(g.device):
+                clipped[key] = g * tf.cast(scale, g.dtype)
+    return clipped
+
+
 def clip_by_global_norm(grads: Grads, max_norm: Optional[float]) -> tuple[Grads, tf.Tensor]:
     """Scales all gradients by ``min(1, max_norm / global_norm)``; returns them and the norm.
 
     Squares and scalings run on each gradient's device, so only scalars cross devices.
     ``max_norm`` None or 0: no clipping, but the norm is still returned (for logging).
     """
-    if max_norm is not None and not (isinstance(max_norm, (int, float)) and max_norm >= 0):
-        raise ValueError(f'clip_by_global_norm: max_norm={max_norm!r} must be None or >= 0')
-    dense = {k: tf.convert_to_tensor(g) for k, g in sorted(grads.items()) if g is not None}
-    squares = []
-    for g in dense.values():
-        with tf.device(g.device):
-            squares.append(tf.reduce_sum(tf.square(tf.cast(g, tf.float32))))
-    norm = tf.sqrt(tf.add_n(squares)) if squares else tf.constant(0.0)
-    if not max_norm:
-        return dict(grads), norm
-    scale = max_norm / tf.maximum(norm, max_norm)
-    clipped: Grads = dict.fromkeys(grads)
-    for key, g in dense.items():
-        with tf.device(g.device):
-            clipped[key] = g * tf.cast(scale, g.dtype)
-    return clipped, norm
+    norm = tf.sqrt(squared_norm(grads))
+    return clip_by_norm_of(grads, max_norm, norm), norm

@@ -7,14 +7,16 @@ from typing import Optional, Sequence
 
 import tensorflow as tf
 
-from tfpipe.optimizers import BaseOptimizer, clip_by_global_norm
+from tfpipe.optimizers import (BaseOptimizer, clip_by_global_norm, clip_by_norm_of,
+                               squared_norm)
+from tfpipe.pipeline.expert_parallel import is_expert_variable
 from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
 
 
 def guarded_update(loss: tf.Tensor, replica_grads: Sequence[dict], clip_norm: Optional[float],
                    optimizers: Sequence[BaseOptimizer] | ShardedOptimizer,
                    replica_variables: Sequence[dict], lr: tf.Tensor,
-                   global_step: tf.Variable) -> tf.Tensor:
+                   global_step: tf.Variable, expert_parallel: int = 1) -> tf.Tensor:
     """The update half of the trainer's step; returns the global gradient norm.
 
     Global-norm clipping, then the optimizer's update and `global_step += 1` only
@@ -26,11 +28,17 @@ def guarded_update(loss: tf.Tensor, replica_grads: Sequence[dict], clip_norm: Op
     update to its own copy; a ShardedOptimizer updates every replica's part. With
     sharded gradients (`task.train.sharding='gradients'`) `replica_grads` are each
     replica's own sums, not yet summed over replicas: they are reduce-scattered and
-    the norm is summed over the parts.
+    the norm is summed over the parts. With expert parallelism (`expert_parallel` P > 1 in
+    one process) replica r holds the gradients of expert rank r % P only, so the global
+    norm sums each rank's expert squares once (replicas 0..P-1) beside replica 0's others:
+    the P=1 run's norm, by which every replica clips.
     """
     if isinstance(optimizers, ShardedOptimizer) and optimizers.shards_gradients:
         # ZeRO stage 2: the replicas' own gradient sums, reduce-scattered here.
         clipped, norm = optimizers.ClipParts(optimizers.ReduceScatter(replica_grads), clip_norm)
+    elif expert_parallel > 1:
+        norm = _norm_over_experts(replica_grads, replica_variables, expert_parallel)
+        clipped = [clip_by_norm_of(grads, clip_norm, norm) for grads in replica_grads]
     else:
         pairs = [clip_by_global_norm(grads, clip_norm) for grads in replica_grads]
         clipped, norm = [grads for grads, _ in pairs], pairs[0][1]
@@ -47,3 +55,18 @@ def guarded_update(loss: tf.Tensor, replica_grads: Sequence[dict], clip_norm: Op
 
     tf.cond(finite, update, lambda: tf.constant(False))
     return norm
+
+
+def _norm_over_experts(replica_grads: Sequence[dict], replica_variables: Sequence[dict],
+                       expert_parallel: int) -> tf.Tensor:
+    """The global gradient norm at P > 1: replica 0's non-expert gradients (all-reduced,
+    equal on every replica) and each expert rank's gradients once (replicas 0..P-1)."""
+    first = replica_variables[0]
+    shared = {path: g for path, g in replica_grads[0].items()
+              if not is_expert_variable(first.get(path))}
+    squares = [squared_norm(shared)]
+    for grads, variables in zip(replica_grads[:expert_parallel],
+                                replica_variables[:expert_parallel]):
+        squares.append(squared_norm({path: g for path, g in grads.items()
+                                     if is_expert_variable(variables.get(path))}))
+    return tf.sqrt(tf.add_n(squares))

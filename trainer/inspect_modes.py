@@ -260,7 +260,7 @@ def _one_step(params: Params, batch) -> tuple[tuple[float, dict, dict], list[int
             lr = trainer.learning_rate * trainer.schedule.Value(step + 1)
             guarded_update.guarded_update(loss, replica_grads, trainer.clip_norm,
                                           trainer.optimizers, trainer.replica_variables, lr,
-                                          step)
+                                          step, task.pipe.params.expert_parallel)
             return loss, replica_grads[0]  # all-reduced: every replica's are the same
 
         loss, grads = train_step(batch)

@@ -347,7 +347,8 @@ class Trainer:
         norm = guarded_update(
             loss, [flatten_by_path(g, self.task.path) for g in
                    (grads if isinstance(grads, list) else [grads])],
-            self.clip_norm, self.optimizers, self.replica_variables, lr, step)
+            self.clip_norm, self.optimizers, self.replica_variables, lr, step,
+            self.task.pipe.params.expert_parallel)  # 1 per client: across clients, not yet
         aux = {**aux.metrics(), **aux.statistics()}  # 'name' and 'name/layer path'
         if not record:
             return loss, norm, lr, aux
