@@ -88,7 +88,7 @@ from tfpipe.pipeline import reduce_scatter, replicas
 from tfpipe.pipeline.shard_parts import Part, Slot, as_rows, shard_bounds
 from tfpipe.split_statistics import Split, groups
 
-__all__ = ['ShardedOptimizer', 'shard_bounds']  # shard_bounds from shard_parts
+__all__ = ['ShardedOptimizer']
 
 
 class ShardedOptimizer(tf.Module):

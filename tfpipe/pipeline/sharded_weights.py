@@ -51,7 +51,7 @@ from tensorflow.python.ops import collective_ops
 
 from tfpipe import variable_shards
 from tfpipe.pipeline import across_clients, replicas, ties
-from tfpipe.pipeline.sharded_optimizer import shard_bounds
+from tfpipe.pipeline.shard_parts import shard_bounds
 
 __all__ = ['WeightShards']
 
