@@ -3,7 +3,7 @@
 Between steps replica r holds only its part of each trainable weight of its cells:
 elements [r*s, min((r+1)*s, n)) of the flattened weight, s = ceil(n/R), in a
 variable of s elements (zero-padded where R does not divide n), the split of the
-optimizer's slots and of stage 2's gradient sums (sharded_optimizer.shard_bounds).
+optimizer's slots and of stage 2's gradient sums (shard_parts.shard_bounds).
 `ShardWeights` swaps each layer's whole variable for that part, so the whole copies
 are freed; the layers' `theta` and `VariablesByPath` then hold the parts.
 
