@@ -3,8 +3,9 @@
 Two clients of lm.pystdlib.TinyMoETransformerLM with task.pipeline.expert_parallel=2: the
 clients are the expert group, each holds 4 of the 8 experts of its MoE layer and tokens
 cross processes by all-to-all. They must train as one process with R=2 replicas at P=2
-does: the loss (with its auxiliary losses) at every step, and the chief's checkpoints
-(every expert whole under the layer's path, with its whole Adam slots) within 1e-5. The
+does: the loss (with its auxiliary losses) and the clipped global norm at every step, and
+the chief's checkpoints (every expert whole under the layer's path, with its whole Adam
+slots) within 1e-5. The
 second half of the run is 4 clients that restore the chief's checkpoint (the non-chiefs,
 given empty logdirs, must receive their experts' rows from the chief): two expert groups,
 each expert's gradient summed over the 2 clients that hold it. oneDNN is off in every
@@ -65,6 +66,13 @@ def test_expert_clients_train_as_one_process_and_save_every_expert_whole(runs):
     assert sorted(got) == list(range(1, STEPS + 1)), got
     for step in got:
         np.testing.assert_allclose(got[step], want[step], rtol=1e-5, err_msg=f'step {step}')
+    # The global norm counts each expert rank's squares once, as one process does (the
+    # clients' own expert squares summed over their expert group): clipping scales alike.
+    norms = [th.losses_by_step(os.path.join(runs[run], 'train'), 'grad_norm')
+             for run in ('chief', 'reference')]
+    np.testing.assert_allclose([norms[0][s] for s in got], [norms[1][s] for s in got],
+                               rtol=1e-5)
+    assert min(norms[1].values()) > 1.0  # above the LM's clip: clipping was active
     for step in (STEPS // 2, STEPS):
         actual = th.checkpoint_state(runs['chief'], step)
         expected = th.checkpoint_state(runs['reference'], step)

@@ -267,14 +267,15 @@ def fast_flags(max_steps: int, save_every: int, extra: Sequence[str] = ()) -> li
             '--gin_bindings=trainer.summary_interval_steps=1', *extra]
 
 
-def losses_by_step(train_dir: str) -> dict[int, float]:
-    """The 'loss' scalar the trainer logged at each step, from its event files."""
+def losses_by_step(train_dir: str, tag: str = 'loss') -> dict[int, float]:
+    """The `tag` scalar ('loss', 'grad_norm', ...) the trainer logged at each step, from
+    its event files."""
     import glob
     out = {}
     for path in sorted(glob.glob(os.path.join(train_dir, 'events.out.tfevents.*'))):
         for event in tf.compat.v1.train.summary_iterator(path):
             for value in event.summary.value:
-                if value.tag == 'loss':
+                if value.tag == tag:
                     out[event.step] = float(tf.make_ndarray(value.tensor))
     return out
 

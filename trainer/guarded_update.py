@@ -9,14 +9,17 @@ import tensorflow as tf
 
 from tfpipe.optimizers import (BaseOptimizer, clip_by_global_norm, clip_by_norm_of,
                                squared_norm)
-from tfpipe.pipeline.expert_parallel import is_expert_variable
+from tfpipe.pipeline import across_clients
+from tfpipe.pipeline.expert_parallel import is_expert_variable, sum_over_client_group
 from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
 
 
 def guarded_update(loss: tf.Tensor, replica_grads: Sequence[dict], clip_norm: Optional[float],
                    optimizers: Sequence[BaseOptimizer] | ShardedOptimizer,
                    replica_variables: Sequence[dict], lr: tf.Tensor,
-                   global_step: tf.Variable, expert_parallel: int = 1) -> tf.Tensor:
+                   global_step: tf.Variable, expert_parallel: int = 1,
+                   peers: Optional[across_clients.Peers] = None,
+                   device: str = '') -> tf.Tensor:
     """The update half of the trainer's step; returns the global gradient norm.
 
     Global-norm clipping, then the optimizer's update and `global_step += 1` only
@@ -31,11 +34,16 @@ def guarded_update(loss: tf.Tensor, replica_grads: Sequence[dict], clip_norm: Op
     the norm is summed over the parts. With expert parallelism (`expert_parallel` P > 1 in
     one process) replica r holds the gradients of expert rank r % P only, so the global
     norm sums each rank's expert squares once (replicas 0..P-1) beside replica 0's others:
-    the P=1 run's norm, by which every replica clips.
+    the P=1 run's norm, by which every replica clips. Across trainer clients (`peers`
+    with P > 1, each client one replica) a client's expert squares are summed over its
+    expert group on `device`, beside the all-reduced others: the same norm.
     """
     if isinstance(optimizers, ShardedOptimizer) and optimizers.shards_gradients:
         # ZeRO stage 2: the replicas' own gradient sums, reduce-scattered here.
         clipped, norm = optimizers.ClipParts(optimizers.ReduceScatter(replica_grads), clip_norm)
+    elif peers is not None and peers.expert_parallel > 1:
+        norm = _norm_over_expert_clients(replica_grads[0], replica_variables[0], peers, device)
+        clipped = [clip_by_norm_of(replica_grads[0], clip_norm, norm)]
     elif expert_parallel > 1:
         norm = _norm_over_experts(replica_grads, replica_variables, expert_parallel)
         clipped = [clip_by_norm_of(grads, clip_norm, norm) for grads in replica_grads]
@@ -70,3 +78,15 @@ def _norm_over_experts(replica_grads: Sequence[dict], replica_variables: Sequenc
         squares.append(squared_norm({path: g for path, g in grads.items()
                                      if is_expert_variable(variables.get(path))}))
     return tf.sqrt(tf.add_n(squares))
+
+
+def _norm_over_expert_clients(grads: dict, variables: dict, peers: across_clients.Peers,
+                              device: str) -> tf.Tensor:
+    """The global gradient norm of one client at P > 1: its non-expert gradients (summed
+    over all clients, equal on each) and its expert rank's gradients, whose squares the
+    P clients of its expert group add up, so that each rank counts once."""
+    expert = {path: g for path, g in grads.items() if is_expert_variable(variables.get(path))}
+    shared = {path: g for path, g in grads.items() if path not in expert}
+    with tf.device(device):
+        experts = sum_over_client_group(peers, squared_norm(expert), device)
+        return tf.sqrt(squared_norm(shared) + experts)

@@ -348,7 +348,7 @@ class Trainer:
             loss, [flatten_by_path(g, self.task.path) for g in
                    (grads if isinstance(grads, list) else [grads])],
             self.clip_norm, self.optimizers, self.replica_variables, lr, step,
-            self.task.pipe.params.expert_parallel)  # 1 per client: across clients, not yet
+            self.task.pipe.params.expert_parallel, self.peers, self.task.pipe.devices[0])
         aux = {**aux.metrics(), **aux.statistics()}  # 'name' and 'name/layer path'
         if not record:
             return loss, norm, lr, aux

@@ -274,6 +274,17 @@ def all_reduce_across_clients(peers: across_clients.Peers, grads: Sequence[tf.Te
     return out
 
 
+def sum_over_client_group(peers: across_clients.Peers, value: tf.Tensor,
+                          device: str) -> tf.Tensor:
+    """`value` summed over this client's expert group (the P consecutive clients that
+    together hold every expert once), on `device`: e.g. the expert gradients' squares,
+    which the global norm must count once per expert rank, not once per client."""
+    first = peers.index - peers.index % peers.expert_parallel
+    members = list(range(first, first + peers.expert_parallel))
+    total, = across_clients.all_reduce_sum(peers, [value], device, members=members)
+    return total
+
+
 def building(group: ExpertGroup) -> ContextManager:
     """MoE layers created inside hold their share of experts for `group` (PipeliningLayer
     sets it around each replica's cells; outside, a layer holds all experts)."""
