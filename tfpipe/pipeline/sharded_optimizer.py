@@ -194,10 +194,13 @@ class ShardedOptimizer(tf.Module):
             return Slot(shape, parts, bounds, sharded)
         # A client's part of the whole slot, saved whole: an expert weight's over all E
         # experts (the P ranks' slots joined), as one process's checkpoints hold it.
-        ranks = self._expert_parallel if self._clients[path] else 1
-        clients = client_bounds(ranks * shape.num_elements(), self._num_shards, ranks)
-        return Slot(tf.TensorShape([ranks * shape[0], *shape[1:]]), parts,
-                    [clients[self._peers.index]], sharded, clients)
+        if self._clients[path]:
+            ranks = self._expert_parallel
+            shape = tf.TensorShape([ranks * shape[0], *shape[1:]])
+            clients = client_bounds(shape.num_elements(), self._num_shards, ranks)
+        else:
+            clients = client_bounds(shape.num_elements(), self._num_shards)
+        return Slot(shape, parts, [clients[self._peers.index]], sharded, clients)
 
     def _shard_group(self, path: str, r: int) -> tuple[tuple, int, int]:
         """((the devices of the replicas sharing local replica r's slots of `path`, across
