@@ -139,7 +139,8 @@ def test_inspect_pipeline_prints_the_best_and_writes_json(tmp_path, data_dir):
     assert calibration['step_overhead'] > 0  # the update and the norm are never free
 
 
-def test_the_planner_drives_the_search_through_the_measuring_function_it_is_handed(data_dir):
+def test_the_planner_drives_the_search_through_the_measuring_function_it_is_handed(
+        data_dir, monkeypatch):
     """planning.plan calibrates, measures candidates and picks through the one function the
     trainer hands it (the model's real training step, counted here), in that order."""
     from tfpipe.tuning import planning
@@ -160,6 +161,10 @@ def test_the_planner_drives_the_search_through_the_measuring_function_it_is_hand
         result = planning.plan(profiles, batch, 2, device, configured, counted,
                                calibration_steps=2, candidates=2, rounds=2, steps=1,
                                micro_batches=(1, 2, 4))
+        # Steps that take longer than the budget: one (recorded beside it), not the 3 asked.
+        monkeypatch.setattr(plan_mode, 'STEP_BUDGET_SECONDS', 0.0)
+        long = measure(configured, 3, True)
+        assert len(long.step_seconds) == len(long.timelines) == 1
     # First the four calibration runs, recorded: the model's own [3, 2] at M=2, at M=4,
     # then on one cell under both recompute policies.
     assert [(c.balance, c.num_micro_batches, c.recompute, steps, record)

@@ -44,12 +44,20 @@ def warm_up(trainer, batch, record: bool) -> None:
         step(batch)[0].numpy()
 
 
+# A measuring call stops once its steps took this long (after one at least). The planner
+# asks for 5 steps of each of 4 calibration configurations and 4 rounds of 3 steps of each
+# of 4 candidates: milliseconds each for the small models, over an hour for a GPT-2-sized
+# one whose step takes 25 s here, whose single step is steady enough on its own.
+STEP_BUDGET_SECONDS = 10.0
+
+
 def timed_steps(trainer, batch, steps: int, record: bool
                 ) -> tuple[list[timeline.Timeline], list[float]]:
-    """Wall seconds of `steps` training steps and, with `record`, timelines of as many
-    recorded ones alternating with them, so both see the same load."""
+    """Wall seconds of up to `steps` training steps (fewer once they took
+    STEP_BUDGET_SECONDS) and, with `record`, timelines of as many recorded ones
+    alternating with them, so both see the same load."""
     lines, walls = [], []
-    for _ in range(steps):
+    while len(walls) < steps and (not walls or sum(walls) < STEP_BUDGET_SECONDS):
         begin = time.perf_counter()
         trainer._step(batch)[0].numpy()  # noqa: SLF001 - the trainer's real step
         walls.append(time.perf_counter() - begin)

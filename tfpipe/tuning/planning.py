@@ -55,8 +55,9 @@ class Plan:
         """The measured candidates and the pick, one line each ('' when none were)."""
         if not self.candidates:
             return ''
-        lines = [f'measured before recommending ({self.rounds} interleaved rounds of '
-                 f'{self.steps} steps each, {self.measuring_seconds:.0f} s): the best predicted '
+        lines = [f'measured before recommending ({self.rounds} interleaved rounds of up to '
+                 f'{self.steps} steps, {_counts(self.step_seconds)} steps of each in all, '
+                 f'{self.measuring_seconds:.0f} s): the best predicted '
                  'on one cell (without recompute), of any kind, running cells at once, that on '
                  'the fewest cells, of other K']
         for c, s in zip(self.candidates, self.step_seconds):
@@ -70,6 +71,13 @@ class Plan:
     def measured_json(self) -> list[dict]:
         return [{'config': c.to_json(), 'step_seconds': s}
                 for c, s in zip(self.candidates, self.step_seconds)]
+
+
+def _counts(runs: Sequence[Sequence]) -> str:
+    """'5', or '1-5' when a measuring function ran fewer steps of some (it may stop early
+    where steps are long: trainer/plan_mode.STEP_BUDGET_SECONDS)."""
+    least, most = min(len(r) for r in runs), max(len(r) for r in runs)
+    return str(least) if least == most else f'{least}-{most}'
 
 
 def calibration_configs(configured: planner.Config, profiles: Sequence[LayerProfile],
@@ -110,7 +118,7 @@ def fit_calibration(profiles: Sequence[LayerProfile], runs: Sequence[MeasuredRun
     shapes = ', '.join(f'K={len(run.balance)} M={run.num_micro_batches} {run.recompute}'
                        for run in runs)
     return calibrate(profiles, runs, batch_size, parallelism,
-                     source=f'{len(runs[0].timelines)} steps each of {shapes} '
+                     source=f'{_counts([run.timelines for run in runs])} steps each of {shapes} '
                      f'(schedule={runs[0].schedule})')
 
 

@@ -79,13 +79,21 @@ def _bytes_per_example(struct: Any) -> float:
     return sum(t.shape.num_elements() * t.dtype.size for t in leaves) / batch
 
 
+# Timed calls of one function stop early once they have taken this long together: the
+# minimum of many calls steadies a millisecond's measurement against other processes'
+# load, but a call of seconds (a GPT-2-sized body) is steady in itself, and 7 of them
+# made planning such a model take many minutes.
+TIMING_BUDGET_SECONDS = 2.0
+
+
 def _fastest_seconds(fn, *args, repeats: int) -> float:
-    """The fastest of `repeats` calls: other processes' load only slows a call down, so on
-    a shared machine the minimum is the steadiest estimate of the call's own cost."""
+    """The fastest of up to `repeats` calls (fewer once they take TIMING_BUDGET_SECONDS):
+    other processes' load only slows a call down, so on a shared machine the minimum is
+    the steadiest estimate of the call's own cost."""
     for _ in range(2):  # trace, then warm up
         tf.nest.map_structure(lambda t: t.numpy(), fn(*args))
-    times = []
-    for _ in range(repeats):
+    times: list[float] = []
+    while len(times) < repeats and sum(times) < TIMING_BUDGET_SECONDS:
         start = time.perf_counter()
         tf.nest.map_structure(lambda t: t.numpy(), fn(*args))
         times.append(time.perf_counter() - start)
@@ -147,6 +155,15 @@ def _timings(apply: Callable[[Any, Any], Any], theta: Any, x: Any, sizes: Sequen
     return f_times, b_times
 
 
+def _same_cost_key(layer, x: Any) -> str:
+    """What a layer's timing depends on: its definition without its name, and the
+    shapes and dtypes of its input. Layers with equal keys (a Transformer's identical
+    blocks) cost the same, so profile_body times the first and copies its figures."""
+    definition = layer.params.Copy().Set(name='').ToText()
+    inputs = [(tuple(t.shape), t.dtype.name) for t in tf.nest.flatten(x)]
+    return f'{definition}\n{tf.nest.map_structure(lambda t: 0, x)!r}\n{inputs!r}'
+
+
 def _scaled(layer_times: list[list[float]], body_times: list[float]) -> list[list[float]]:
     """Scales the layers' times at each size so they add up to the whole body's time.
 
@@ -165,7 +182,8 @@ def _scaled(layer_times: list[list[float]], body_times: list[float]) -> list[lis
 
 def profile_body(body: Sequence[Params], sample: Any, device: str,
                  batch_sizes: Sequence[int], optimizer: Optional[Params] = None,
-                 repeats: int = 5, timed: bool = True) -> list[LayerProfile]:
+                 repeats: int = 5, timed: bool = True,
+                 share_identical: bool = True) -> list[LayerProfile]:
     """Builds `body` on `device` once and measures every layer at each batch size.
 
     `sample` is a mini-batch of the body's input (nested structures allowed) at
@@ -177,6 +195,11 @@ def profile_body(body: Sequence[Params], sample: Any, device: str,
     Not `timed`: bytes alone, forward and backward None. The memory prediction
     (inspect_model) reads no time, and timing is most of the profile's cost: three
     tf.functions traced and called 7 times per layer and batch size.
+
+    `share_identical`: a layer defined like an earlier one (but for its name) and fed
+    the same shapes is not timed again; it gets the earlier one's times. A GPT-2-shaped
+    body of 12 blocks then times 5 layers, not 17 (benchmarks/profile_speed_benchmark.py
+    measures both ways side by side).
     """
     from tfpipe.layers.composite import Sequential  # local: composite imports base_layer only
 
@@ -188,11 +211,15 @@ def profile_body(body: Sequence[Params], sample: Any, device: str,
         sink = fprop_context.BatchStatsSink(discard=True)
         with fprop_context.scope(training=True, step=tf.constant(0, tf.int64),
                                  batch_stats=sink):
+            timed_by_key: dict[str, tuple[list[float], list[float]]] = {}
             for layer in seq.layers:
                 def apply(theta, v, layer=layer):
                     return apply_layer(layer, theta, v)
                 if timed:
-                    timings.append(_timings(apply, layer.theta, x, sizes, repeats))
+                    key = _same_cost_key(layer, x) if share_identical else str(len(timings))
+                    if key not in timed_by_key:
+                        timed_by_key[key] = _timings(apply, layer.theta, x, sizes, repeats)
+                    timings.append(timed_by_key[key])
                 y = apply(layer.theta, x)
                 shapes.append((_bytes_per_example(x), _bytes_per_example(y)))
                 x = y
