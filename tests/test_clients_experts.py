@@ -5,11 +5,14 @@ clients are the expert group, each holds 4 of the 8 experts of its MoE layer and
 cross processes by all-to-all. They must train as one process with R=2 replicas at P=2
 does: the loss (with its auxiliary losses) and the clipped global norm at every step, and
 the chief's checkpoints (every expert whole under the layer's path, with its whole Adam
-slots) within 1e-5. The
+slots) within 1e-5. The clients shard their optimizer states (ZeRO stage 1: the expert
+slots unsharded, each expert rank being held by one client; the others' over both). The
 second half of the run is 4 clients that restore the chief's checkpoint (the non-chiefs,
-given empty logdirs, must receive their experts' rows from the chief): two expert groups,
-each expert's gradient summed over the 2 clients that hold it. oneDNN is off in every
-process; every process is stopped by its PID in teardown.
+given empty logdirs, must receive their experts' rows and slot parts from the chief): two
+expert groups, each expert's gradient reduce-scattered over the 2 clients that hold it
+(ZeRO stage 2: its slots sharded over those 2, the others' over all 4), against the
+unsharded reference: resumed at another stage, as the uninterrupted run. oneDNN is off in
+every process; every process is stopped by its PID in teardown.
 """
 import os
 import re
@@ -24,6 +27,8 @@ MODEL = 'lm.pystdlib.TinyMoETransformerLM'
 STEPS = 4
 EXACT = {'TF_ENABLE_ONEDNN_OPTS': '0'}
 EXPERTS = {'task.pipeline.expert_parallel': 2}
+SLOT_BYTES = re.compile(r'optimizer slots: (\d+) bytes per replica in this process, (\d+) '
+                        'unsharded')
 
 
 def _flags(steps: int, **overrides) -> list[str]:
@@ -44,18 +49,20 @@ def runs(tmp_path_factory, data_dir, processes):
     root = tmp_path_factory.mktemp('expert_clients')
     d = {name: str(root / name) for name in ('chief', 'reference')}
     others = [str(root / f'other{i}') for i in (1, 2, 3)]
-    first = _start_clients(processes, [d['chief'], others[0]], data_dir, *_flags(STEPS // 2))
+    first = _start_clients(processes, [d['chief'], others[0]], data_dir, *_flags(
+        STEPS // 2, **{'task.train.sharding': 'optimizer_states'}))
     reference = processes.start(th.command(MODEL, d['reference'], data_dir, *_flags(
         STEPS, **{'task.pipeline.num_replicas': 2})), environ=EXACT)
-    th.finish(first, timeout=600)
+    d['first_stderr'] = th.finish(first, timeout=600)
     assert not os.path.exists(others[0])
     for other in others:
         os.makedirs(other)  # empty: the non-chiefs have no access to the chief's logdir
     # Resumed by 4 clients: two expert groups, and the expert gradients summed over the
     # pairs of clients that hold the same experts. The checkpoint's 4 micro-batches are
     # kept (M=1 each), so the steps are the reference's.
-    second = _start_clients(processes, [d['chief'], *others], data_dir, *_flags(STEPS))
-    d['second_stderr'] = th.finish([*second, reference], timeout=600)
+    second = _start_clients(processes, [d['chief'], *others], data_dir, *_flags(
+        STEPS, **{'task.train.sharding': 'gradients'}))
+    d['second_stderr'] = th.finish([*second, reference], timeout=600)[:-1]
     d['others'] = others
     return d
 
@@ -90,6 +97,19 @@ def test_expert_clients_train_as_one_process_and_save_every_expert_whole(runs):
             np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5, atol=1e-6,
                                        err_msg=f'ckpt-{step} {name}')
     assert all(os.listdir(other) == [] for other in runs['others'])  # only the chief wrote
+
+
+def test_expert_clients_hold_part_of_the_optimizer_slots(runs):
+    """Each client's log line: the slots it holds, below one unsharded replica's (its own
+    experts' and all the others'), by the sharded non-expert slots at stage 1 (2 clients)
+    and by the expert slots too at stage 2 (4 clients, 2 per expert rank)."""
+    held = {}
+    for half in ('first_stderr', 'second_stderr'):
+        sizes = [tuple(map(int, SLOT_BYTES.findall(err)[-1])) for err in runs[half]]
+        assert all(mine < whole for mine, whole in sizes), (half, sizes)
+        assert len({whole for _, whole in sizes}) == 1, (half, sizes)
+        held[half] = max(mine for mine, _ in sizes)
+    assert held['second_stderr'] < held['first_stderr'], held
 
 
 BAD = {  # overrides -> the error line's text; refused before the cluster starts

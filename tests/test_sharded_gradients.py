@@ -144,23 +144,22 @@ def test_the_older_switch_means_optimizer_states():
     assert sharding.stage_of(_train_params(sharding='gradients'), 4) == 'gradients'
 
 
-@pytest.mark.parametrize('values,across_clients', [
-    ({'sharding': 'weights'}, False), ({'sharding': 'gradients'}, True),
-    ({'shard_optimizer_states': True}, True), ({'sharding': 'optimizer_states'}, True)])
-def test_a_stage_with_expert_parallelism_is_refused_in_one_line(values, across_clients):
-    """Stages 1 and 2 with P > 1 are built in one process only (test_expert_parallel_
-    sharded_optimizer.py)."""
-    with pytest.raises(ValueError, match=r"expert_parallel=2 is not built") as e:
-        sharding.stage_of(_train_params(**values), 4, 2, across_clients)
+def test_stage_3_with_expert_parallelism_is_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"expert_parallel=2 is not built: stages "
+                                         r"\['optimizer_states', 'gradients'\] work") as e:
+        sharding.stage_of(_train_params(sharding='weights'), 4, 2)
     assert '\n' not in str(e.value)
-    assert sharding.stage_of(_train_params(), 4, 2, across_clients) == 'none'
+    assert sharding.stage_of(_train_params(), 4, 2) == 'none'
 
 
 @pytest.mark.parametrize('values,stage', [({'sharding': 'optimizer_states'}, 'optimizer_states'),
                                           ({'shard_optimizer_states': True}, 'optimizer_states'),
                                           ({'sharding': 'gradients'}, 'gradients')])
-def test_stages_1_and_2_with_expert_parallelism_are_built_in_one_process(values, stage):
+def test_stages_1_and_2_with_expert_parallelism_are_built(values, stage):
+    """In one process (test_expert_parallel_sharded_optimizer.py) and across trainer
+    clients (test_clients_experts.py), also with as many clients as experts' ranks."""
     assert sharding.stage_of(_train_params(**values), 4, expert_parallel=2) == stage
+    assert sharding.stage_of(_train_params(**values), 2, expert_parallel=2) == stage
 
 
 class PipelineRun(tp_optimizers.Run):

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from tfpipe import checkpoints, optimizers
 from tfpipe.pipeline import replicas
-from tfpipe.pipeline.shard_parts import shard_bounds
+from tfpipe.pipeline.shard_parts import client_bounds, join_rows, shard_bounds
 from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
 from trainer.guarded_update import guarded_update
 
@@ -213,3 +213,64 @@ def test_a_trainer_client_holds_its_part_and_restores_it_from_a_whole_checkpoint
     # Each client holds half of the slots: 15 + 5 + 30 + 1 elements, m and v, 4 bytes each.
     assert [h for h, _ in held] == [4 * 2 * (8 + 3 + 15 + 1), 4 * 2 * (7 + 2 + 15 + 0)]
     assert held[0][1] == held[1][1] == 4 * 2 * 51
+
+
+@pytest.mark.parametrize('size,count,expert_parallel,expected', [
+    (10, 4, 1, [(0, 3), (3, 6), (6, 9), (9, 10)]),
+    (16, 4, 2, [(0, 4), (8, 12), (4, 8), (12, 16)]),  # client c: part c // 2 of rank c % 2
+    (12, 2, 2, [(0, 6), (6, 12)]),  # one client per rank: its experts' slot unsharded
+    (10, 4, 2, [(0, 3), (5, 8), (3, 5), (8, 10)])])
+def test_client_bounds_give_every_element_of_a_whole_slot_to_one_client(
+        size, count, expert_parallel, expected):
+    bounds = client_bounds(size, count, expert_parallel)
+    assert bounds == expected
+    whole = np.arange(size, dtype=np.float32)
+    width = max(stop - start for start, stop in bounds)
+    rows = np.stack([np.pad(whole[start:stop], [0, width - (stop - start)])
+                     for start, stop in bounds])
+    np.testing.assert_array_equal(join_rows(tf.constant(rows), bounds).numpy(), whole)
+
+
+def test_expert_clients_restore_their_part_of_the_whole_expert_slots(tmp_path):
+    """4 clients at P=2 (no collectives needed to build or restore): client c's part of an
+    expert weight's Adam slots, saved whole over all 4 experts, is part c // 2 of its
+    rank's rows, its non-expert slots 1/4; the chief keeps the whole for the others."""
+    from tfpipe.pipeline import expert_parallel
+    from tfpipe.pipeline.across_clients import Peers
+    rng = np.random.default_rng(3)
+    shapes = {'pipe/moe/wi': (4, 3), 'pipe/fc/b': (5,)}  # 4 experts; 2 per client
+    whole_vars = {path: tf.Variable(rng.normal(size=shape).astype(np.float32))
+                  for path, shape in shapes.items()}
+    ref = optimizers.Adam.Params().Instantiate()
+    ref.CreateSlots(whole_vars)
+    whole = {}
+    for path, shape in shapes.items():
+        for name in ('m', 'v'):
+            whole[(path, name)] = rng.normal(size=shape).astype(np.float32)
+            ref.GetSlot(path, name).assign(whole[(path, name)])
+    saved = checkpoints.make(whole_vars, optimizer=ref).write(str(tmp_path / 'whole'))
+    for c in range(4):
+        peers = Peers(4, c, expert_parallel=2)
+        local = {'pipe/moe/wi': tf.Variable(tf.zeros([2, 3])), 'pipe/fc/b': tf.Variable(
+            tf.zeros([5]))}
+        expert_parallel.mark_expert_variable(local['pipe/moe/wi'])
+        experts = expert_parallel.ClientExperts(peers, local)
+        opt = ShardedOptimizer(OPTIMIZERS['adam'], [local], peers=peers, expert_parallel=2)
+        checkpoints.make(local, optimizer=opt).read(saved).assert_consumed()
+        np.testing.assert_array_equal(local['pipe/moe/wi'].numpy(),
+                                      whole_vars['pipe/moe/wi'].numpy()[2 * (c % 2):][:2])
+        for (path, name), value in whole.items():
+            start, stop = (client_bounds(12, 4, 2) if path == 'pipe/moe/wi'
+                           else shard_bounds(5, 4))[c]
+            part, = opt.SlotParts(path, name)
+            np.testing.assert_array_equal(part.numpy(), value.reshape(-1)[start:stop])
+        sent = opt.ChiefSlots()  # sorted by path, then m before v
+        for got, (path, name) in zip(sent, sorted(whole)):
+            np.testing.assert_array_equal(got.numpy(), whole[(path, name)] if c == 0
+                                          else np.zeros(shapes[path], np.float32))
+        # Half of its 2 experts' 6 elements and its part of fc/b's 5, m and v, of the
+        # 6 + 5 elements an unsharded client holds.
+        held, unsharded = opt.SlotBytes()
+        assert (held, unsharded) == (4 * 2 * (3 + [2, 2, 1, 0][c]), 4 * 2 * (6 + 5))
+        # Only the weight travels as the client's rows: its slots save whole by themselves.
+        assert [part.path for part in experts.parts] == ['pipe/moe/wi']

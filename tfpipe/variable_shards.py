@@ -149,8 +149,12 @@ class ClientSlices(ClientPart):
     def join(self, parts: tf.Tensor) -> tf.Tensor:
         return tf.reshape(parts[:self.shape[0] // self.part.shape[0]], self.shape)
 
-    def slot(self, path: str, variable: tf.Variable) -> 'ClientSlices':
-        """The ClientSlices of one of this weight's optimizer slots (shaped like it)."""
+    def slot(self, path: str, variable: Any) -> Any:
+        """The ClientSlices of one of this weight's optimizer slots (shaped like it), or the
+        slot itself when it is whole already (a sharded optimizer's across clients, which
+        gathers every client's part of it itself: shard_parts.Slot)."""
+        if variable.shape == self.shape:
+            return variable
         if variable.shape != self.part.shape:
             raise ValueError(f'{path}: the optimizer slot is {variable.shape.as_list()}, not '
                              f'shaped like its expert weight {self.part.shape.as_list()}; '

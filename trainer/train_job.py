@@ -116,8 +116,7 @@ class Trainer:
         stage = sharding.stage_of(tp, count=peers.count if peers else
                                   params.task.pipeline.num_replicas,
                                   expert_parallel=peers.expert_parallel if peers else
-                                  params.task.pipeline.expert_parallel,
-                                  across_clients=peers is not None)
+                                  params.task.pipeline.expert_parallel)
         if stage == sharding.WEIGHTS:
             # The layers now hold each replica's parts.
             self.task.pipe.ShardWeights(per_micro_batch=tp.regather_per_micro_batch)
@@ -136,7 +135,8 @@ class Trainer:
             self.optimizers = ShardedOptimizer(tp.optimizer, self.replica_variables, peers,
                                                shard_gradients=stage == sharding.GRADIENTS,
                                                weight_shapes=shards.shapes if shards else None,
-                                               expert_parallel=1 if peers else
+                                               expert_parallel=peers.expert_parallel
+                                               if peers else
                                                params.task.pipeline.expert_parallel)
             self.optimizer = self.optimizers
             held, whole = self.optimizers.SlotBytes()

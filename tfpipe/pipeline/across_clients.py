@@ -105,18 +105,21 @@ def all_reduce_sum(peers: Peers, tensors: Sequence[tf.Tensor], device: str,
     return out
 
 
-def all_gather(peers: Peers, tensor: tf.Tensor, device: str) -> tf.Tensor:
+def all_gather(peers: Peers, tensor: tf.Tensor, device: str,
+               members: Sequence[int] = ()) -> tf.Tensor:
     """[count, n]: row r is client r's 1-D `tensor` (n elements on every client), on
-    this client's `device`.
+    this client's `device`; with `members` (ascending client indices that include this
+    one) row i is members[i]'s.
 
     TensorFlow ranks a group's members by device name, task numerically
     (CollectiveParamResolverLocal), and each client has one device in the group,
     so the rank of a client is its task index: rows come in client order.
     """
+    count = len(members) or peers.count
     with tf.device(device), tf.name_scope('across_clients'):
-        gathered = collective_ops.all_gather(tensor, peers.count, group_key(device),
+        gathered = collective_ops.all_gather(tensor, count, group_key(device, members),
                                              next_instance(), communication_hint='auto')
-        return tf.reshape(gathered, [peers.count, -1])
+        return tf.reshape(gathered, [count, -1])
 
 
 def apply_batch_stats(peers: Peers, cells: Sequence[Cell],

@@ -34,18 +34,23 @@ __all__ = ['reduce_scatter_sum']
 
 
 def reduce_scatter_sum(rows: Sequence[tf.Tensor], devices: Sequence[str],
-                       peers: Optional[across_clients.Peers] = None) -> list[tf.Tensor]:
+                       peers: Optional[across_clients.Peers] = None,
+                       members: Sequence[int] = ()) -> list[tf.Tensor]:
     """Member s's [n] = sum over members q of rows[q][s] (call inside a tf.function).
 
     `rows[i]` is local member i's [R, n] buffer on `devices[i]`: all R members in
-    this process, or as trainer client `peers.index` its one (then R = peers.count).
-    Returns one [n] per local member, on its device.
+    this process, or as trainer client `peers.index` its one (then R = peers.count, or
+    with `members`, ascending client indices that include this one, R = their number:
+    the clients holding the same experts). Returns one [n] per local member, on its
+    device.
     """
     if peers is not None:
         if len(rows) != 1:
             raise ValueError(f'reduce_scatter_sum: a trainer client holds one member, got '
                              f'{len(rows)} buffers')
-        return [_across_clients(rows[0], devices[0], peers)]
+        if len(members) == 1:  # nobody else holds these rows: nothing to sum
+            return [rows[0][0]]
+        return [_across_clients(rows[0], devices[0], peers, members)]
     count = len(rows)
     out = []
     for s in range(count):
@@ -55,15 +60,17 @@ def reduce_scatter_sum(rows: Sequence[tf.Tensor], devices: Sequence[str],
     return out
 
 
-def _across_clients(rows: tf.Tensor, device: str, peers: across_clients.Peers) -> tf.Tensor:
+def _across_clients(rows: tf.Tensor, device: str, peers: across_clients.Peers,
+                    members: Sequence[int]) -> tf.Tensor:
     """This client's row of the sum, by the native op on GPUs, else all-to-all + sum."""
-    group, instance = across_clients.group_key(device), across_clients.next_instance()
+    group = across_clients.group_key(device, members)
+    instance, count = across_clients.next_instance(), len(members) or peers.count
     with tf.device(device), tf.name_scope('reduce_scatter'):
         if tf.DeviceSpec.from_string(device).device_type == 'GPU':  # untested: see above
             return gen_collective_ops.collective_reduce_scatter_v2(
-                tf.reshape(rows, [-1]), group_size=peers.count, group_key=group,
+                tf.reshape(rows, [-1]), group_size=count, group_key=group,
                 instance_key=instance, ordering_token=[], merge_op='Add', final_op='Id',
                 communication_hint='nccl')
-        received = collective_ops.all_to_all_v2(rows, peers.count, group, instance,
+        received = collective_ops.all_to_all_v2(rows, count, group, instance,
                                                 communication_hint='auto')
-        return tf.reduce_sum(tf.reshape(received, [peers.count, -1]), 0)
+        return tf.reduce_sum(tf.reshape(received, [count, -1]), 0)

@@ -16,12 +16,34 @@ from tensorflow.python.trackable import base as trackable
 
 from tfpipe.optimizers import Whole
 
-__all__ = ['Part', 'Slot', 'as_rows', 'shard_bounds']
+__all__ = ['Part', 'Slot', 'as_rows', 'client_bounds', 'join_rows', 'shard_bounds']
 
 def shard_bounds(size: int, num_shards: int) -> list[tuple[int, int]]:
     """[start, stop) of each replica's part of a flattened variable of `size` elements."""
     s = math.ceil(size / num_shards)
     return [(min(r * s, size), min((r + 1) * s, size)) for r in range(num_shards)]
+
+
+def client_bounds(size: int, count: int, expert_parallel: int = 1) -> list[tuple[int, int]]:
+    """[start, stop) of each of `count` trainer clients' part of a whole flattened slot of
+    `size` elements. An expert weight's slot (`expert_parallel` P > 1) is whole over all
+    E experts: client c holds expert rank k = c % P, whose size/P elements the count/P
+    clients holding it ({c' : c' % P == k}, strided) shard among them, so client c's part
+    is shard c // P of rank k's elements, offset by the k ranks before. Each element is
+    held by exactly one client either way, so the parts of all clients make the whole."""
+    per_rank = size // expert_parallel
+    holders = count // expert_parallel
+    return [(k * per_rank + start, k * per_rank + stop)
+            for c in range(count)
+            for k in [c % expert_parallel]
+            for start, stop in [shard_bounds(per_rank, holders)[c // expert_parallel]]]
+
+
+def join_rows(rows: tf.Tensor, bounds: list[tuple[int, int]]) -> tf.Tensor:
+    """The whole flat value from `rows` [count, n] (row c: client c's part of it, padded to
+    n) and every client's `bounds` in it (client_bounds)."""
+    order = sorted(range(len(bounds)), key=lambda c: bounds[c])
+    return tf.concat([rows[c, :bounds[c][1] - bounds[c][0]] for c in order], 0)
 
 
 def as_rows(grad: tf.Tensor, size: int, num_shards: int) -> tf.Tensor:
@@ -36,13 +58,17 @@ class Slot(trackable.Trackable):
     `parts[i]` lives on local replica i's copy of the variable's device: the flat
     elements `bounds[i]` (`sharded`) or a whole copy (Adafactor's factored
     moments). In one process the parts cover the slot; a trainer client holds
-    one part, and the whole is `gathered` while its chief saves.
+    one part (`clients`: where each client's lies), and the whole is `gathered`
+    while its chief saves.
     """
 
     def __init__(self, shape: tf.TensorShape, parts: list[tf.Variable],
-                 bounds: list[tuple[int, int]], sharded: bool, complete: bool):
+                 bounds: list[tuple[int, int]], sharded: bool,
+                 clients: Optional[list[tuple[int, int]]] = None):
         self.shape, self.parts, self.bounds, self.sharded = shape, parts, bounds, sharded
-        self.complete = complete or not sharded
+        # Across trainer clients: every client's bounds of the whole (client_bounds).
+        self.clients = clients if sharded else None
+        self.complete = self.clients is None
         self.gathered: Optional[tf.Tensor] = None  # the whole slot while a client's chief saves
         self.restored: Optional[tf.Tensor] = None  # the whole slot a chief read, until sent
 

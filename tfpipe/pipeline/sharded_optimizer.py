@@ -46,14 +46,17 @@ over the replicas' parts too; its factored moments, whole per replica, are
 per shard split like the weight or held whole by every shard, and save as the
 T=1 slot.
 
-With expert parallelism (`expert_parallel` P > 1, in one process) replica r holds
+With expert parallelism (`expert_parallel` P > 1) replica r holds
 the experts of rank r % P, whose gradient is summed only over the R/P replicas
 holding the same experts; their slots (and at stage 2 their gradient sums) shard
 over that group, as the other weights' over all R: each weight's shard group is
 the replicas that sum its gradient (`_shard_group`), so its update needs no other
 replica. An expert weight has one slot per rank; checkpoints join the P into the
 whole slot ([E, ...], as the unsharded optimizer's JoinReplicaSlots), so a sharded
-P=2 checkpoint moves to P=1 unsharded and back.
+P=2 checkpoint moves to P=1 unsharded and back. Across clients (client c holds expert
+rank c % P) an expert weight's group is the strided set of clients holding the same
+experts (`_clients`), and each client's Slot is its range of the whole slot over all E
+experts (shard_parts.client_bounds), so the chief saves it whole like the others.
 
 Collectives are TensorFlow's v1 ops (`all_reduce`, `all_gather`), which work
 between logical CPUs of one process and across processes; like the pipeline's
@@ -85,7 +88,8 @@ from tfpipe.optimizers import (BaseOptimizer, Grads, Variables, cast_args,
                                check_split_weights, checkpointed_slots, slot_key, whole_slots)
 from tfpipe.pipeline import across_clients, expert_parallel as expert_parallel_lib
 from tfpipe.pipeline import reduce_scatter, replicas
-from tfpipe.pipeline.shard_parts import Part, Slot, as_rows, shard_bounds
+from tfpipe.pipeline.shard_parts import (Part, Slot, as_rows, client_bounds, join_rows,
+                                        shard_bounds)
 from tfpipe.split_statistics import Split, groups
 
 __all__ = ['ShardedOptimizer']
@@ -102,9 +106,10 @@ class ShardedOptimizer(tf.Module):
     `weight_shapes` (stage 3, path -> the whole weight's shape): `replica_variables`
     are the replicas' parts of the weights (tfpipe/pipeline/sharded_weights.py),
     which `Apply` updates in place, gathering nothing; gradients are sharded too.
-    `expert_parallel` P > 1 (in one process): an expert weight's slots shard over the
-    R/P replicas holding the same experts (its gradient is summed over them only), in
-    P slots per name (one per expert rank), which checkpoints join whole ([E, ...]).
+    `expert_parallel` P > 1: an expert weight's slots shard over the R/P replicas
+    holding the same experts (its gradient is summed over them only), in P slots per
+    name (one per expert rank), which checkpoints join whole ([E, ...]); across clients
+    over the clients holding the same experts, each client's Slot saving whole.
     """
 
     def __init__(self, params: InstantiableParams, replica_variables: Sequence[Variables],
@@ -136,11 +141,19 @@ class ShardedOptimizer(tf.Module):
         self._group_devices = {path: tuple(v[path].device for v in replica_variables)
                                for path in self._shapes}
         # [local replica] -> the local replicas that share its slots of a variable: all,
-        # or for an expert weight those holding the same experts.
+        # or for an expert weight those holding the same experts. Across clients, the
+        # clients sharing them (`_clients`): () for all, or an expert weight's strided set.
         everyone = tuple(range(self._num_local))
         self._members = {path: [everyone] * self._num_local for path in self._shapes}
+        self._clients: dict[str, tuple[int, ...]] = dict.fromkeys(self._shapes, ())
+        self._expert_parallel = expert_parallel
         for path, var in replica_variables[0].items():
-            if expert_parallel > 1 and expert_parallel_lib.is_expert_variable(var):
+            if expert_parallel == 1 or not expert_parallel_lib.is_expert_variable(var):
+                continue
+            if peers is not None:
+                self._clients[path] = tuple(expert_parallel_lib.expert_data_parallel(
+                    peers.count, expert_parallel, peers.index))
+            else:
                 self._members[path] = [
                     tuple(expert_parallel_lib.expert_data_parallel(self._num_local,
                                                                    expert_parallel, r))
@@ -177,22 +190,35 @@ class ShardedOptimizer(tf.Module):
             with tf.device(var.device):
                 parts.append(tf.Variable(tf.zeros(part_shape, var.dtype), trainable=False,
                                          name=f'{path}/{name}/replica_{self._shards[r]}'))
-        return Slot(shape, parts, bounds, sharded, complete=not self.spans_clients)
+        if not (self.spans_clients and sharded):
+            return Slot(shape, parts, bounds, sharded)
+        # A client's part of the whole slot, saved whole: an expert weight's over all E
+        # experts (the P ranks' slots joined), as one process's checkpoints hold it.
+        if self._clients[path]:
+            ranks = self._expert_parallel
+            shape = tf.TensorShape([ranks * shape[0], *shape[1:]])
+            clients = client_bounds(shape.num_elements(), self._num_shards, ranks)
+        else:
+            clients = client_bounds(shape.num_elements(), self._num_shards)
+        return Slot(shape, parts, [clients[self._peers.index]], sharded, clients)
 
-    def _shard_group(self, path: str, r: int) -> tuple[tuple[str, ...], int, int]:
-        """(the devices of the replicas sharing local replica r's slots of `path`, r's
-        shard among them, their number: across clients, the clients')."""
+    def _shard_group(self, path: str, r: int) -> tuple[tuple, int, int]:
+        """((the devices of the replicas sharing local replica r's slots of `path`, across
+        clients the clients sharing them: () for all), r's shard among them, their
+        number: across clients, the clients')."""
         members = self._members[path][r]
         devices = tuple(self._group_devices[path][m] for m in members)
         if self._peers is not None:
-            return devices, self._peers.index, self._peers.count
-        return devices, members.index(r), len(members)
+            clients = self._clients[path]
+            if clients:
+                return (devices, clients), clients.index(self._peers.index), len(clients)
+            return (devices, ()), self._peers.index, self._peers.count
+        return (devices, ()), members.index(r), len(members)
 
     def _slots_of(self, path: str, r: int) -> dict[str, tf.Variable]:
         """{name: local replica r's part} of the slots of `path`."""
-        members = self._members[path][r]
-        return {name: slot.parts[members.index(r)]
-                for name, slot in self._slot_sets[members[0]][slot_key(path)].items()}
+        index = self._members[path][r].index(r)
+        return {name: slot.parts[index] for name, slot in self._slots_of_replica(path, r).items()}
 
     def _trackable_children(self, save_type='checkpoint', **kwargs):
         return checkpointed_slots(super()._trackable_children(save_type, **kwargs), save_type)
@@ -209,22 +235,28 @@ class ShardedOptimizer(tf.Module):
     def GetSlot(self, path: str, name: str, replica: int = 0) -> tf.Tensor:
         """The whole slot `name` of the variable at `path` as local replica `replica` holds
         it unsharded (its parts joined; on a trainer client only inside GatherSlots())."""
-        return self._slot_sets[self._members[path][replica][0]][slot_key(path)][name].value()
+        return self._slots_of_replica(path, replica)[name].value()
 
     def SlotParts(self, path: str, name: str, replica: int = 0) -> list[tf.Variable]:
         """The variables holding slot `name` of `path` over the replicas sharing local
         replica `replica`'s (every local replica, or an expert weight's R/P), one each."""
-        return list(self._slot_sets[self._members[path][replica][0]][slot_key(path)][name]
-                    .parts)
+        return list(self._slots_of_replica(path, replica)[name].parts)
 
     def SlotBytes(self) -> tuple[int, int]:
-        """(bytes of slots held by each local replica, bytes of one whole copy)."""
+        """(bytes of slots held by each local replica, bytes of the slots an unsharded
+        replica holds: of its own experts only, with expert parallelism)."""
         held = whole = 0
-        for slot in self._all_slots():
-            part = slot.parts[0]
-            held += part.shape.num_elements() * part.dtype.size
-            whole += slot.shape.num_elements() * part.dtype.size
+        for path in sorted(self._shapes):
+            shapes = self._rule.SlotShapes(self._shapes[path])
+            for name, slot in sorted(self._slots_of_replica(path, 0).items()):
+                size = slot.parts[0].dtype.size
+                held += slot.parts[0].shape.num_elements() * size
+                whole += tf.TensorShape(shapes[name]).num_elements() * size
         return held, whole
+
+    def _slots_of_replica(self, path: str, r: int) -> dict[str, Slot]:
+        """{name: Slot} of `path` that local replica r holds a part of."""
+        return self._slot_sets[self._members[path][r][0]][slot_key(path)]
 
     def _all_slots(self) -> list[Slot]:
         return [s[name] for _, s in sorted(self._slots.items()) for name in sorted(s)]
@@ -239,14 +271,14 @@ class ShardedOptimizer(tf.Module):
         each variable padded to equal rows, one per member, the cell's rows side by side.
         """
         out = [dict.fromkeys(grads) for grads in replica_grads]
-        by_group: dict = {}  # {(devices, dtype): (members, [path])}
+        by_group: dict = {}  # {(group, dtype): (members, [path])}
         for path in sorted(p for p, g in replica_grads[0].items() if g is not None):
             for members in sorted(set(self._members[path])):
-                devices = self._shard_group(path, members[0])[0]
-                by_group.setdefault((devices, replica_grads[0][path].dtype),
+                group = self._shard_group(path, members[0])[0]
+                by_group.setdefault((group, replica_grads[0][path].dtype),
                                     (members, []))[1].append(path)
-        for (devices, _), (members, paths) in by_group.items():
-            count = self._count(devices)
+        for ((devices, clients), _), (members, paths) in by_group.items():
+            count = self._count((devices, clients))
             sizes = [self._padded_size(p, members[0]) for p in paths]
             rows = []
             for device, i in zip(devices, members):
@@ -254,7 +286,7 @@ class ShardedOptimizer(tf.Module):
                     rows.append(tf.concat([as_rows(replica_grads[i][p], size, count)
                                            for p, size in zip(paths, sizes)], 1))
             summed = reduce_scatter.reduce_scatter_sum(
-                rows, devices, self._peers if self.spans_clients else None)
+                rows, devices, self._peers if self.spans_clients else None, clients)
             for device, i, flat in zip(devices, members, summed):
                 with tf.device(device):
                     for path, piece in zip(paths, tf.split(flat, sizes)):
@@ -345,29 +377,36 @@ class ShardedOptimizer(tf.Module):
             self._keys[name] = replicas.new_instance_key()
         return self._keys[name]
 
-    def _count(self, devices: tuple) -> int:
-        """The shards' holders: the local `devices`, or across clients every client."""
-        return self._num_shards if self._peers is not None else len(devices)
+    def _count(self, group: tuple) -> int:
+        """The shards' holders of `group` (_shard_group): the local devices, or across
+        clients its clients (all when none are named)."""
+        devices, clients = group
+        if self._peers is not None:
+            return len(clients) or self._num_shards
+        return len(devices)
 
-    def _sum(self, x: tf.Tensor, name: tuple, devices: tuple) -> tf.Tensor:
-        """`x` summed over the shards' holders `devices` (one process), or the clients."""
-        count = self._count(devices)
+    def _sum(self, x: tf.Tensor, name: tuple, group: tuple) -> tf.Tensor:
+        """`x` summed over the shards' holders of `group` (_shard_group)."""
+        count = self._count(group)
         if count == 1:
             return x
+        devices, clients = group
         if self._peers is not None:
-            return across_clients.all_reduce_sum(self._peers, [x], devices[0])[0]
+            return across_clients.all_reduce_sum(self._peers, [x], devices[0],
+                                                 members=clients)[0]
         return collective_ops.all_reduce(x, count, replicas.group_key(devices),
                                          self._key((devices,) + name), 'Add', 'Id',
                                          communication_hint='auto')
 
-    def _all_gather(self, packed: tf.Tensor, name: tuple, devices: tuple) -> tf.Tensor:
-        """[shards, n]: row s is the 1-D `packed` of shard s's holder (among `devices` in one
-        process, or the clients)."""
-        count = self._count(devices)
+    def _all_gather(self, packed: tf.Tensor, name: tuple, group: tuple) -> tf.Tensor:
+        """[shards, n]: row s is the 1-D `packed` of shard s's holder among `group`
+        (_shard_group: devices in one process, or clients)."""
+        count = self._count(group)
         if count == 1:
             return packed[tf.newaxis]
+        devices, clients = group
         if self._peers is not None:
-            return across_clients.all_gather(self._peers, packed, devices[0])
+            return across_clients.all_gather(self._peers, packed, devices[0], clients)
         gathered = collective_ops.all_gather(packed, count, replicas.group_key(devices),
                                              self._key((devices,) + name),
                                              communication_hint='auto')
@@ -402,13 +441,13 @@ class ShardedOptimizer(tf.Module):
               var: tf.Variable, path: str) -> tuple[tf.Tensor, tf.Tensor, Part]:
         """lr and step in the variable's dtype and local replica r's part of the variable at
         `path`, for the rule (on its device)."""
-        devices = self._shard_group(path, r)[0]
+        group = self._shard_group(path, r)[0]
         start, stop = self._bounds_of(path, r)
         with tf.device(var.device):
             lr_, step_, grad_ = cast_args(lr, step, grad, var.dtype)
 
             def total(x):
-                return self._sum(x, (path, 'total'), devices)
+                return self._sum(x, (path, 'total'), group)
 
             if not self.shards_gradients:
                 return lr_, step_, Part(grad_, var.read_value(), (start, stop), total)
@@ -417,7 +456,7 @@ class ShardedOptimizer(tf.Module):
                 shape = self._shapes[path]
                 with tf.device(var.device):
                     padded = tf.pad(own, [[0, self._padded_size(path, r) - own.shape[0]]])
-                    rows = self._all_gather(padded, (path, what), devices)
+                    rows = self._all_gather(padded, (path, what), group)
                     return tf.reshape(tf.reshape(rows, [-1])[:shape.num_elements()], shape)
 
             def gather_grad(own):
@@ -433,12 +472,12 @@ class ShardedOptimizer(tf.Module):
     def _gather(self, group: tuple, pieces: dict[int, list], variables: Sequence[Variables]):
         """All-gathers one cell's updated parts (one buffer per dtype) into every copy held
         by the group's replicas (`pieces`: {local replica: its [(path, padded part)]})."""
-        devices, _ = group
+        holders, dtype = group  # (devices, clients): _shard_group
         sizes = [piece.shape[0] for _, piece in next(iter(pieces.values()))]
-        for device, (r, own) in zip(devices, sorted(pieces.items())):
+        for device, (r, own) in zip(holders[0], sorted(pieces.items())):
             with tf.device(device), tf.name_scope(f'shard_gather_{r}'):
                 packed = tf.concat([piece for _, piece in own], 0)
-                rows = self._all_gather(packed, ('gather',) + group, devices)
+                rows = self._all_gather(packed, ('gather', holders, dtype), holders)
                 for (path, _), column in zip(own, tf.split(rows, sizes, axis=1)):
                     var = variables[r][path]
                     flat = tf.reshape(column, [-1])[:self._shapes[path].num_elements()]
@@ -459,14 +498,13 @@ class ShardedOptimizer(tf.Module):
         out = []
         for (device, _), slots in self._sharded_slots_by_group().items():
             with tf.device(device), tf.name_scope('gather_slots'):
-                sizes = [math.ceil(s.shape.num_elements() / self._num_shards) for s in slots]
+                sizes = [max(stop - start for start, stop in s.clients) for s in slots]
                 packed = tf.concat([tf.pad(s.parts[0].read_value(),
                                            [[0, size - s.parts[0].shape[0]]])
                                     for s, size in zip(slots, sizes)], 0)
-                rows = self._all_gather(packed, (), (device,))
+                rows = self._all_gather(packed, (), ((device,), ()))
                 for slot, column in zip(slots, tf.split(rows, sizes, axis=1)):
-                    flat = tf.reshape(column, [-1])[:slot.shape.num_elements()]
-                    out.append(tf.reshape(flat, slot.shape))
+                    out.append(tf.reshape(join_rows(column, slot.clients), slot.shape))
         return out
 
     def GatherSlots(self) -> contextlib.AbstractContextManager:
