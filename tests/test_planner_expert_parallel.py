@@ -186,3 +186,27 @@ def test_the_trainer_measures_a_p2_model_s_configuration_as_one_replica_at_p1():
         pipe = next(iter(measure._runs.values())).trainer.task.pipe  # noqa: SLF001
     assert run.balance == list(task.pipe.balance) and run.step_seconds[0] > 0
     assert (pipe.num_replicas, pipe.params.expert_parallel) == (1, 1)
+
+
+def test_stages_1_and_2_at_p2_hold_the_slots_the_sharded_optimizer_holds(body):
+    """At P=2 of R=4 the planner offers stages 1 and 2 (not 3, which the trainer refuses).
+    From stage 1 on a member holds 1/R of P=1's slots (its E/P experts' slots over the R/P
+    replicas holding them, the rest over R), as the trainer's ShardedOptimizer does."""
+    from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
+    _, profiles, experts = body
+    configs = planner.search(profiles, BATCH, 1, planner.DeviceProfile(simulator.DeviceModel()),
+                             experts=experts, expert_parallel=[2], replicas=R,
+                             micro_batches=(2,), recompute=('always',), schedules=('1f1b',))
+    by_stage = {c.sharding: c for c in configs}
+    assert set(by_stage) == {'none', 'optimizer_states', 'gradients'}
+    unsharded = sum(p.slot_bytes for p in expert_parallel_memory.cut(profiles,
+                                                                     experts.fractions, 2))
+    held = sum(p.slot_bytes for p in profiles) / R
+    saved = max(by_stage['none'].peak_bytes) - max(by_stage['optimizer_states'].peak_bytes)
+    assert saved == pytest.approx(unsharded - held, rel=1e-12)
+    pipe = pipeline(2, R, 1)
+    variables = [{path: v for path, v in copy.items() if v.trainable}
+                 for copy in pipe.ReplicaVariablesByPath()]
+    got, whole = ShardedOptimizer(ADAM, variables, expert_parallel=2).SlotBytes()
+    assert whole == pytest.approx(unsharded, rel=1e-12)
+    assert got == pytest.approx(held, rel=0.02)  # parts padded where R/P or R do not divide

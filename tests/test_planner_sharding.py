@@ -46,8 +46,9 @@ def test_a_budget_only_a_sharded_stage_fits_picks_it():
     assert 'gradients' in planner.format_table([best])
 
 
-def test_weights_are_not_offered_with_tensor_parallel_cells():
+def test_weights_are_not_offered_with_tensor_or_expert_parallel_cells():
     assert 'weights' in {c.sharding for c in _search()}  # tied weights too (ties.py)
     assert sharding_plan.stages(R, tensor_parallel=2) == ('none', 'optimizer_states',
                                                           'gradients')
-    assert sharding_plan.stages(R, expert_parallel=2) == ('none',)
+    assert sharding_plan.stages(R, expert_parallel=2) == ('none', 'optimizer_states',
+                                                          'gradients')

@@ -211,7 +211,7 @@ def search(profiles: Sequence[LayerProfile], batch_size: int, num_devices: int,
                                 float(r.bubble), peak, fits, t, set_tensor_parallel, p,
                                 set_expert_parallel)
                             results += _at_stages(config, member, replicas, device,
-                                                  calibration)
+                                                  calibration, profiles)
     # Ties (equal to the microsecond) go to fewer devices, less exchange, fewer micro-batches,
     # less memory.
     results.sort(key=lambda c: (not c.fits, round(c.step_time, 6), c.devices, c.num_cells,
@@ -221,21 +221,26 @@ def search(profiles: Sequence[LayerProfile], batch_size: int, num_devices: int,
 
 
 def _at_stages(config: Config, profiles: Sequence[LayerProfile], replicas: int,
-               device: DeviceProfile, calibration: Calibration) -> list[Config]:
-    """`config` at each ZeRO stage `sharding_plan.stages` offers it (itself alone at R=1)."""
+               device: DeviceProfile, calibration: Calibration,
+               whole: Sequence[LayerProfile]) -> list[Config]:
+    """`config` at each ZeRO stage `sharding_plan.stages` offers it (itself alone at R=1);
+    `profiles` are what one member holds at the config's P, `whole` the same at P=1."""
     offered = sharding_plan.stages(replicas, config.tensor_parallel, config.expert_parallel)
     if not offered:
         return [config]
     t = config.tensor_parallel
     starts = [sum(config.balance[:k]) for k in range(len(config.balance))]
-    cells = [profiles[start:start + n] for start, n in zip(starts, config.balance)]
-    weights = [sum(p.param_bytes * p.per_device(t) for p in c) for c in cells]
-    slots = [sum(p.slot_bytes * p.per_device(t) for p in c) for c in cells]
+
+    def per_cell(layers: Sequence[LayerProfile], field: str) -> list[float]:
+        return [sum(getattr(p, field) * p.per_device(t) for p in layers[start:start + n])
+                for start, n in zip(starts, config.balance)]
+    weights, slots = per_cell(profiles, 'param_bytes'), per_cell(profiles, 'slot_bytes')
+    whole_slots = per_cell(whole, 'slot_bytes')
     model = calibration.device(device.model)
     out = []
     for stage in offered:
-        peak = [b + sharding_plan.peak_delta(stage, replicas, w, s)
-                for b, w, s in zip(config.peak_bytes, weights, slots)]
+        peak = [b + sharding_plan.peak_delta(stage, replicas, w, s, ws)
+                for b, w, s, ws in zip(config.peak_bytes, weights, slots, whole_slots)]
         out.append(dataclasses.replace(
             config, peak_bytes=peak,
             fits=device.memory is None or max(peak) <= device.memory,

@@ -20,7 +20,10 @@ time: each stage's collectives on a cell's weights, each costed like the T and P
   planner adds the difference from 'none' (which it never costed, so an R=1 plan and
   'none' stay as before), the largest over the cells: cell 0's come last in the step,
   the others' overlap the pipeline's drain and fill only partly. The update's saving
-  (each replica updates 1/R) is not modelled.
+  (each replica updates 1/R) is not modelled. With expert parallelism P > 1 a member's
+  expert slots and gradient sums shard over its R/P group (`peak_delta`), while the
+  collectives are costed over R on the member's weights, as at P=1: an expert part's
+  all-gather among R/P members is overstated.
 """
 from __future__ import annotations
 
@@ -35,26 +38,27 @@ _COLLECTIVES = {NONE: (1, 2), OPTIMIZER_STATES: (2, 3), GRADIENTS: (2, 2), WEIGH
 
 def stages(replicas: int, tensor_parallel: int = 1, expert_parallel: int = 1
            ) -> tuple[str, ...]:
-    """The stages to try: none at R=1 (nothing to shard over); not 'weights' with T > 1
-    (the trainer refuses it); only 'none' with expert parallelism: the trainer builds
-    stages 1 and 2 there, but an expert weight's slots shard over its R/P replicas, not
-    R, which `peak_delta` does not model yet."""
+    """The stages to try: none at R=1 (nothing to shard over); not 'weights' with T > 1 or
+    with expert parallelism P > 1 (the trainer refuses both)."""
     if replicas <= 1:
         return ()
-    if expert_parallel > 1:
-        return (NONE,)
-    if tensor_parallel > 1:
+    if tensor_parallel > 1 or expert_parallel > 1:
         return tuple(s for s in STAGES if s != WEIGHTS)
     return STAGES
 
 
-def peak_delta(stage: str, replicas: int, weights: float, slots: float) -> float:
+def peak_delta(stage: str, replicas: int, weights: float, slots: float,
+               whole_slots: Optional[float] = None) -> float:
     """Bytes a cell's device holds at the step's peak at `stage` minus at 'none' (the cell's
-    `weights` and `slots` bytes per device, unsharded)."""
+    `weights` and `slots` bytes per device, unsharded). With expert parallelism P > 1,
+    `slots` are what a member holds unsharded (its E/P experts' slots and every other)
+    and `whole_slots` the cell's slots at P=1: a member's expert slots shard over the R/P
+    replicas holding them and the others over R, so from stage 1 on it holds
+    whole_slots / R (tfpipe/tuning/expert_parallel_memory.cut)."""
     if stage == NONE:
         return 0.0
-    delta = -slots * (1 - 1 / replicas)
-    return delta + (weights / replicas if stage == WEIGHTS else 0.0)
+    held = (slots if whole_slots is None else whole_slots) / replicas
+    return held - slots + (weights / replicas if stage == WEIGHTS else 0.0)
 
 
 def between_steps(stage: str, replicas: int, weights: float, slots: float
