@@ -140,7 +140,7 @@ def test_inspect_pipeline_prints_the_best_and_writes_json(tmp_path, data_dir):
 
 
 def test_the_planner_drives_the_search_through_the_measuring_function_it_is_handed(
-        data_dir, monkeypatch):
+        data_dir, monkeypatch, caplog):
     """planning.plan calibrates, measures candidates and picks through the one function the
     trainer hands it (the model's real training step, counted here), in that order."""
     from tfpipe.tuning import planning
@@ -163,8 +163,12 @@ def test_the_planner_drives_the_search_through_the_measuring_function_it_is_hand
                                micro_batches=(1, 2, 4))
         # Steps that take longer than the budget: one (recorded beside it), not the 3 asked.
         monkeypatch.setattr(plan_mode, 'STEP_BUDGET_SECONDS', 0.0)
-        long = measure(configured, 3, True)
+        with caplog.at_level('INFO'):
+            long = measure(configured, 3, True)
         assert len(long.step_seconds) == len(long.timelines) == 1
+        # Each measurement logs a progress line (planning a large model takes minutes).
+        assert any(f'planning: measured {configured.describe()}: 1 step(s) recorded'
+                   in r.getMessage() for r in caplog.records), caplog.text
     # First the four calibration runs, recorded: the model's own [3, 2] at M=2, at M=4,
     # then on one cell under both recompute policies.
     assert [(c.balance, c.num_micro_batches, c.recompute, steps, record)

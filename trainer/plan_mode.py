@@ -15,6 +15,8 @@ import tempfile
 import time
 from typing import Optional
 
+from absl import logging
+
 from tfpipe.hyperparams import Params
 from tfpipe.tuning import (expert_parallel_memory, planner, planning, sharding_plan,
                            tensor_split, timeline)
@@ -126,6 +128,9 @@ class StepMeasurer:
             run.recorded_warm = True
         lines, walls = timed_steps(run.trainer, run.batch, steps, record)
         pipe = run.trainer.task.pipe
+        # A GPT-2-sized model's planning takes many minutes: say where it is.
+        logging.info('planning: measured %s: %d step(s)%s, fastest %.3g s',
+                     config.describe(), len(walls), ' recorded' if record else '', min(walls))
         return MeasuredRun(list(pipe.balance), pipe.params.num_micro_batches, lines, walls,
                            pipe.params.schedule, pipe.params.recompute)
 
@@ -165,7 +170,10 @@ def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[f
     inspect_modes.print_placement(task.pipe)
     batch_size = params.input.train.batch_size
     max_m = min(max(planner.MICRO_BATCHES), batch_size)
+    begin = time.perf_counter()
     profiles = inspect_modes.profile_model(params, task, max_m, member=False)
+    logging.info('planning: %d layers profiled in %.0f s; measuring configurations next',
+                 len(profiles), time.perf_counter() - begin)
     replicas = params.task.pipeline.num_replicas
     degrees = tensor_split.tensor_parallel_degrees(params.task.pipeline,
                                                    num_devices // replicas)
