@@ -163,7 +163,8 @@ def test_the_planner_drives_the_search_through_the_measuring_function_it_is_hand
                                micro_batches=(1, 2, 4))
         # Steps that take longer than the budget: one (recorded beside it), not the 3 asked.
         monkeypatch.setattr(plan_mode, 'STEP_BUDGET_SECONDS', 0.0)
-        with caplog.at_level('INFO'):
+        # On absl's logger: a trainer run earlier in this process may have set its verbosity.
+        with caplog.at_level('INFO', logger='absl'):
             long = measure(configured, 3, True)
         assert len(long.step_seconds) == len(long.timelines) == 1
         # Each measurement logs a progress line (planning a large model takes minutes).
