@@ -32,11 +32,13 @@ def client_bounds(size: int, count: int, expert_parallel: int = 1) -> list[tuple
     is shard c // P of rank k's elements, offset by the k ranks before. Each element is
     held by exactly one client either way, so the parts of all clients make the whole."""
     per_rank = size // expert_parallel
-    holders = count // expert_parallel
-    return [(k * per_rank + start, k * per_rank + stop)
-            for c in range(count)
-            for k in [c % expert_parallel]
-            for start, stop in [shard_bounds(per_rank, holders)[c // expert_parallel]]]
+    shards = shard_bounds(per_rank, count // expert_parallel)
+    out = []
+    for c in range(count):
+        offset = (c % expert_parallel) * per_rank
+        start, stop = shards[c // expert_parallel]
+        out.append((offset + start, offset + stop))
+    return out
 
 
 def join_rows(rows: tf.Tensor, bounds: list[tuple[int, int]]) -> tf.Tensor:
