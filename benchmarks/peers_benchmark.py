@@ -159,8 +159,9 @@ def run_pip(cmd: list[str]) -> None:
 
 
 def worker_run(system: str, python: str, setting: tuple[Optional[str], str],
-               args: argparse.Namespace) -> dict[str, float]:
-    """One process of `system` at `setting` over every config: config -> median step ms."""
+               args: argparse.Namespace, model: str = 'pipe') -> dict[str, float]:
+    """One process of `system` at `setting` over every config: config -> median step ms.
+    `model` picks the worker file, benchmarks/peers/<system>_<model>.py."""
     onednn, threads = setting
     env = {k: v for k, v in os.environ.items() if k not in (
         'TF_ENABLE_ONEDNN_OPTS', 'TF_NUM_INTRAOP_THREADS', 'TF_NUM_INTEROP_THREADS',
@@ -170,7 +171,7 @@ def worker_run(system: str, python: str, setting: tuple[Optional[str], str],
         env['TF_ENABLE_ONEDNN_OPTS'] = onednn
     if system == 'tfpipe':
         env['PYTHONPATH'] = REPO
-    cmd = [python, os.path.join(WORKERS, f'{system}_pipe.py'), f'--configs={args.configs}',
+    cmd = [python, os.path.join(WORKERS, f'{system}_{model}.py'), f'--configs={args.configs}',
            f'--threads={threads}', f'--warmup={args.warmup}', f'--steps={args.steps}']
     done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:

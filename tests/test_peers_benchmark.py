@@ -40,3 +40,40 @@ def test_a_venv_pip_cannot_fill_fails_in_one_line_and_is_removed(tmp_path):
                            'install -q torch==2.13.0+cpu numpy failed: ERROR: '), last
     assert 'torch==2.14.1' in last
     assert sorted(os.listdir(tmp_path)) == ['no-wheels']
+
+
+LM_SCRIPT = os.path.join(th.REPO, 'benchmarks', 'peers_lm_benchmark.py')
+
+
+def test_the_lm_comparison_refuses_bad_configs_in_one_line(tmp_path):
+    for flags, problem in ((['--configs=1x4'], '1x4 needs 2 <= K <= 8'),
+                           (['--configs=4x3'], 'M dividing the batch 8'),
+                           (['--configs=4-4'], "--configs='4-4': write KxM items"),
+                           (['--rounds=0'], '--rounds and --steps must be >= 1')):
+        done = subprocess.run([sys.executable, LM_SCRIPT, f'--venvs={tmp_path}', *flags],
+                              cwd=th.REPO, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2, (flags, done.stderr)
+        assert problem in done.stderr.strip().splitlines()[-1], (flags, done.stderr)
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_lm_workers_cut_the_registered_models_cells_alike():
+    """torch's stages (lm_shape.blocks_per_cell) hold the blocks of the registered K=4
+    balance, whose first cell adds embedding and positions, its last unpack, final
+    LayerNorm and logits: the two systems pipeline the same cut."""
+    sys.path.insert(0, os.path.join(th.REPO, 'benchmarks', 'peers'))
+    try:
+        import lm_shape
+    finally:
+        sys.path.pop(0)
+    import model_registry
+    params = model_registry.get_params('lm.pystdlib.GPT2SmallShapedLM')
+    is_block = [layer.name.startswith('block') for layer in params.task.pipeline.body]
+    balance = params.task.pipeline.balance
+    starts = [sum(balance[:k]) for k in range(len(balance))]
+    per_cell = [sum(is_block[s:s + n]) for s, n in zip(starts, balance)]
+    assert per_cell == lm_shape.blocks_per_cell(len(balance))
+    width, hidden, heads, num_blocks = model_registry.get_class(
+        'lm.pystdlib.GPT2SmallShapedLM').SIZES
+    assert (width, hidden, heads, num_blocks) == (lm_shape.WIDTH, lm_shape.HIDDEN,
+                                                 lm_shape.HEADS, lm_shape.BLOCKS)
