@@ -2,7 +2,10 @@
 R > 1 replicas, chosen under a memory budget, absent at R=1."""
 import json
 
+import pytest
+
 from tests.test_planner import _layers
+from tests.test_planner_tensor_parallel import _layers as tp_layers
 from tfpipe.tuning import planner, sharding_plan, simulator
 
 R = 4
@@ -46,9 +49,16 @@ def test_a_budget_only_a_sharded_stage_fits_picks_it():
     assert 'gradients' in planner.format_table([best])
 
 
-def test_weights_are_not_offered_with_tensor_or_expert_parallel_cells():
+def test_weights_are_offered_with_tensor_parallel_cells_not_expert_parallel_ones():
     assert 'weights' in {c.sharding for c in _search()}  # tied weights too (ties.py)
-    assert sharding_plan.stages(R, tensor_parallel=2) == ('none', 'optimizer_states',
-                                                          'gradients')
     assert sharding_plan.stages(R, expert_parallel=2) == ('none', 'optimizer_states',
                                                           'gradients')
+    configs = planner.search(tp_layers(), 16, 2, planner.DeviceProfile(DEVICE),
+                             micro_batches=(4,), recompute=('always',), schedules=('1f1b',),
+                             replicas=R, tensor_parallel=(2,), cells=[1])
+    by_stage = {c.sharding: c for c in configs}
+    assert sorted(by_stage) == ['gradients', 'none', 'optimizer_states', 'weights']
+    assert {c.tensor_parallel for c in configs} == {2}
+    # Stage 3 holds 1/R of each device's shard of the weights (4 x 1 MB split over T=2).
+    assert max(by_stage['weights'].peak_bytes) - max(by_stage['gradients'].peak_bytes) == \
+        pytest.approx(4e6 / 2 / R)

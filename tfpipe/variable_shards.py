@@ -180,6 +180,15 @@ def save_whole_as(variable: tf.Variable, whole: Any) -> None:
     _checkpoint_only[id(variable)] = whole
 
 
+def split_as(variable: tf.Variable, weight: Any) -> None:
+    """`of(variable)` answers `weight` (with `path`, `axis`, `shape`, `dtype`, `sizes` and
+    `shards`: the variables standing for the weight's T shards, in shard order), which
+    checkpoints also save in its place: ZeRO stage 3's parts of a tensor-parallel weight's
+    shards (tfpipe/pipeline/sharded_weights.py), which an update reading whole-weight
+    statistics takes together as it takes the shards. The caller keeps `weight` alive."""
+    _registry[id(variable)] = weight
+
+
 def checkpointed_as(variable: Any) -> 'ShardedWeight | None':
     """The ShardedWeight a checkpoint saves in place of `variable`: its tensor-parallel
     weight's (`of`), or the checkpoint-only one of an expert weight's slice, else None."""

@@ -89,12 +89,17 @@ class Cell:
 
     def _read_shard(self, value: Any) -> tf.Tensor:
         """A weight read on this cell's device, or for shard t of a split weight on the
-        cell's t-th device (where that shard's compute and gradient sum are)."""
+        cell's t-th device (where that shard's compute and gradient sum are): the shard's
+        variable, or at stage 3 the shard as gathered there (sharded_weights.py)."""
         sharded = variable_shards.of(value) if isinstance(value, tf.Variable) else None
-        if sharded is None:
+        if sharded is not None:
+            device = self.shard_devices[next(t for t, s in enumerate(sharded.shards)
+                                             if s is value)]
+        elif getattr(value, 'device', None) in self.shard_devices[1:]:
+            device = value.device
+        else:
             return _read(value)
-        index = next(t for t, s in enumerate(sharded.shards) if s is value)
-        with tf.device(self.shard_devices[index]):
+        with tf.device(device):
             return _read(value)
 
     def forward(self, theta: dict, x: Any) -> Any:

@@ -37,7 +37,14 @@ other; a cell whose tied layer reads another cell's weight gets it whole from th
 gather (or, under per_micro_batch, gathers it in its own tasks), and the user's gradient
 is folded onto the owner's before the reduce-scatter, as unsharded.
 
-Not built: tensor-parallel (T > 1) cells and expert parallelism (refused here).
+Tensor-parallel cells (T > 1): each shard variable of a split weight is a weight like any
+other here, cut into R parts over the replicas' copies of that shard's device and gathered
+among them; one replica's parts of the T shards stand for the whole weight together
+(`_SplitParts`, through variable_shards.of), so checkpoints save it whole and Adafactor's
+whole-weight statistics are reduced over its T shards, each shard's over its R parts.
+
+Not built: expert parallelism, T > 1 across trainer clients, and T > 1 with per_micro_batch
+under cell functions (the step hung; unrolled it is exact): each refused here.
 """
 from __future__ import annotations
 
@@ -96,6 +103,38 @@ class _WholeWeight(tf.Module):
         return self.assign(restored_tensors['VARIABLE_VALUE'])
 
 
+class _SplitParts(tf.Module):
+    """One replica's parts of the T shards of a tensor-parallel weight (variable_shards.
+    ShardedWeight `split`), for `variable_shards.of` (split_as): `shards` are the parts in
+    shard order, which an update reading whole-weight statistics takes together; the
+    weight saves whole (each shard's parts joined over the replicas, `wholes`, then the
+    shards joined along the split axis) under the whole weight's key, as at stages 0-2."""
+
+    def __init__(self, split: variable_shards.ShardedWeight, parts: Sequence[tf.Variable],
+                 wholes: Sequence[_WholeWeight]):
+        super().__init__(name=None)
+        self.path, self.axis, self.shape, self.dtype = (split.path, split.axis, split.shape,
+                                                       split.dtype)
+        self.sizes = split.sizes
+        self._parts, self._wholes = list(parts), list(wholes)
+
+    @property
+    def shards(self) -> list[tf.Variable]:
+        return list(self._parts)
+
+    def _trackable_children(self, save_type='checkpoint', **kwargs):  # saved by value only
+        return {}
+
+    def _serialize_to_tensors(self):
+        values = [w.value() for w in self._wholes]
+        with tf.device(values[0].device):
+            return {'VARIABLE_VALUE': tf.concat(values, self.axis)}
+
+    def _restore_from_tensors(self, restored_tensors):
+        pieces = tf.split(restored_tensors['VARIABLE_VALUE'], self.sizes, self.axis)
+        return tf.group([w.assign(piece) for w, piece in zip(self._wholes, pieces)])
+
+
 class _ClientWeight(variable_shards.ClientPart):
     """A trainer client's part of one weight: elements [index*s, (index+1)*s) of the
     flattened whole (s = the part's size; zero-padded past the end)."""
@@ -124,13 +163,19 @@ class WeightShards:
         """per_micro_batch: recomputing cells regather their weights in each forward and
         backward task instead of once a step (task.train.regather_per_micro_batch)."""
         p = pipe.params
-        unbuilt = [what for what, on in (('tensor_parallel > 1', p.tensor_parallel > 1),
-                                         ('expert_parallel > 1', p.expert_parallel > 1 or (
-                                             peers is not None and peers.expert_parallel > 1)))
-                   if on]
+        unbuilt = [what for what, on in (
+            ('expert_parallel > 1', p.expert_parallel > 1 or (
+                peers is not None and peers.expert_parallel > 1)),
+            ('tensor_parallel > 1 across trainer clients',
+             p.tensor_parallel > 1 and peers is not None)) if on]
         if unbuilt:
             raise ValueError(f"{pipe.path}: task.train.sharding='weights' with "
                              f"{', '.join(unbuilt)} is not built: use 'gradients' there")
+        if per_micro_batch and p.tensor_parallel > 1 and p.cell_functions:
+            raise ValueError(f'{pipe.path}: task.train.regather_per_micro_batch with '
+                             'tensor_parallel > 1 under cell functions is not built (the step '
+                             'hung): set task.pipeline.cell_functions=False, or '
+                             'regather_per_micro_batch=False')
         whole = [{path: v for path, v in copy.items() if v.trainable}
                  for copy in pipe.ReplicaVariablesByPath()]
         self._peers = peers
@@ -149,6 +194,15 @@ class WeightShards:
                         for path, shape in self.shapes.items()}
         # Across clients, what the chief checkpoints whole (Trainer: SplitValues).
         self.client_parts = [self._wholes[path] for path in sorted(self._wholes)] if peers else []
+        # Each replica's parts of a tensor-parallel weight's shards stand for the weight
+        # together (variable_shards.of), as its shards did: checkpoints save it whole and
+        # Adafactor's statistics span its T shards (split_statistics.groups).
+        self._splits = [_SplitParts(split, [self.parts[r][path] for path in paths],
+                                    [self._wholes[path] for path in paths])
+                        for r, copy in enumerate(whole) for split, paths in _splits_of(copy)]
+        for split in self._splits:
+            for part in split.shards:
+                variable_shards.split_as(part, split)
         for path, w in self._wholes.items():
             variable_shards.save_whole_as(self.parts[0][path], w)
         replacements = {id(var): self.parts[r][path]
@@ -266,6 +320,19 @@ class WeightShards:
         """`theta` with each part of `wholes`' weights replaced by its whole weight."""
         return tf.nest.map_structure(
             lambda leaf: wholes.get(self._path_of.get(id(leaf)), leaf), theta)
+
+
+def _splits_of(copy: dict[str, tf.Variable]
+               ) -> list[tuple[variable_shards.ShardedWeight, list[str]]]:
+    """The tensor-parallel weights among a replica's trainable variables by path, each with
+    its shards' paths in shard order."""
+    path_of = {id(var): path for path, var in copy.items()}
+    out: dict = {}
+    for path, var in sorted(copy.items()):
+        split = variable_shards.of(var)
+        if split is not None and id(split) not in out:
+            out[id(split)] = (split, [path_of[id(shard)] for shard in split.shards])
+    return list(out.values())
 
 
 def _read_by(cell: Any, theta: dict) -> list:

@@ -225,7 +225,7 @@ def _at_stages(config: Config, profiles: Sequence[LayerProfile], replicas: int,
                whole: Sequence[LayerProfile]) -> list[Config]:
     """`config` at each ZeRO stage `sharding_plan.stages` offers it (itself alone at R=1);
     `profiles` are what one member holds at the config's P, `whole` the same at P=1."""
-    offered = sharding_plan.stages(replicas, config.tensor_parallel, config.expert_parallel)
+    offered = sharding_plan.stages(replicas, config.expert_parallel)
     if not offered:
         return [config]
     t = config.tensor_parallel

@@ -36,13 +36,15 @@ from tfpipe.tuning import simulator
 _COLLECTIVES = {NONE: (1, 2), OPTIMIZER_STATES: (2, 3), GRADIENTS: (2, 2), WEIGHTS: (2, 2)}
 
 
-def stages(replicas: int, tensor_parallel: int = 1, expert_parallel: int = 1
-           ) -> tuple[str, ...]:
-    """The stages to try: none at R=1 (nothing to shard over); not 'weights' with T > 1 or
-    with expert parallelism P > 1 (the trainer refuses both)."""
+def stages(replicas: int, expert_parallel: int = 1) -> tuple[str, ...]:
+    """The stages to try: none at R=1 (nothing to shard over); not 'weights' with expert
+    parallelism P > 1 (the trainer refuses it). With T > 1 every stage: a cell's weights
+    per device are then its shards' (`LayerProfile.per_device`), which stage 3 cuts into
+    R parts and gathers among the R replicas holding the same shard, as its collectives
+    and peak are costed here (across trainer clients the trainer refuses it)."""
     if replicas <= 1:
         return ()
-    if tensor_parallel > 1 or expert_parallel > 1:
+    if expert_parallel > 1:
         return tuple(s for s in STAGES if s != WEIGHTS)
     return STAGES
 
