@@ -26,6 +26,11 @@ PREDICTED = re.compile(r'host allocator .*: peak ([\d.]+) MiB')
 MEASURED = re.compile(r'peak CPU:0 ([\d.]+) MiB')
 TOLERANCE = 0.15  # the issue's goal: within 15%, so never more than 15% under
 STEPS = '--max_steps=10'
+# The trainer's MFU line probes the host's peak FLOP/s in its own process whenever the host
+# is quieter than when the cached figure was probed (tfpipe/tuning/peak_flops.py); the
+# probe's matrices (64 MiB on 2 cores) then set the measured peak (68.4 MiB against 12.0
+# for the LM without recompute below). A given peak skips the probe.
+KNOWN_PEAK = '--gin_bindings=trainer.peak_flops=2e11'
 
 
 def _run(tmp_path, model, data_dir, *flags):
@@ -43,7 +48,8 @@ def _predicted_and_measured(tmp_path, model, data_dir, *flags):
     # tf.data's buffers and the step's allocations happen to overlap, so take two runs'.
     measured = max(
         float(MEASURED.findall(_run(tmp_path / f'train{i}', model, data_dir, '--job=trainer',
-                                    STEPS, *flags).stderr)[-1]) for i in range(2))
+                                    STEPS, KNOWN_PEAK, *flags).stderr)[-1])
+        for i in range(2))
     return inspect.stdout, predicted, measured
 
 
@@ -76,6 +82,18 @@ def test_an_expert_parallel_lms_predicted_peak_within_15_percent(tmp_path, data_
     inspect, predicted, measured = _predicted_and_measured(
         tmp_path, 'lm.pystdlib.TinyMoETransformerLM', data_dir, flags)
     assert 'expert parallel 2: each replica holds 1/2' in inspect
+    assert abs(predicted / measured - 1) <= TOLERANCE, (predicted, measured)
+
+
+def test_a_language_model_without_recompute_within_15_percent(tmp_path, data_dir):
+    # recompute='never', one cell per replica (R=2), M=2: each micro-batch in flight keeps
+    # what its backward needs inside the layers (attention's probabilities, the feed-forward's
+    # hidden activations) and the loss's gradient, measured on two micro-batches; from the
+    # layers' outputs alone the prediction was 0.78-0.82x (docs/memory.md).
+    flags = th.overrides(**{'task.pipeline.num_replicas': 2, 'task.pipeline.balance': [7],
+                            'task.pipeline.recompute': 'never'})
+    _, predicted, measured = _predicted_and_measured(
+        tmp_path, 'lm.pystdlib.TinyTransformerLM', data_dir, flags)
     assert abs(predicted / measured - 1) <= TOLERANCE, (predicted, measured)
 
 

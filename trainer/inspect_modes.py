@@ -131,20 +131,23 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
     alone = (pipe if p == 1 else
              expert_parallel_memory.twin(pipe.params, pipe.balance))
     measured_cells = working_memory.measure_cells(alone.replica_cells[0], alone.theta, replica,
-                                                  m)
+                                                  m, measure_saved=True)
     exchange = expert_parallel_memory.all_to_all_bytes(
         pipe.params, pipe.balance,
         tf.nest.map_structure(lambda t: tf.TensorShape([batch // m, *t.shape[1:]]), sample))
-    working = inputs = None
+    working = inputs = saved = loss_gradients = None
     if measured_cells is not None:
         working = [c.working + a for c, a in zip(measured_cells, exchange)]
         inputs = [c.input_bytes for c in measured_cells]
+        saved = [c.saved for c in measured_cells]
+        loss_gradients = [c.loss_gradients for c in measured_cells]
     layouts = [memory_model.CellLayout(cell.device, start, stop, cell.recompute)
                for cell, (start, stop) in zip(pipe.replica_cells[0], cell_ranges(pipe.balance))]
     replicas = [[dataclasses.replace(c, device=cell.device) for c, cell in zip(layouts, cells)]
                 for cells in pipe.replica_cells]
     prediction = tensor_parallel_memory.predict(pipe, profiles, replicas, batch / m, shards,
-                                                working, inputs, params.task.train.optimizer)
+                                                working, inputs, params.task.train.optimizer,
+                                                saved, loss_gradients)
     devices, shard_devices = prediction.devices, prediction.shard_devices
     profiles = prediction.home_profiles  # each shard device's state is in shard_devices
     if working is not None:
@@ -174,7 +177,7 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
         return
     cells = [mem for cells in replicas
              for mem in memory_model.cell_memory(profiles, cells, batch / m, shards, working,
-                                                 inputs)]
+                                                 inputs, saved, loss_gradients)]
     held = [memory_model.in_flight(pipe.params.schedule, len(layouts), k % len(layouts), m)
             * mem.stash for k, mem in enumerate(cells)]
     if shard_devices:  # the shard devices' state shares the allocator

@@ -9,6 +9,9 @@ which the trainer turns on, and every GPU):
   every tensor the gradients need, inside the layers too (a separable convolution's
   intermediates, attention's probabilities), which the layers' outputs understate
   several times over;
+- what a cell that does not recompute keeps per micro-batch between its forward and
+  its backward: the same tensors the gradients need, for every micro-batch in flight
+  (a tiny LM: 3.5 times its layers' outputs);
 - the optimizer update's temporaries: Adam's update of a weight computes its moments,
   their bias corrections, the square root and the quotient, several of them of the
   weight's size alive at once, and the updates of different weights run side by side on
@@ -35,10 +38,12 @@ import tensorflow as tf
 from tfpipe import fprop_context, optimizers
 from tfpipe.hyperparams import Params
 from tfpipe.memory_stats import allocator_devices
+from tfpipe.pipeline.executor import float_leaves
 from tfpipe.tuning.profile import forward_backward
 
 SETTLE_SECONDS = 0.05  # between looks at the allocator while prefetch threads fill
 SETTLE_LOOKS = 40
+TRACES_FOR_SAVED = 2  # per function, when a cell's saved bytes are measured
 
 
 def _allocator(device: str) -> Optional[str]:
@@ -60,17 +65,30 @@ def _current(allocator: str) -> int:
 class CellMeasurement:
     """One cell on one micro-batch: `working` bytes of its forward + backward at their
     fullest, and `input_bytes`, what a recomputing cell keeps per micro-batch in flight
-    (in the compute dtype: bfloat16 halves it, which layer profiles in float32 miss)."""
+    (in the compute dtype: bfloat16 halves it, which layer profiles in float32 miss).
+
+    `saved`: for a cell that does not recompute (when measured), the bytes one
+    micro-batch's forward keeps for its backward, which every micro-batch in flight
+    holds; None for a recomputing cell. `loss_gradients`: the last cell's output bytes
+    (float leaves), 0 for the others: the pipeline differentiates the loss at each
+    micro-batch's forward and keeps that gradient until the micro-batch's backward.
+    """
 
     working: float
     input_bytes: float
+    saved: Optional[float] = None
+    loss_gradients: float = 0.0
 
 
 def measure_cells(cells: Sequence[Any], theta: dict, inputs: Any, num_micro_batches: int,
-                  repeats: int = 3) -> Optional[list[CellMeasurement]]:
+                  repeats: int = 3, measure_saved: bool = False
+                  ) -> Optional[list[CellMeasurement]]:
     """Per cell: the peak bytes of its forward + backward on one micro-batch of
     `inputs` above what was allocated before the call (the fewest of `repeats` calls
     after a warm-up: other threads only add), and the bytes of that cell's input.
+    With `measure_saved` and more than one micro-batch, a cell that does not recompute
+    is also measured on two (`two_forwards_then_backwards`): their peak above one's is
+    what a micro-batch in flight keeps (with one micro-batch the working set holds it).
 
     Training mode with batch statistics discarded, as the profiler runs, so
     measuring changes nothing. Each cell gets the previous cell's output.
@@ -78,19 +96,96 @@ def measure_cells(cells: Sequence[Any], theta: dict, inputs: Any, num_micro_batc
     allocator = _allocator(cells[0].device)
     if allocator is None:
         return None
-    x = tf.nest.map_structure(lambda t: t[:t.shape[0] // num_micro_batches], inputs)
+    size = tf.nest.flatten(inputs)[0].shape[0] // num_micro_batches
+    x = tf.nest.map_structure(lambda t: t[:size], inputs)
+    # A second micro-batch of other examples: grappler would compute equal inputs once.
+    x2 = tf.nest.map_structure(lambda t: t[size:2 * size], inputs)
+    measure_saved = measure_saved and num_micro_batches > 1
     working = []
     sink = fprop_context.BatchStatsSink(discard=True)
     with fprop_context.scope(training=True, step=tf.constant(0, tf.int64), batch_stats=sink):
-        for cell in cells:
-            step = forward_backward(lambda th, v, cell=cell: cell.forward(th, v))
+        for k, cell in enumerate(cells):
+            def apply(th, v, cell=cell):
+                return cell.forward(th, v)
             cell_theta = cell.read_theta(theta)
+            kept = None
             with tf.device(cell.device):
-                _, y = step(cell_theta, x)  # traces and warms up
-                peaks = call_peaks(allocator, lambda: step(cell_theta, x), repeats)
-            working.append(CellMeasurement(float(min(peaks)), _num_bytes(x)))
+                if measure_saved and not cell.recompute:
+                    # The difference of two peaks, each set by how one trace's threads
+                    # order the backward (one micro-batch's: 0.87-1.08 MiB over six
+                    # traces of a tiny LM's cell): the fewest of two traces each.
+                    one, (_, y) = _fewest_peak(allocator, lambda: forward_backward(apply),
+                                               (cell_theta, x), repeats, TRACES_FOR_SAVED)
+                    both, (_, y2) = _fewest_peak(
+                        allocator, lambda: two_forwards_then_backwards(apply),
+                        (cell_theta, x, x2), repeats, TRACES_FOR_SAVED)
+                    # What a micro-batch keeps is alive when its backward starts, so
+                    # within the one micro-batch's peak.
+                    kept = min(max(0.0, both - one), one)
+                else:
+                    step = forward_backward(apply)
+                    one, (_, y) = _fewest_peak(allocator, lambda: step, (cell_theta, x),
+                                               repeats)
+                    if measure_saved:  # the next cell's second micro-batch
+                        y2 = step(cell_theta, x2)[1]
+            last = k == len(cells) - 1
+            working.append(CellMeasurement(one, _num_bytes(x), kept,
+                                           _num_bytes(float_leaves(y)) if last else 0.0))
             x = y
+            if measure_saved:
+                x2 = y2
     return working
+
+
+def _fewest_peak(allocator: str, make: Callable[[], Callable[..., Any]], args: tuple,
+                 repeats: int, traces: int = 1) -> tuple[float, Any]:
+    """The fewest peak bytes (`call_peaks`) of `traces` functions `make()`, each traced
+    and warmed up on `args`, then called `repeats` times; and the first's warm-up
+    output."""
+    fewest, first = None, None
+    for _ in range(traces):
+        fn = make()
+        out = fn(*args)
+        first = out if first is None else first
+        peak = float(min(call_peaks(allocator, lambda fn=fn: fn(*args), repeats)))
+        fewest = peak if fewest is None else min(fewest, peak)
+    return fewest, first
+
+
+def two_forwards_then_backwards(apply: Callable[[Any, Any], Any]
+                                ) -> Callable[[Any, Any, Any], tuple]:
+    """A tf.function (theta, x1, x2) -> (summed gradients, second output) running as a
+    pipeline's executor runs a cell that keeps its activations over two micro-batches:
+    both forwards under tapes, the second after the first, then the second's backward
+    and after it the first's (every output's gradient one). Its peak above one
+    micro-batch's forward + backward is what the first keeps while it waits.
+
+    Without the ordering the executor's threads may run the first forward after the
+    second backward, and hold nothing across.
+    """
+    @tf.function
+    def run(theta, v1, v2):
+        tapes, after = [], []
+        for v in (v1, v2):
+            with tf.control_dependencies(after):
+                v = tf.nest.map_structure(tf.identity, v)
+            leaves = float_leaves(v) + tf.nest.flatten(theta)
+            with tf.GradientTape(watch_accessed_variables=False) as tape:
+                tape.watch(leaves)
+                y = apply(theta, v)
+            after = float_leaves(y)
+            tapes.append((tape, leaves, after))
+        total = None
+        for tape, leaves, outs in reversed(tapes):
+            with tf.control_dependencies(after):
+                seeds = [tf.ones_like(o) for o in outs]
+            grads = [tf.convert_to_tensor(g) for g in tape.gradient(
+                outs, leaves, output_gradients=seeds,
+                unconnected_gradients=tf.UnconnectedGradients.ZERO)]
+            after = grads
+            total = grads if total is None else [a + b for a, b in zip(total, grads)]
+        return total, y
+    return run
 
 
 def call_peaks(allocator: str, call: Callable[[], Any], repeats: int) -> list[int]:
