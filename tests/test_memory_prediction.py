@@ -113,12 +113,13 @@ def test_adams_update_of_a_wide_mlp_sets_the_predicted_peak(tmp_path, data_dir):
     inspect, predicted, measured = _predicted_and_measured(
         tmp_path, 'tests.memory_models.WideMLP', data_dir)
     assert "at the optimizer's update" in inspect
-    # Known under-prediction, not yet fixed: the update's temporaries measure 104-152 MiB
-    # from trace to trace of the same function (the executor's op order; 2026-11-29), so
-    # the prediction moves between 264 and 305 MiB against the trainer's 327-352 (a CI
-    # run paired 280.1 with 352.6: 0.79x). Its under side is allowed 25% until the
-    # measurement meets the worst order (docs/memory.md); the over side keeps 15%.
-    assert -0.25 <= predicted / measured - 1 <= TOLERANCE, (predicted, measured)
+    # The update's temporaries depend on how the threads order its ops, which differs from
+    # call to call and trace to trace: the trainer's 10 updates met 281-338 MiB of peak in
+    # 16 runs (2026-11-29; a CI run 352.6), and the prediction takes the worst order it
+    # meets (working_memory.measure_update: 336-368 MiB). So it is 15% under at most, but
+    # up to 18% over the higher of two runs (1.05-1.18 in 8 pairs): its over side is
+    # allowed 20%.
+    assert -TOLERANCE <= predicted / measured - 1 <= 0.20, (predicted, measured)
 
 
 def test_without_allocator_statistics_the_working_set_is_an_estimate_and_says_so(

@@ -7,6 +7,7 @@ training logdir.
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 from typing import Optional
 
@@ -195,7 +196,8 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
     variables = {path: v for path, v in pipe.ReplicaVariablesByPath()[0].items() if v.trainable}
     update = working_memory.measure_update(params.task.train.optimizer, variables,
                                            params.task.train.clip_gradient_norm_to_value or None,
-                                           guarded_update.guarded_update)
+                                           guarded_update.guarded_update,
+                                           threads=inter_op_threads())
     host = dataclasses.replace(host, update=update or 0.0)
     phase = max((host.training, 'a step'), (host.filling, 'the input filling its buffers'),
                 (host.updating, 'the optimizer\'s update'))[1]
@@ -206,6 +208,12 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
           f'{mib(host.activations)}, update temporaries {mib(host.update)})')
     print(f'  host allocator if the input refills its buffers while a step runs (its next '
           f'epoch, a long document later in the stream): up to {mib(host.refill_bound)}')
+
+
+def inter_op_threads() -> int:
+    """How many ops of this process run at once: its inter-op threads (TensorFlow's
+    default, 0, is one per core)."""
+    return tf.config.threading.get_inter_op_parallelism_threads() or os.cpu_count() or 1
 
 
 def print_between_steps(params: Params, devices: list[list[memory_model.DeviceMemory]],

@@ -9,7 +9,8 @@ A device holds, for the cells placed on it:
                   weights), divided by R when the slots are sharded over R replicas;
   held            the micro-batches in flight between their forward and backward:
                   a recomputing cell keeps only its input per micro-batch, a cell
-                  that does not recompute keeps every layer's output. fill_drain
+                  that does not recompute what its backward needs (measured, else
+                  every layer's output), the last cell also the loss's gradient. fill_drain
                   has all M micro-batches in flight on every cell; the other
                   schedules at most K - k on cell k (1F1B's bound);
   working set     what one backward task holds while it runs: the recomputed

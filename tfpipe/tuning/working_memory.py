@@ -44,6 +44,8 @@ from tfpipe.tuning.profile import forward_backward
 SETTLE_SECONDS = 0.05  # between looks at the allocator while prefetch threads fill
 SETTLE_LOOKS = 40
 TRACES_FOR_SAVED = 2  # per function, when a cell's saved bytes are measured
+UPDATE_TRACES = 8  # the most traces of the update measured (measure_update)
+UPDATE_BUDGET_SECONDS = 2.0  # a further trace only while the measurement took less
 
 
 def _allocator(device: str) -> Optional[str]:
@@ -100,7 +102,8 @@ def measure_cells(cells: Sequence[Any], theta: dict, inputs: Any, num_micro_batc
     x = tf.nest.map_structure(lambda t: t[:size], inputs)
     # A second micro-batch of other examples: grappler would compute equal inputs once.
     x2 = tf.nest.map_structure(lambda t: t[size:2 * size], inputs)
-    measure_saved = measure_saved and num_micro_batches > 1
+    measure_saved = (measure_saved and num_micro_batches > 1
+                     and any(not cell.recompute for cell in cells))
     working = []
     sink = fprop_context.BatchStatsSink(discard=True)
     with fprop_context.scope(training=True, step=tf.constant(0, tf.int64), batch_stats=sink):
@@ -203,14 +206,27 @@ def call_peaks(allocator: str, call: Callable[[], Any], repeats: int) -> list[in
 
 def measure_update(optimizer: Params, variables: dict[str, tf.Variable],
                    clip_norm: Optional[float], update_fn: Callable[..., tf.Tensor],
-                   repeats: int = 8) -> Optional[float]:
+                   repeats: int = 8, traces: int = UPDATE_TRACES,
+                   budget_seconds: float = UPDATE_BUDGET_SECONDS,
+                   threads: int = 1) -> Optional[float]:
     """Peak bytes of the trainer's update of `variables` above its inputs and the
     gradients: `update_fn` (the trainer's trainer.guarded_update: global-norm clipping at
-    `clip_norm`, then `optimizer`'s Apply under its finite-loss tf.cond) in one
+    `clip_norm`, then `optimizer`'s Apply under its finite-loss tf.cond) in a
     tf.function, the most of `repeats` updates after a warm-up, since how many
     temporaries are alive at once depends on how the threads order the update's ops, and
     a run meets the worst of its steps. None without allocator statistics for the
     variables' host.
+
+    The order differs from trace to trace of the same function as well as from call to
+    call (tests.memory_models.WideMLP: the most of 8 calls was 96 to 168 MiB over 8
+    traces in one process), so the function is traced again, up to `traces` times,
+    while the measurement has taken less than `budget_seconds`: a small model's update
+    (a trace and 8 calls in 0.3-0.5 s) gets them all, GPT2SmallShapedLM's (5-7 s) one.
+    Even the most of 64 calls was 120 to 160 MiB from process to process, so with
+    `threads` > 1 (the inter-op threads) the result is never below the updates of the
+    `threads` largest weights, each measured alone, added up: the order in which every
+    thread is at a different weight's fullest moment (WideMLP's two wide weights: 104
+    and 72 MiB alone, 176 together; the trainer's update held up to 184 MiB).
 
     The gradients are made inside the function, as the trainer's step makes its sums:
     an op may then reuse a gradient's buffer once nothing else reads it. Captured
@@ -234,17 +250,30 @@ def measure_update(optimizer: Params, variables: dict[str, tf.Variable],
     step = tf.Variable(0, dtype=tf.int64)
     gradient_bytes = _num_bytes(list(copies.values()))
 
-    @tf.function(autograph=False)
-    def update() -> tf.Tensor:
-        grads = {}
-        for path, var in copies.items():
-            with tf.device(var.device):  # a product, not a constant: see above
-                grads[path] = var.read_value() * tf.constant(1e-3, var.dtype)
-        return update_fn(tf.constant(0.0), [grads], clip_norm, [rule], [copies],
-                         tf.constant(1e-3), step)
+    def traced() -> Callable[[], tf.Tensor]:
+        @tf.function(autograph=False)
+        def update() -> tf.Tensor:
+            grads = {}
+            for path, var in copies.items():
+                with tf.device(var.device):  # a product, not a constant: see above
+                    grads[path] = var.read_value() * tf.constant(1e-3, var.dtype)
+            return update_fn(tf.constant(0.0), [grads], clip_norm, [rule], [copies],
+                             tf.constant(1e-3), step)
+        update()  # traces
+        return update
 
-    update()  # traces
-    return max(0.0, float(max(call_peaks(allocator, update, repeats))) - gradient_bytes)
+    start, worst = time.monotonic(), 0
+    for trace in range(traces):
+        if trace and time.monotonic() - start >= budget_seconds:
+            break
+        worst = max(worst, max(call_peaks(allocator, traced(), repeats)))
+    measured = max(0.0, float(worst) - gradient_bytes)
+    if threads <= 1 or len(variables) <= 1:
+        return measured
+    largest = sorted(variables, key=lambda path: -variables[path].shape.num_elements())
+    alone = [measure_update(optimizer, {path: variables[path]}, clip_norm, update_fn,
+                            repeats, traces, budget_seconds) for path in largest[:threads]]
+    return max(measured, sum(a for a in alone if a is not None))
 
 
 def _num_bytes(struct: Any) -> float:
