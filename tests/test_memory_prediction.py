@@ -11,7 +11,8 @@ Beside the shipped models, models as users write them (tests/memory_models.py,
 issue 25): a wide conv net on its own generated images, a byte LM with one
 long document, whose packing before the first step sets the peak, and a wide MLP
 whose Adam update sets it (issue 40); and a Keras model pipelined by tfpipe.keras
-(tests/keras_memory_probe.py).
+(tests/keras_memory_probe.py). A language model without recompute: its micro-batches in
+flight keep what the backward needs from inside its layers.
 """
 import re
 import statistics
