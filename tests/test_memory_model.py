@@ -70,6 +70,28 @@ def test_a_measured_working_set_replaces_the_layer_output_estimate():
     assert d1.working == 0.0  # a measurement below the outputs adds nothing
 
 
+def test_a_cell_without_recompute_holds_its_measured_saved_bytes_per_micro_batch():
+    # What a micro-batch's forward keeps for its backward (attention's probabilities, a
+    # feed-forward's hidden activations) replaces the layer outputs; never below them.
+    (d0, d1) = memory_model.predict(PROFILES, cells(recompute=False), 4, 3, 'fill_drain',
+                                    working_bytes=[500.0, 90.0], saved_bytes=[300.0, 1.0])
+    assert (d0.held, d0.working) == (3 * 300.0, 500.0 - 300.0)
+    assert (d1.held, d1.working) == (3 * 4 * 2.0, 90.0 - 4 * 2.0)
+    # Not measured (None: one micro-batch, or a recomputing cell): the outputs, as before.
+    (d0, _) = memory_model.predict(PROFILES, cells(recompute=False), 4, 3, 'fill_drain',
+                                   working_bytes=[500.0, 90.0], saved_bytes=[None, None])
+    assert d0.held == 3 * 4 * (7.0 + 5.0)
+
+
+def test_the_last_cells_loss_gradient_is_held_per_micro_batch_in_flight():
+    # Taken at each micro-batch's forward; one of them is the measured working set's own
+    # output gradient, so it moves from the working set into the stash.
+    (d0, d1) = memory_model.predict(PROFILES, cells(recompute=True), 4, 3, 'fill_drain',
+                                    working_bytes=[500.0, 90.0], loss_gradient_bytes=[0.0, 8.0])
+    assert (d0.held, d0.working) == (3 * 4 * 3.0, 500.0)
+    assert (d1.held, d1.working) == (3 * (4 * 5.0 + 8.0), 90.0 - 8.0)
+
+
 def test_host_peak_counts_every_state_and_held_batch_but_only_parallel_working_sets():
     memory = [memory_model.CellMemory('d0', static=100.0, stash=10.0, working=50.0),
               memory_model.CellMemory('d1', static=200.0, stash=20.0, working=70.0),

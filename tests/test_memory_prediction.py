@@ -11,7 +11,8 @@ Beside the shipped models, models as users write them (tests/memory_models.py,
 issue 25): a wide conv net on its own generated images, a byte LM with one
 long document, whose packing before the first step sets the peak, and a wide MLP
 whose Adam update sets it (issue 40); and a Keras model pipelined by tfpipe.keras
-(tests/keras_memory_probe.py).
+(tests/keras_memory_probe.py). A language model without recompute: its micro-batches in
+flight keep what the backward needs from inside its layers.
 """
 import re
 import statistics
@@ -26,6 +27,11 @@ PREDICTED = re.compile(r'host allocator .*: peak ([\d.]+) MiB')
 MEASURED = re.compile(r'peak CPU:0 ([\d.]+) MiB')
 TOLERANCE = 0.15  # the issue's goal: within 15%, so never more than 15% under
 STEPS = '--max_steps=10'
+# The trainer's MFU line probes the host's peak FLOP/s in its own process whenever the host
+# is quieter than when the cached figure was probed (tfpipe/tuning/peak_flops.py); the
+# probe's matrices (64 MiB on 2 cores) then set the measured peak (68.4 MiB against 12.0
+# for the LM without recompute below). A given peak skips the probe.
+KNOWN_PEAK = '--gin_bindings=trainer.peak_flops=2e11'
 
 
 def _run(tmp_path, model, data_dir, *flags):
@@ -43,7 +49,8 @@ def _predicted_and_measured(tmp_path, model, data_dir, *flags):
     # tf.data's buffers and the step's allocations happen to overlap, so take two runs'.
     measured = max(
         float(MEASURED.findall(_run(tmp_path / f'train{i}', model, data_dir, '--job=trainer',
-                                    STEPS, *flags).stderr)[-1]) for i in range(2))
+                                    STEPS, KNOWN_PEAK, *flags).stderr)[-1])
+        for i in range(2))
     return inspect.stdout, predicted, measured
 
 
@@ -79,6 +86,18 @@ def test_an_expert_parallel_lms_predicted_peak_within_15_percent(tmp_path, data_
     assert abs(predicted / measured - 1) <= TOLERANCE, (predicted, measured)
 
 
+def test_a_language_model_without_recompute_within_15_percent(tmp_path, data_dir):
+    # recompute='never', one cell per replica (R=2), M=2: each micro-batch in flight keeps
+    # what its backward needs inside the layers (attention's probabilities, the feed-forward's
+    # hidden activations) and the loss's gradient, measured on two micro-batches; from the
+    # layers' outputs alone the prediction was 0.78-0.82x (docs/memory.md).
+    flags = th.overrides(**{'task.pipeline.num_replicas': 2, 'task.pipeline.balance': [7],
+                            'task.pipeline.recompute': 'never'})
+    _, predicted, measured = _predicted_and_measured(
+        tmp_path, 'lm.pystdlib.TinyTransformerLM', data_dir, flags)
+    assert abs(predicted / measured - 1) <= TOLERANCE, (predicted, measured)
+
+
 def test_a_long_document_packed_before_the_first_step_sets_the_predicted_peak(
         tmp_path, data_dir):
     # 2 MiB of text in one document: packing it holds its token pairs several times
@@ -95,12 +114,13 @@ def test_adams_update_of_a_wide_mlp_sets_the_predicted_peak(tmp_path, data_dir):
     inspect, predicted, measured = _predicted_and_measured(
         tmp_path, 'tests.memory_models.WideMLP', data_dir)
     assert "at the optimizer's update" in inspect
-    # Known under-prediction, not yet fixed: the update's temporaries measure 104-152 MiB
-    # from trace to trace of the same function (the executor's op order; 2026-11-29), so
-    # the prediction moves between 264 and 305 MiB against the trainer's 327-352 (a CI
-    # run paired 280.1 with 352.6: 0.79x). Its under side is allowed 25% until the
-    # measurement meets the worst order (docs/memory.md); the over side keeps 15%.
-    assert -0.25 <= predicted / measured - 1 <= TOLERANCE, (predicted, measured)
+    # The update's temporaries depend on how the threads order its ops, which differs from
+    # call to call and trace to trace: the trainer's 10 updates met 281-338 MiB of peak in
+    # 16 runs (2026-11-29; a CI run 352.6), and the prediction takes the worst order it
+    # meets (working_memory.measure_update: 336-368 MiB). So it is 15% under at most, but
+    # up to 18% over the higher of two runs (1.05-1.18 in 8 pairs): its over side is
+    # allowed 20%.
+    assert -TOLERANCE <= predicted / measured - 1 <= 0.20, (predicted, measured)
 
 
 def test_without_allocator_statistics_the_working_set_is_an_estimate_and_says_so(

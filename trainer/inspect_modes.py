@@ -7,6 +7,7 @@ training logdir.
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 from typing import Optional
 
@@ -131,20 +132,23 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
     alone = (pipe if p == 1 else
              expert_parallel_memory.twin(pipe.params, pipe.balance))
     measured_cells = working_memory.measure_cells(alone.replica_cells[0], alone.theta, replica,
-                                                  m)
+                                                  m, measure_saved=True)
     exchange = expert_parallel_memory.all_to_all_bytes(
         pipe.params, pipe.balance,
         tf.nest.map_structure(lambda t: tf.TensorShape([batch // m, *t.shape[1:]]), sample))
-    working = inputs = None
+    working = inputs = saved = loss_gradients = None
     if measured_cells is not None:
         working = [c.working + a for c, a in zip(measured_cells, exchange)]
         inputs = [c.input_bytes for c in measured_cells]
+        saved = [c.saved for c in measured_cells]
+        loss_gradients = [c.loss_gradients for c in measured_cells]
     layouts = [memory_model.CellLayout(cell.device, start, stop, cell.recompute)
                for cell, (start, stop) in zip(pipe.replica_cells[0], cell_ranges(pipe.balance))]
     replicas = [[dataclasses.replace(c, device=cell.device) for c, cell in zip(layouts, cells)]
                 for cells in pipe.replica_cells]
     prediction = tensor_parallel_memory.predict(pipe, profiles, replicas, batch / m, shards,
-                                                working, inputs, params.task.train.optimizer)
+                                                working, inputs, params.task.train.optimizer,
+                                                saved, loss_gradients)
     devices, shard_devices = prediction.devices, prediction.shard_devices
     profiles = prediction.home_profiles  # each shard device's state is in shard_devices
     if working is not None:
@@ -174,7 +178,7 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
         return
     cells = [mem for cells in replicas
              for mem in memory_model.cell_memory(profiles, cells, batch / m, shards, working,
-                                                 inputs)]
+                                                 inputs, saved, loss_gradients)]
     held = [memory_model.in_flight(pipe.params.schedule, len(layouts), k % len(layouts), m)
             * mem.stash for k, mem in enumerate(cells)]
     if shard_devices:  # the shard devices' state shares the allocator
@@ -192,7 +196,8 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
     variables = {path: v for path, v in pipe.ReplicaVariablesByPath()[0].items() if v.trainable}
     update = working_memory.measure_update(params.task.train.optimizer, variables,
                                            params.task.train.clip_gradient_norm_to_value or None,
-                                           guarded_update.guarded_update)
+                                           guarded_update.guarded_update,
+                                           threads=inter_op_threads())
     host = dataclasses.replace(host, update=update or 0.0)
     phase = max((host.training, 'a step'), (host.filling, 'the input filling its buffers'),
                 (host.updating, 'the optimizer\'s update'))[1]
@@ -203,6 +208,12 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
           f'{mib(host.activations)}, update temporaries {mib(host.update)})')
     print(f'  host allocator if the input refills its buffers while a step runs (its next '
           f'epoch, a long document later in the stream): up to {mib(host.refill_bound)}')
+
+
+def inter_op_threads() -> int:
+    """How many ops of this process run at once: its inter-op threads (TensorFlow's
+    default, 0, is one per core)."""
+    return tf.config.threading.get_inter_op_parallelism_threads() or os.cpu_count() or 1
 
 
 def print_between_steps(params: Params, devices: list[list[memory_model.DeviceMemory]],

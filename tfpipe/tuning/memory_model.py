@@ -9,7 +9,8 @@ A device holds, for the cells placed on it:
                   weights), divided by R when the slots are sharded over R replicas;
   held            the micro-batches in flight between their forward and backward:
                   a recomputing cell keeps only its input per micro-batch, a cell
-                  that does not recompute keeps every layer's output. fill_drain
+                  that does not recompute what its backward needs (measured, else
+                  every layer's output), the last cell also the loss's gradient. fill_drain
                   has all M micro-batches in flight on every cell; the other
                   schedules at most K - k on cell k (1F1B's bound);
   working set     what one backward task holds while it runs: the recomputed
@@ -96,14 +97,21 @@ def in_flight(schedule: str, num_cells: int, cell: int, num_micro_batches: int) 
 def cell_memory(profiles: Sequence[LayerProfile], cells: Sequence[CellLayout],
                 micro_batch_size: float, slot_shards: int = 1,
                 working_bytes: Optional[Sequence[float]] = None,
-                input_bytes: Optional[Sequence[float]] = None) -> list[CellMemory]:
+                input_bytes: Optional[Sequence[float]] = None,
+                saved_bytes: Optional[Sequence[Optional[float]]] = None,
+                loss_gradient_bytes: Optional[Sequence[float]] = None) -> list[CellMemory]:
     """Each cell's static, stash and working bytes.
 
     `working_bytes[k]`: cell k's measured forward + backward peak on one micro-batch
     (working_memory.measure_cells). It includes the saved activations that a cell
-    without recompute already stashes, so those are taken out of it once.
+    without recompute already stashes, so those are taken out of it once: its
+    measured `saved_bytes[k]` (what one micro-batch's forward keeps for its backward,
+    inside the layers too: attention's probabilities, a feed-forward's hidden
+    activations) when given and not None, never less than its layers' outputs.
     `input_bytes[k]`: cell k's measured input per micro-batch, in the compute dtype;
-    else the profiled layer's (float32).
+    else the profiled layer's (float32). `loss_gradient_bytes[k]`: what cell k keeps per
+    micro-batch for the loss (the last cell's output gradient, taken at its forward),
+    which its measured working set held as the output gradient it started from.
     """
     out = []
     for k, cell in enumerate(cells):
@@ -118,8 +126,14 @@ def cell_memory(profiles: Sequence[LayerProfile], cells: Sequence[CellLayout],
                 stash = micro_batch_size * layers[0].input_bytes_per_example if layers else 0.0
             working = outputs if working_bytes is None else working_bytes[k]
         else:
-            stash = outputs
-            working = 0.0 if working_bytes is None else max(working_bytes[k] - outputs, 0.0)
+            if saved_bytes is not None and saved_bytes[k] is not None:
+                stash = max(saved_bytes[k], outputs)
+            else:
+                stash = outputs
+            working = 0.0 if working_bytes is None else max(working_bytes[k] - stash, 0.0)
+        if loss_gradient_bytes is not None:  # the measured working set's output gradient
+            stash += loss_gradient_bytes[k]
+            working = max(working - loss_gradient_bytes[k], 0.0)
         out.append(CellMemory(cell.device, static, stash, working))
     return out
 
@@ -127,14 +141,16 @@ def cell_memory(profiles: Sequence[LayerProfile], cells: Sequence[CellLayout],
 def predict(profiles: Sequence[LayerProfile], cells: Sequence[CellLayout],
             micro_batch_size: float, num_micro_batches: int, schedule: str,
             slot_shards: int = 1, working_bytes: Optional[Sequence[float]] = None,
-            input_bytes: Optional[Sequence[float]] = None) -> list[DeviceMemory]:
+            input_bytes: Optional[Sequence[float]] = None,
+            saved_bytes: Optional[Sequence[Optional[float]]] = None,
+            loss_gradient_bytes: Optional[Sequence[float]] = None) -> list[DeviceMemory]:
     """Bytes per device (in the order devices first appear among `cells`) of one
     replica's training step. `slot_shards` = R when the optimizer slots are sharded
-    over R replicas (each keeps 1/R), else 1. `working_bytes`, `input_bytes`: measured
-    per cell, see `cell_memory`."""
+    over R replicas (each keeps 1/R), else 1. `working_bytes`, `input_bytes`,
+    `saved_bytes`, `loss_gradient_bytes`: measured per cell, see `cell_memory`."""
     totals: dict[str, list[float]] = {}
     memory = cell_memory(profiles, cells, micro_batch_size, slot_shards, working_bytes,
-                         input_bytes)
+                         input_bytes, saved_bytes, loss_gradient_bytes)
     for k, (cell, mem) in enumerate(zip(cells, memory)):
         layers = profiles[cell.start:cell.stop]
         weights = sum(p.param_bytes for p in layers)

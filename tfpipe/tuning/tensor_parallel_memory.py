@@ -119,7 +119,9 @@ def predict(pipe: Any, profiles: Sequence[LayerProfile],
             replicas: Sequence[Sequence[memory_model.CellLayout]], micro_batch_size: float,
             slot_shards: int = 1, working_bytes: Optional[Sequence[float]] = None,
             input_bytes: Optional[Sequence[float]] = None,
-            optimizer: Optional[Params] = None) -> Prediction:
+            optimizer: Optional[Params] = None,
+            saved_bytes: Optional[Sequence[Optional[float]]] = None,
+            loss_gradient_bytes: Optional[Sequence[float]] = None) -> Prediction:
     """Every device's bytes of one training step of the built `pipe`, from the T=1 layer
     `profiles` (their slots of `optimizer`, the trainer's: its slots of a split weight
     are placed as `shares(pipe, optimizer)` says); `replicas` are the cells' layouts of
@@ -132,7 +134,8 @@ def predict(pipe: Any, profiles: Sequence[LayerProfile],
         slot_shares = shares(pipe, optimizer) if optimizer is not None else layer_shares
         home = home_profiles(profiles, layer_shares, slot_shares)
     devices = [memory_model.predict(home, cells, micro_batch_size, m, schedule, slot_shards,
-                                    working_bytes, input_bytes) for cells in replicas]
+                                    working_bytes, input_bytes, saved_bytes,
+                                    loss_gradient_bytes) for cells in replicas]
     shard_devices: list[memory_model.DeviceMemory] = []
     if params.tensor_parallel > 1:
         for r, cells in enumerate(replicas):
