@@ -48,6 +48,7 @@ WORKERS = os.path.join(REPO, 'benchmarks', 'peers')
 LAYERS, BATCH = 8, 256  # benchmarks/peers/steps.py's model
 GOAL_TORCH, GOAL_LINGVO = 0.7, 0.5
 TORCH_GOAL_CONFIGS = ('2x4', '2x8', '4x8')
+DEFAULT_VENVS = os.path.join(os.path.expanduser('~'), '.cache', 'tfpipe-peers')
 SYSTEMS = ('tfpipe', 'torch', 'lingvo')
 # Per system: setting label -> (TF_ENABLE_ONEDNN_OPTS or None, the worker's --threads).
 SETTINGS = {
@@ -85,16 +86,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument('--rounds', type=int, default=None, help='default 3 (--quick: 1)')
     ap.add_argument('--quick', action='store_true',
                     help='1 round, 2 warm-ups + 5 steps, fewer settings (see QUICK_SETTINGS)')
-    ap.add_argument('--venvs', default=os.path.join(os.path.expanduser('~'), '.cache',
-                                                    'tfpipe-peers'),
+    ap.add_argument('--venvs', default=DEFAULT_VENVS,
                     help="where the peers' venvs are made once and reused")
     args = ap.parse_args(argv)
-    try:
-        args.config_list = [tuple(int(v) for v in c.split('x')) for c in args.configs.split(',')]
-        if not all(len(c) == 2 for c in args.config_list):
-            raise ValueError
-    except ValueError:
-        ap.error(f'--configs={args.configs!r}: write KxM items, e.g. --configs=2x4,4x8')
+    args.config_list = parse_configs(ap, args.configs)
     for cells, micro in args.config_list:
         if cells < 2 or LAYERS % cells or micro < 1 or BATCH % micro:
             ap.error(f'--configs: {cells}x{micro} needs K >= 2 dividing {LAYERS} (even balance) '
@@ -109,6 +104,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f'--rounds={args.rounds}: at least 1')
     args.warmup, args.steps = (2, 5) if args.quick else (3, 10)
     return args
+
+
+def parse_configs(ap: argparse.ArgumentParser, text: str) -> list[tuple[int, int]]:
+    """'2x4,4x8' -> [(2, 4), (4, 8)]; anything else stops with one line (ap.error)."""
+    try:
+        configs = [tuple(int(v) for v in c.split('x')) for c in text.split(',')]
+        if all(len(c) == 2 for c in configs):
+            return configs
+    except ValueError:
+        pass
+    ap.error(f'--configs={text!r}: write KxM items, e.g. --configs=2x4,4x8')
 
 
 def venv_python(root: str, name: str) -> str:

@@ -26,7 +26,8 @@ import statistics
 import sys
 import time
 
-from peers_benchmark import VenvError, best, venv_python, verdict, worker_run
+from peers_benchmark import (DEFAULT_VENVS, VenvError, best, parse_configs, venv_python,
+                             verdict, worker_run)
 
 GOAL = 0.8
 SETTINGS = {'tfpipe': {'onednn=1 threads=default': ('1', 'default'),
@@ -41,14 +42,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument('--rounds', type=int, default=3)
     ap.add_argument('--warmup', type=int, default=1)
     ap.add_argument('--steps', type=int, default=3)
-    ap.add_argument('--venvs', default=os.path.join(os.path.expanduser('~'), '.cache',
-                                                    'tfpipe-peers'),
+    ap.add_argument('--venvs', default=DEFAULT_VENVS,
                     help="where the peers' venvs are made once and reused")
     args = ap.parse_args(argv)
-    try:
-        args.config_list = [tuple(int(v) for v in c.split('x')) for c in args.configs.split(',')]
-    except ValueError:
-        ap.error(f'--configs={args.configs!r}: write KxM items, e.g. --configs=4x4')
+    args.config_list = parse_configs(ap, args.configs)
     for cells, micro in args.config_list:
         if not 2 <= cells <= min(BLOCKS, 8) or micro < 1 or BATCH % micro:
             ap.error(f'--configs: {cells}x{micro} needs 2 <= K <= 8 (one logical CPU or '

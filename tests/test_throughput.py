@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import tensorflow as tf
 
 from tfpipe import inputs, layers
 from tfpipe.bodies import transformer_lm_body
+from tests import trainer_helpers as th
 from tfpipe.tuning import flops, peak_flops
 from trainer.throughput import Throughput
 
@@ -151,3 +155,34 @@ def test_a_given_peak_wins_over_the_probe_and_a_bad_one_is_refused(tmp_path, mon
     with pytest.raises(ValueError, match=r'trainer.peak_flops=0 must be a positive number '
                                          r'of FLOP/s'):
         runtime_options.RuntimeOptions(peak_flops=0)
+
+
+PROBE_LEAVES_THE_PEAK = r'''
+import sys
+import tfpipe  # before TensorFlow: the BFC allocator, which keeps statistics
+import tensorflow as tf
+from tfpipe import memory_stats
+from tfpipe.tuning import peak_flops
+held = tf.ones([4 * 2 ** 20])  # 16 MiB the run holds
+before = memory_stats.peak_bytes(['/CPU:0'])['CPU:0']
+assert peak_flops.cached_peak('CPU', tf.float32, sys.argv[1]).measured_now
+after = memory_stats.peak_bytes(['/CPU:0'])['CPU:0']
+peak_flops.measure('/CPU:0', tf.float32, parallel=2)  # the same probe, counted
+counted = int(tf.config.experimental.get_memory_info('CPU:0')['peak'])
+print(before, after, counted)
+'''
+
+
+def test_the_probe_is_not_the_runs_measured_peak(tmp_path):
+    """The trainer probes the peak FLOP/s in its own process; its matrices (64 MiB on 2
+    cores) must not become the peak its progress lines report, nor hide the run's."""
+    done = subprocess.run([sys.executable, '-c', PROBE_LEAVES_THE_PEAK,
+                           str(tmp_path / 'peak.json')], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=th.REPO,
+                                                       TF_CPU_ALLOCATOR_USE_BFC='true'))
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, after, counted = map(int, done.stdout.split()[-3:])
+    mib = 2 ** 20
+    # After the probe: the run's peak, and a few bytes the probe's function keeps.
+    assert 16 * mib <= before <= after < before + mib, (before, after)
+    assert counted > after + 32 * mib, (after, counted)  # the probe, had it been counted

@@ -15,18 +15,13 @@ layers, Adam per stage; a step ends when every stage is done (a barrier).
 from __future__ import annotations
 
 import math
-import os
 
 import lm_shape
-import steps
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 from torch.utils.checkpoint import checkpoint
-from torch_pipe import free_port
+from torch_pipe import run_configs
 
 
 class Block(nn.Module):
@@ -78,48 +73,15 @@ def loss_fn(logits, targets):
     return F.cross_entropy(logits.reshape(-1, lm_shape.VOCAB), targets.reshape(-1))
 
 
-def run_stage(rank: int, cells: int, micro: int, port: int, args, queue) -> None:
-    if args.threads != 'default':
-        torch.set_num_threads(int(args.threads))
-    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
-    dist.init_process_group('gloo', rank=rank, world_size=cells)
-    try:
-        torch.manual_seed(rank)
-        module = Stage(rank, cells)
-        stage = PipelineStage(module, rank, cells, torch.device('cpu'))
-        schedule = ScheduleGPipe(stage, micro, loss_fn=loss_fn)
-        optimizer = torch.optim.Adam(module.parameters(), lr=lm_shape.LEARNING_RATE)
-        ids = torch.randint(2, lm_shape.VOCAB, (lm_shape.BATCH, lm_shape.LENGTH))
-        targets = torch.randint(2, lm_shape.VOCAB, (lm_shape.BATCH, lm_shape.LENGTH))
-
-        def step():
-            optimizer.zero_grad()
-            if rank == 0:
-                schedule.step(ids)
-            elif rank == cells - 1:
-                schedule.step(target=targets)
-            else:
-                schedule.step()
-            optimizer.step()
-            dist.barrier()
-
-        ms = steps.median_step_ms(step, args.warmup, args.steps)
-        if rank == 0:
-            queue.put((ms, torch.get_num_threads()))
-    finally:
-        dist.destroy_process_group()
-
-
-def main() -> None:
-    args = steps.parse_args(__doc__.split('\n\n')[0])
-    context = mp.get_context('spawn')
-    for cells, micro in steps.configs(args.configs):
-        queue = context.SimpleQueue()
-        mp.start_processes(run_stage, args=(cells, micro, free_port(), args, queue),
-                           nprocs=cells, join=True, start_method='spawn')
-        ms, threads = queue.get()
-        steps.report(cells, micro, ms, threads=threads, torch=torch.__version__)
+def lm_stage(rank: int, cells: int):
+    """Stage `rank` of the LM: (module, loss, first stage's ids, last's targets, Adam)."""
+    torch.manual_seed(rank)
+    module = Stage(rank, cells)
+    optimizer = torch.optim.Adam(module.parameters(), lr=lm_shape.LEARNING_RATE)
+    ids = torch.randint(2, lm_shape.VOCAB, (lm_shape.BATCH, lm_shape.LENGTH))
+    targets = torch.randint(2, lm_shape.VOCAB, (lm_shape.BATCH, lm_shape.LENGTH))
+    return module, loss_fn, ids, targets, optimizer
 
 
 if __name__ == '__main__':
-    main()
+    run_configs(lm_stage, __doc__.split('\n\n')[0])

@@ -39,24 +39,33 @@ def loss_fn(outputs, targets):
     return outputs.pow(2).mean()
 
 
-def run_stage(rank: int, cells: int, micro: int, port: int, args, queue) -> None:
+def dense_stage(rank: int, cells: int):
+    """Stage `rank` of the Dense stack: (module, loss, first stage's input, last's target,
+    its optimizer)."""
+    torch.manual_seed(rank)
+    module = Stage(steps.LAYERS // cells)
+    optimizer = torch.optim.SGD(module.parameters(), lr=steps.LEARNING_RATE)
+    return (module, loss_fn, torch.randn(steps.BATCH, steps.WIDTH),
+            torch.zeros(steps.BATCH, 1), optimizer)
+
+
+def run_stage(rank: int, cells: int, micro: int, port: int, args, queue, build) -> None:
+    """One stage's process: builds its stage by `build(rank, cells)` (module-level, as
+    spawn pickles it) and times the schedule's step plus the optimizer's; rank 0
+    reports."""
     if args.threads != 'default':
         torch.set_num_threads(int(args.threads))
     os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
     dist.init_process_group('gloo', rank=rank, world_size=cells)
     try:
-        torch.manual_seed(rank)
-        module = Stage(steps.LAYERS // cells)
+        module, loss, inputs, target, optimizer = build(rank, cells)
         stage = PipelineStage(module, rank, cells, torch.device('cpu'))
-        schedule = ScheduleGPipe(stage, micro, loss_fn=loss_fn)
-        optimizer = torch.optim.SGD(module.parameters(), lr=steps.LEARNING_RATE)
-        x = torch.randn(steps.BATCH, steps.WIDTH)
-        target = torch.zeros(steps.BATCH, 1)
+        schedule = ScheduleGPipe(stage, micro, loss_fn=loss)
 
         def step():
             optimizer.zero_grad()
             if rank == 0:
-                schedule.step(x)
+                schedule.step(inputs)
             elif rank == cells - 1:
                 schedule.step(target=target)
             else:
@@ -77,16 +86,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def main() -> None:
-    args = steps.parse_args(__doc__.split('\n\n')[0])
+def run_configs(build, description: str) -> None:
+    """Every --configs item in K fresh stage processes; one JSON line each on stdout."""
+    args = steps.parse_args(description)
     context = mp.get_context('spawn')
     for cells, micro in steps.configs(args.configs):
         queue = context.SimpleQueue()
-        mp.start_processes(run_stage, args=(cells, micro, free_port(), args, queue),
+        mp.start_processes(run_stage, args=(cells, micro, free_port(), args, queue, build),
                            nprocs=cells, join=True, start_method='spawn')
         ms, threads = queue.get()
         steps.report(cells, micro, ms, threads=threads, torch=torch.__version__)
 
 
 if __name__ == '__main__':
-    main()
+    run_configs(dense_stage, __doc__.split('\n\n')[0])

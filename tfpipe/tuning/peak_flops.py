@@ -27,6 +27,8 @@ from typing import Optional
 import tensorflow as tf
 from absl import logging
 
+from tfpipe import memory_stats
+
 MATMUL_SIZE = 2048
 CALLS = 5  # the first call traces and warms the caches; the best of the rest counts
 CACHE_ENV = 'TFPIPE_CACHE_DIR'
@@ -138,10 +140,9 @@ def cached_peak(device_type: str = 'CPU', dtype: tf.DType = tf.float32,
     entry = _entry(_read(path), key)
     if entry is not None and (entry['load'] <= QUIET_LOAD or load > entry['load'] / 2):
         return Peak(entry['flops'], False, entry['load'])
-    if device_type == 'CPU':
-        flops = measure('/CPU:0', dtype, parallel=_cores())
-    else:
-        flops = measure(f'/{device_type}:0', dtype)
+    device = f'/{device_type}:0'
+    with memory_stats.not_counted(device):  # the probe's matrices are not the run's peak
+        flops = measure(device, dtype, parallel=_cores() if device_type == 'CPU' else 1)
     cached = _read(path)  # another process may have written meanwhile
     entry = _entry(cached, key) or {'flops': 0.0, 'load': load}
     cached[key] = {'flops': max(flops, entry['flops']), 'load': min(load, entry['load'])}
