@@ -40,17 +40,17 @@ def _run(tmp_path, model, data_dir, *flags):
     return result
 
 
-def _predicted_and_measured(tmp_path, model, data_dir, *flags):
+def _predicted_and_measured(tmp_path, model, data_dir, *flags, runs=2):
     inspect = _run(tmp_path / 'inspect', model, data_dir, '--mode=inspect_model', *flags)
     assert 'backward working sets measured' in inspect.stdout
     predicted = float(PREDICTED.findall(inspect.stdout)[-1])
     # The peak to predict is the highest the trainer reaches: its measured peak moves from
     # run to run (WideConvNet: 39.6 and 45.6 MiB for the same 45.6 predicted) with how
-    # tf.data's buffers and the step's allocations happen to overlap, so take two runs'.
+    # tf.data's buffers and the step's allocations happen to overlap, so take `runs` runs'.
     measured = max(
         float(MEASURED.findall(_run(tmp_path / f'train{i}', model, data_dir, '--job=trainer',
                                     STEPS, KNOWN_PEAK, *flags).stderr)[-1])
-        for i in range(2))
+        for i in range(runs))
     return inspect.stdout, predicted, measured
 
 
@@ -69,7 +69,9 @@ UNDER = {'tests.memory_models.WideConvNet': 0.20}
 @pytest.mark.parametrize('model', ['image.shapes.AmoebaNetPipe', 'mt.reverse.TransformerPipe',
                                    'tests.memory_models.WideConvNet'])
 def test_predicted_host_peak_within_15_percent_of_the_trainers(tmp_path, data_dir, model):
-    _, predicted, measured = _predicted_and_measured(tmp_path, model, data_dir)
+    # Three runs: AmoebaNetPipe's measured peak ranged 10.1-12.2 MiB for one prediction
+    # (2026-11-29), and two runs' highest still met the low end now and then (1.193x).
+    _, predicted, measured = _predicted_and_measured(tmp_path, model, data_dir, runs=3)
     ratio = predicted / measured - 1
     assert -UNDER.get(model, TOLERANCE) <= ratio <= OVER.get(model, TOLERANCE), (
         predicted, measured)
