@@ -49,21 +49,20 @@ COLUMNS = ((1, 1), (2, 1), (4, 1), (8, 1), (1, 2), (2, 2))  # (K, T)
 PLOT_ERROR = "--plot needs matplotlib: pip install -e '.[plot]'"
 
 
-def micro_batches(k: int) -> int:
-    """M = max(4, K): every cell has work while the pipeline is full (batch 16)."""
-    return max(4, k)
+def micro_batches(k: int, fixed: int = 0) -> int:
+    """`fixed`, or M = max(4, K): every cell has work while the pipeline is full (batch 16)."""
+    return fixed or max(4, k)
 
 
 # --- Child processes (TensorFlow loads only there) ---------------------------------------------
 
-def predict_blocks(k: int, t: int, blocks: int, width: int) -> dict:
+def predict_blocks(k: int, t: int, blocks: int, width: int, m: int) -> dict:
     """The LM of `blocks` blocks at `width` over K cells of T devices: its parameters and
     its fullest device's predicted bytes ('peak'). Fewer blocks than cells do not fit."""
     from trainer.inspect_modes import profile_model, working_sets
 
     if blocks < k:
         return dict(params=0, oom=True, reason=f'{blocks} blocks cannot fill {k} cells')
-    m = micro_batches(k)
     params = lm_params(width, t, blocks, m, cells=k)
     task = params.task.Instantiate()
     working, inputs, _ = working_sets(params, task)
@@ -79,21 +78,21 @@ def predict_blocks(k: int, t: int, blocks: int, width: int) -> dict:
                 balance=list(task.pipe.balance))
 
 
-def search_in_process(k: int, t: int, width: int, budget: int, start: int,
+def search_in_process(k: int, t: int, width: int, m: int, budget: int, start: int,
                       resolution: float) -> dict:
     """table1_benchmark.search over the blocks, on the prediction, in this process (K x T
     logical CPUs configured)."""
-    return search(lambda blocks: predict_blocks(k, t, blocks, width), start, budget, resolution)
+    return search(lambda blocks: predict_blocks(k, t, blocks, width, m), start, budget, resolution)
 
 
-def measure_in_process(k: int, t: int, blocks: int, width: int) -> dict:
+def measure_in_process(k: int, t: int, blocks: int, width: int, m: int) -> dict:
     """The host allocator's peak over the trainer's third step (the first traces) of the LM;
     the environment switched BFC on. The input's shuffle buffer (about 10 MiB of
     documents, host memory no accelerator would hold) is off."""
     import tensorflow as tf
     from trainer import runtime_options, train_job
 
-    params = lm_params(width, t, blocks, micro_batches(k), cells=k)
+    params = lm_params(width, t, blocks, m, cells=k)
     params.input.train.shuffle_buffer = 0
     with tempfile.TemporaryDirectory() as train_dir:
         trainer = train_job.Trainer(params, train_dir, runtime_options.RuntimeOptions())
@@ -140,15 +139,16 @@ def run_column(k: int, t: int, args, start: int, log=print) -> dict:
     """The search's answer for (K, T) on the prediction, then its measured host peak: while
     that exceeds K x T x budget, one block fewer (measured again)."""
     devices, host_budget = k * t, k * t * args.budget
+    m = micro_batches(k, args.micro_batches)
     # Measuring the working sets of sizes up to twice the budget needs room; the cap keeps
     # an oversized one from exhausting the shared machine.
-    found = run_child('search', dict(k=k, t=t, width=args.width, budget=args.budget,
+    found = run_child('search', dict(k=k, t=t, width=args.width, m=m, budget=args.budget,
                                      start=start, resolution=args.resolution),
                       devices, 4 * host_budget)
     found['measured_misses'] = []
     while 'size' in found:
-        measured = run_child('measure', dict(k=k, t=t, blocks=found['size'], width=args.width),
-                             devices, 2 * host_budget)
+        measured = run_child('measure', dict(k=k, t=t, blocks=found['size'],
+                                             width=args.width, m=m), devices, 2 * host_budget)
         if not measured['oom'] and measured['peak'] <= host_budget:
             found['measured'] = measured
             break
@@ -160,7 +160,7 @@ def run_column(k: int, t: int, args, start: int, log=print) -> dict:
             found.pop('size')
             break
         fewer = found['size'] - 1
-        found.update(run_child('predict', dict(k=k, t=t, blocks=fewer, width=args.width),
+        found.update(run_child('predict', dict(k=k, t=t, blocks=fewer, width=args.width, m=m),
                                devices, 4 * host_budget), size=fewer)
     return found
 
@@ -245,6 +245,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument('--width', type=int, default=256, help=f'model width ({HEADS} heads)')
     ap.add_argument('--columns', type=parse_columns,
                     default=list(COLUMNS), help='K x T pairs, e.g. 1x1,2x1,4x1,8x1,1x2,2x2')
+    ap.add_argument('--micro_batches', type=int, default=0,
+                    help='M for every column (0: max(4, K)); a divisor of the batch, 16')
     ap.add_argument('--start', type=int, default=4, help="K=1's first size probed (blocks)")
     ap.add_argument('--resolution', type=float, default=0.0,
                     help='stop when the next size is within this fraction (0: exact)')
@@ -261,7 +263,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def main(args) -> int:
     t0, load = time.perf_counter(), os.getloadavg()[0]
     print(f'Table 1, Transformer column: deepest {MODEL} body (width {args.width}, {HEADS} '
-          f'heads, hidden {4 * args.width}, Adam, recompute, M=max(4, K)) whose fullest '
+          f'heads, hidden {4 * args.width}, Adam, recompute, '
+          f"M={args.micro_batches or 'max(4, K)'}) whose fullest "
           f"device's predicted step fits {mib(args.budget)}; load {load:.1f}", flush=True)
     results: dict = {}
     for k, t in args.columns:

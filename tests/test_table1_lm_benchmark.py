@@ -13,7 +13,7 @@ lm = load_benchmark('table1_lm_benchmark')  # its siblings are loaded by the imp
 def test_search_child_returns_the_most_blocks_whose_prediction_fits():
     # Width 16, one cell: a few MiB per block of working set, so 5 MiB fits a few blocks.
     budget = 5 * 2 ** 20
-    res = lm.run_child('search', dict(k=1, t=1, width=16, budget=budget, start=2,
+    res = lm.run_child('search', dict(k=1, t=1, width=16, m=4, budget=budget, start=2,
                                       resolution=0.0), 1, 2 ** 30, timeout=120)
     assert res['size'] >= 1 and res['peak'] <= budget, res
     miss = res['first_miss']
