@@ -5,9 +5,10 @@ The paper (Table 1, Transformer-L) keeps the width and grows the number of layer
 each cell holds its share of the blocks, so the parameters grow near-linearly with K. Here
 the model is lm.pystdlib.TransformerLM's body (tfpipe.bodies.transformer_lm_body: byte
 vocabulary, rows of 128 bytes, batch 16, tied softmax) at a fixed width (256, 4 heads,
-hidden 4 x width), Adam, recompute='always', M = max(4, K) micro-batches; the blocks are
-spread evenly over the K cells (embedding and positions on the first, the final LayerNorm
-and logits on the last). The size searched is the number of blocks.
+hidden 4 x width), Adam, recompute='always', M = max(4, K) micro-batches (--micro_batches
+fixes one M for every column); the blocks are spread evenly over the K cells (embedding
+and positions on the first, the final LayerNorm and logits on the last). The size searched
+is the number of blocks.
 
 A size fits when two checks pass:
 - predicted: every device's bytes of one step within the budget, by `--mode=inspect_model`'s
