@@ -30,5 +30,8 @@ setup(
         # Pinned to a minor: tests/conftest.py's scheduler subclasses its LoadScopeScheduling.
         # ray[train]: tests/test_ray.py runs trainer clients as Ray Train workers.
         'test': ['pytest', 'pytest-xdist==3.8.*', 'ray[train]==2.60.0'],
+        # Only benchmarks/table1_lm_benchmark.py's --plot (a line chart with axes, a legend
+        # and a log scale: not worth drawing by hand with pillow).
+        'plot': ['matplotlib'],
     },
 )

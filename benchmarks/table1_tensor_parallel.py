@@ -38,19 +38,43 @@ HEADS = 4
 MODEL = 'lm.pystdlib.TransformerLM'
 
 
-def lm_params(width: int, t: int, blocks: int, micro_batches: int):
-    """MODEL at `width` (hidden 4 x width, HEADS heads, `blocks` blocks) as one cell of T
-    devices, recomputing, at `micro_batches` micro-batches."""
+def lm_params(width: int, t: int, blocks: int, micro_batches: int, cells: int = 1):
+    """MODEL at `width` (hidden 4 x width, HEADS heads, `blocks` blocks) as `cells` cells of
+    T devices each, recomputing, at `micro_batches` micro-batches. The blocks are spread
+    evenly over the cells; the layers before them (embedding, positions) join the first
+    cell, those after (unpack, final LayerNorm, logits) the last."""
     from tfpipe import inputs
     from tfpipe.bodies import transformer_lm_body
+    from tfpipe.pipeline.partition import even_balance
     from trainer.experiment import load_params
 
     params = load_params(MODEL)
     length = params.input.train.max_length
     body = transformer_lm_body(inputs.BYTE_VOCAB_SIZE, length, width, 4 * width, HEADS, blocks)
-    params.task.pipeline.Set(body=body, balance=[len(body)], num_micro_batches=micro_batches,
+    balance = even_balance(blocks, cells)
+    balance[0] += 2  # embedding, position
+    balance[-1] += len(body) - blocks - 2
+    params.task.pipeline.Set(body=body, balance=balance, num_micro_batches=micro_batches,
                              recompute='always', tensor_parallel=t)
     return params
+
+
+def predict_devices(params, task, profiles, working=None, inputs=None) -> list:
+    """Every device's predicted bytes of one step (memory_model.DeviceMemory, shard devices
+    included) of the built `task`, from its T=1 layer `profiles`: inspect_model's
+    prediction, with the cells' measured `working` sets and `inputs`
+    (inspect_modes.working_sets) or, if None, the working sets estimated from the layer
+    outputs."""
+    from tfpipe.pipeline.partition import cell_ranges
+    from tfpipe.tuning import memory_model, tensor_parallel_memory
+
+    pipe = task.pipe
+    cells = [memory_model.CellLayout(cell.device, start, stop, cell.recompute)
+             for cell, (start, stop) in zip(pipe.replica_cells[0], cell_ranges(pipe.balance))]
+    micro = params.input.train.batch_size / pipe.params.num_micro_batches
+    prediction = tensor_parallel_memory.predict(pipe, profiles, [cells], micro, 1, working,
+                                                inputs, params.task.train.optimizer)
+    return [d for replica in prediction.devices for d in replica]
 
 
 def predict_width(size: int, blocks: int, micro_batches: int) -> dict:
@@ -59,28 +83,21 @@ def predict_width(size: int, blocks: int, micro_batches: int) -> dict:
     logical CPUs configured before TensorFlow starts."""
     import dataclasses
 
-    from tfpipe.pipeline.partition import cell_ranges
-    from tfpipe.tuning import memory_model, tensor_parallel_memory
     from trainer.inspect_modes import profile_model
 
     profiles, out = None, {}
     for t in DEGREES:
         params = lm_params(HEADS * size, t, blocks, micro_batches)
         task = params.task.Instantiate()
-        pipe = task.pipe
         if profiles is None:  # measured at T=1 whatever T is: one profile per width
             profiles = profile_model(params, task, micro_batches)
-        cells = [memory_model.CellLayout(cell.device, start, stop, cell.recompute)
-                 for cell, (start, stop) in zip(pipe.replica_cells[0], cell_ranges(pipe.balance))]
-        batch = params.input.train.batch_size
-        prediction = tensor_parallel_memory.predict(pipe, profiles, [cells], batch / micro_batches)
-        fullest = max((d for r in prediction.devices for d in r), key=lambda d: d.total)
+        devices = predict_devices(params, task, profiles)
+        fullest = max(devices, key=lambda d: d.total)
         out[t] = dict(params=sum(v.shape.num_elements()
                                  for v in task.VariablesByPath().values() if v.trainable),
                       peak=fullest.total, resident=fullest.weights + fullest.slots,
                       device=fullest.device.split('device:')[-1], oom=False,
-                      devices={d.device: dataclasses.asdict(d)
-                               for r in prediction.devices for d in r})
+                      devices={d.device: dataclasses.asdict(d) for d in devices})
     return out
 
 

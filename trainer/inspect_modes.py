@@ -111,6 +111,36 @@ def slot_shards(params) -> int:
     return 1
 
 
+def working_sets(params: Params, task) -> tuple[Optional[list[float]], Optional[list[float]],
+                                                 Optional[list[float]], Optional[list[float]],
+                                                 list[float]]:
+    """Each cell's measured backward working set, input bytes, bytes a micro-batch keeps
+    for its backward where the cell does not recompute, and the last cell's loss gradient
+    (working_memory.py; the four None when the allocator keeps no statistics), and each
+    cell's all-to-all bytes per micro-batch (in the working sets), on one batch of the
+    model's real input."""
+    pipe = task.pipe
+    m = pipe.params.num_micro_batches
+    batch = params.input.train.batch_size // pipe.num_replicas  # each replica's share
+    sample, _ = sample_inputs(params, task)
+    replica = tf.nest.map_structure(lambda t: t[:batch], sample)
+    # A member of an expert group cannot run alone (its all-to-all waits for the others):
+    # its working sets are a P=1 twin's plus the exchange (expert_parallel_memory).
+    p = expert_parallel_memory.degree(pipe.params)
+    alone = (pipe if p == 1 else
+             expert_parallel_memory.twin(pipe.params, pipe.balance))
+    measured_cells = working_memory.measure_cells(alone.replica_cells[0], alone.theta, replica,
+                                                  m, measure_saved=True)
+    exchange = expert_parallel_memory.all_to_all_bytes(
+        pipe.params, pipe.balance,
+        tf.nest.map_structure(lambda t: tf.TensorShape([batch // m, *t.shape[1:]]), sample))
+    if measured_cells is None:
+        return None, None, None, None, exchange
+    return ([c.working + a for c, a in zip(measured_cells, exchange)],
+            [c.input_bytes for c in measured_cells], [c.saved for c in measured_cells],
+            [c.loss_gradients for c in measured_cells], exchange)
+
+
 def print_memory_prediction(params: Params, task, profiles: list[profile.LayerProfile],
                             input_measurement: Optional[working_memory.InputMeasurement] = None
                             ) -> None:
@@ -124,24 +154,8 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
     m = pipe.params.num_micro_batches
     batch = params.input.train.batch_size // pipe.num_replicas  # each replica's share
     shards = slot_shards(params)
-    sample, _ = sample_inputs(params, task)
-    replica = tf.nest.map_structure(lambda t: t[:batch], sample)
-    # A member of an expert group cannot run alone (its all-to-all waits for the others):
-    # its working sets are a P=1 twin's plus the exchange (expert_parallel_memory).
+    working, inputs, saved, loss_gradients, exchange = working_sets(params, task)
     p = expert_parallel_memory.degree(pipe.params)
-    alone = (pipe if p == 1 else
-             expert_parallel_memory.twin(pipe.params, pipe.balance))
-    measured_cells = working_memory.measure_cells(alone.replica_cells[0], alone.theta, replica,
-                                                  m, measure_saved=True)
-    exchange = expert_parallel_memory.all_to_all_bytes(
-        pipe.params, pipe.balance,
-        tf.nest.map_structure(lambda t: tf.TensorShape([batch // m, *t.shape[1:]]), sample))
-    working = inputs = saved = loss_gradients = None
-    if measured_cells is not None:
-        working = [c.working + a for c, a in zip(measured_cells, exchange)]
-        inputs = [c.input_bytes for c in measured_cells]
-        saved = [c.saved for c in measured_cells]
-        loss_gradients = [c.loss_gradients for c in measured_cells]
     layouts = [memory_model.CellLayout(cell.device, start, stop, cell.recompute)
                for cell, (start, stop) in zip(pipe.replica_cells[0], cell_ranges(pipe.balance))]
     replicas = [[dataclasses.replace(c, device=cell.device) for c, cell in zip(layouts, cells)]
