@@ -186,3 +186,26 @@ def test_the_probe_is_not_the_runs_measured_peak(tmp_path):
     # After the probe: the run's peak, and a few bytes the probe's function keeps.
     assert 16 * mib <= before <= after < before + mib, (before, after)
     assert counted > after + 32 * mib, (after, counted)  # the probe, had it been counted
+
+
+def test_a_run_faster_than_the_peak_raises_it_and_caches_the_rate(tmp_path, monkeypatch):
+    """A peak probed on a busy host reads low (here: MFU 114%, HFU 152%); a run computing
+    faster proves it, so its rate becomes the peak (HFU 100%) and the cache learns it."""
+    monkeypatch.setattr(peak_flops, 'host_load', lambda: 0.9)
+    path = str(tmp_path / 'peak.json')
+    key = peak_flops.machine_key('CPU', tf.float32)
+    with open(path, 'w') as f:
+        json.dump({key: {'flops': 1e10, 'load': 1.7}}, f)
+    seen = []
+    step = flops.StepFlops(model=1.5e10, hardware=2e10)
+    run = Throughput('tokens', 2048, step, peak=1e10, record=seen.append)
+    assert run.scalars(0.25) == pytest.approx({'tokens_per_sec': 512, 'mfu': 0.375,
+                                               'hfu': 0.5})  # under the peak: unchanged
+    assert run.scalars(1.0) == pytest.approx({'tokens_per_sec': 2048, 'mfu': 0.75,
+                                              'hfu': 1.0})
+    assert run.peak == 2e10 and seen == [2e10]
+    assert run.line(0.5) == '1024 tokens/s  MFU 37.5%  HFU 50.0%'  # over the raised peak
+    peak_flops.raise_cached(2e10, 'CPU', tf.float32, path)
+    peak_flops.raise_cached(1.5e10, 'CPU', tf.float32, path)  # lower: kept out
+    with open(path) as f:
+        assert json.load(f) == {key: {'flops': 2e10, 'load': 1.7}}  # the probe's load kept

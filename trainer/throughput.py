@@ -9,7 +9,7 @@ counted) beside it says how much of the gap recompute takes.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from absl import logging
 
@@ -48,24 +48,42 @@ class Progress:
         return rate, (self.max_steps - step) / rate
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class Throughput:
     """What one step processes and costs, to turn steps/s into the figures people compare.
 
     unit: 'examples', or 'tokens' for a language model; per_step: that many per
     step of this process; step_flops: None where a layer cannot say its FLOPs;
-    peak: the FLOP/s of the devices this process steps on, None if unknown.
+    peak: the FLOP/s of the devices this process steps on, None if unknown;
+    record: called with a higher peak this run proved (`scalars`), to cache it.
     """
 
     unit: str
     per_step: int
     step_flops: Optional[flops.StepFlops]
     peak: Optional[float]
+    record: Optional[Callable[[float], None]] = None
 
     def scalars(self, steps_per_sec: float) -> dict[str, float]:
-        """The summaries of one report: <unit>_per_sec, and mfu and hfu when known."""
+        """The summaries of one report: <unit>_per_sec, and mfu and hfu when known.
+
+        A run whose hardware FLOPs come faster than the peak proves the peak low (a probe
+        on a busy host reads low, and is probed again only on a much quieter one): it
+        showed MFU 114% and HFU 152% here. The run's rate then becomes the peak, with one
+        warning, so HFU never passes 100%, and `record` caches it for the next runs.
+        """
         out = {f'{self.unit}_per_sec': steps_per_sec * self.per_step}
         if self.step_flops is not None and self.peak:
+            achieved = self.step_flops.hardware * steps_per_sec
+            if achieved > self.peak:
+                logging.warning('this run computes %.4g FLOP/s (hardware FLOPs, recompute '
+                                'counted), above the peak of %.4g FLOP/s its MFU was over: '
+                                'the peak is taken as %.4g from now on (give '
+                                'trainer.peak_flops=F for a known figure)', achieved,
+                                self.peak, achieved)
+                self.peak = achieved
+                if self.record is not None:
+                    self.record(achieved)
             out['mfu'] = flops.utilisation(self.step_flops.model, steps_per_sec, self.peak)
             out['hfu'] = flops.utilisation(self.step_flops.hardware, steps_per_sec, self.peak)
         return out
@@ -95,11 +113,16 @@ def measure_for(pipe: Any, pipeline_inputs: Any, unit: str, per_step: int,
     except NotImplementedError as e:
         logging.info('no MFU in the progress lines: %s', e)
         return Throughput(unit, per_step, None, None)
+    record = None
     if peak:
         logging.info('MFU over trainer.peak_flops=%.4g FLOP/s', peak)
     else:
         probed = peak_flops.cached_peak(device_type)
-        peak = probed.flops * (1 if device_type == 'CPU' else devices_used)
+        per_device = 1 if device_type == 'CPU' else devices_used
+        peak = probed.flops * per_device
+
+        def record(flops_per_sec: float) -> None:
+            peak_flops.raise_cached(flops_per_sec / per_device, device_type)
         logging.info('MFU over a peak of %.4g FLOP/s: %s matmul probe of %s, %s at a load of '
                      '%.2f per core (cache: %s; trainer.peak_flops=F gives a known figure)',
                      peak, device_type, 'the host' if device_type == 'CPU'
@@ -108,4 +131,4 @@ def measure_for(pipe: Any, pipeline_inputs: Any, unit: str, per_step: int,
                      peak_flops.cache_path())
     logging.info('one step: %.4g model FLOPs, %.4g hardware FLOPs (recompute %r)',
                  step.model, step.hardware, pipe.params.recompute)
-    return Throughput(unit, per_step, step, peak)
+    return Throughput(unit, per_step, step, peak, record)
