@@ -11,18 +11,20 @@ lm = load_benchmark('table1_lm_benchmark')  # its siblings are loaded by the imp
 
 
 def test_search_child_returns_the_most_blocks_whose_prediction_fits():
-    # Width 16, one cell: about 1.5 MiB more working set per block. The budget lies midway
-    # between 2 and 3 blocks' predictions: a fixed 5 MiB fitted 2 blocks in one process and
-    # none in another (1 block 5.13 MiB), as the measured working sets move a few percent.
+    # Width 16, one cell: about 2 MiB more working set per block, and a block's prediction
+    # moves up to 10% between processes (2 blocks: 6.31-6.93 MiB), as the measured working
+    # sets do. So the budget lies midway between 2 and 4 blocks' predictions made in other
+    # processes, and the search (in its own) must find 2 or 3 and miss at one more: a
+    # fixed 5 MiB fitted 2 blocks in one process and none in another.
     args = dict(k=1, t=1, width=16, m=4)
-    two, three = (lm.run_child('predict', dict(args, blocks=b), 1, 2 ** 30, timeout=300)
-                  for b in (2, 3))
-    budget = (two['peak'] + three['peak']) / 2
+    two, four = (lm.run_child('predict', dict(args, blocks=b), 1, 2 ** 30, timeout=300)
+                 for b in (2, 4))
+    budget = (two['peak'] + four['peak']) / 2
     res = lm.run_child('search', dict(args, budget=budget, start=1, resolution=0.0), 1,
                        2 ** 30, timeout=300)
-    assert res.get('size') == 2 and res['peak'] <= budget, (res, two, three)
+    assert res.get('size') in (2, 3) and res['peak'] <= budget, (res, two, four)
     miss = res['first_miss']
-    assert miss['size'] == 3 and miss['peak'] > budget, res
+    assert miss['size'] == res['size'] + 1 and miss['peak'] > budget, res
     assert miss['params'] > res['params'] and res['balance'] == [res['size'] + 5]
 
 
