@@ -8,9 +8,10 @@ They must train as one process with R=2 unsharded replicas at the same T and K d
 loss at every step and the chief's checkpoint key by key (whole weights under the T=1
 keys, whole slots) within 1e-5, with Adam and with Adafactor (its statistics span the
 whole weight: a split weight's factored moments sum over its T shards, each shard's over
-the clients' parts). The Adafactor run is done in two halves, so its second half restores
-the chief's step-2 checkpoint into the clients' parts of the shards (the non-chief from
-an empty logdir). oneDNN is off in every process; each process is stopped by its PID in
+the clients' parts). The Adafactor run regathers each recomputing cell's weights in every
+task (task.train.regather_per_micro_batch, under cell functions), and is done in two
+halves, so its second half restores the chief's step-2 checkpoint into the clients' parts
+of the shards (the non-chief from an empty logdir). oneDNN is off in every process; each process is stopped by its PID in
 teardown (the `processes` fixture). The first test of T > 1 across clients at any stage:
 each client's cell group (its own 2 devices) needs a key no other client's group has
 (replicas.group_key), else the first step fails ('joining a group that is already full').
@@ -64,11 +65,12 @@ def runs(tmp_path_factory, data_dir, processes):
     adam = _start_clients(processes, [d['adam']['chief'], d['adam']['other']], data_dir,
                           *_flags(STEPS, None, **stage3))
     half = [d['adafactor']['chief'], d['adafactor']['other']]
-    th.finish(_start_clients(processes, half, data_dir, *_flags(2, str(adafactor), **stage3)))
+    regather = {**stage3, 'task.train.regather_per_micro_batch': True}
+    th.finish(_start_clients(processes, half, data_dir, *_flags(2, str(adafactor), **regather)))
     assert not os.path.exists(d['adafactor']['other'])
     os.makedirs(d['adafactor']['other'])  # empty: the non-chief has no access to the chief's
     adafactor_clients = _start_clients(processes, half, data_dir,
-                                       *_flags(STEPS, str(adafactor), **stage3))
+                                       *_flags(STEPS, str(adafactor), **regather))
     d['adam']['stderr'] = th.finish(adam)
     d['adafactor']['stderr'] = th.finish(adafactor_clients)
     th.finish(started)

@@ -167,17 +167,6 @@ def test_sharding_the_weights_frees_the_whole_copies():
     assert {path for path, v in pipe.VariablesByPath().items() if not v.trainable} == kept
 
 
-def test_regather_with_tensor_parallel_cells_under_cell_functions_is_refused_in_one_line():
-    """Unrolled it is built (tests/test_sharded_weights_tensor_parallel.py); with cell
-    functions the step hung."""
-    pipe = tp_optimizers.pipeline(2, 2, 2)
-    with pytest.raises(ValueError, match=r'regather_per_micro_batch with tensor_parallel > 1 '
-                                         'under cell functions is not built') as e:
-        pipe.ShardWeights(per_micro_batch=True)
-    assert '\n' not in str(e.value)
-    assert pipe.weight_shards is None
-
-
 @pytest.fixture(scope='module')
 def bfloat16_runs():
     """A float32 model computing in bfloat16 (fprop_dtype), unsharded and at stage 3

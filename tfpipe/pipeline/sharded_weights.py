@@ -46,8 +46,7 @@ Across trainer clients likewise, the R parts of a shard being the clients' parts
 copies of the shard's device: the shard's `_ClientWeight` is what the chief gathers and
 restores whole, and `_SplitParts` joins the T of them along the split axis.
 
-Not built: expert parallelism, and T > 1 with per_micro_batch under cell functions (the
-step hung; unrolled it is exact): each refused here.
+Not built: expert parallelism, refused here.
 """
 from __future__ import annotations
 
@@ -176,11 +175,6 @@ class WeightShards:
         if unbuilt:
             raise ValueError(f"{pipe.path}: task.train.sharding='weights' with "
                              f"{', '.join(unbuilt)} is not built: use 'gradients' there")
-        if per_micro_batch and p.tensor_parallel > 1 and p.cell_functions:
-            raise ValueError(f'{pipe.path}: task.train.regather_per_micro_batch with '
-                             'tensor_parallel > 1 under cell functions is not built (the step '
-                             'hung): set task.pipeline.cell_functions=False, or '
-                             'regather_per_micro_batch=False')
         whole = [{path: v for path, v in copy.items() if v.trainable}
                  for copy in pipe.ReplicaVariablesByPath()]
         self._peers = peers
