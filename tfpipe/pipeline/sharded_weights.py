@@ -42,9 +42,11 @@ other here, cut into R parts over the replicas' copies of that shard's device an
 among them; one replica's parts of the T shards stand for the whole weight together
 (`_SplitParts`, through variable_shards.of), so checkpoints save it whole and Adafactor's
 whole-weight statistics are reduced over its T shards, each shard's over its R parts.
+Across trainer clients likewise, the R parts of a shard being the clients' parts on their
+copies of the shard's device: the shard's `_ClientWeight` is what the chief gathers and
+restores whole, and `_SplitParts` joins the T of them along the split axis.
 
-Not built: expert parallelism, T > 1 across trainer clients, and T > 1 with per_micro_batch
-under cell functions (the step hung; unrolled it is exact): each refused here.
+Not built: expert parallelism, refused here.
 """
 from __future__ import annotations
 
@@ -108,10 +110,13 @@ class _SplitParts(tf.Module):
     ShardedWeight `split`), for `variable_shards.of` (split_as): `shards` are the parts in
     shard order, which an update reading whole-weight statistics takes together; the
     weight saves whole (each shard's parts joined over the replicas, `wholes`, then the
-    shards joined along the split axis) under the whole weight's key, as at stages 0-2."""
+    shards joined along the split axis) under the whole weight's key, as at stages 0-2.
+    Each of `wholes` saves and restores one shard whole: a `_WholeWeight`, or across
+    trainer clients a `_ClientWeight` (whole while the chief saves, and its restored
+    whole kept for the other clients)."""
 
     def __init__(self, split: variable_shards.ShardedWeight, parts: Sequence[tf.Variable],
-                 wholes: Sequence[_WholeWeight]):
+                 wholes: Sequence[_WholeWeight | _ClientWeight]):
         super().__init__(name=None)
         self.path, self.axis, self.shape, self.dtype = (split.path, split.axis, split.shape,
                                                        split.dtype)
@@ -126,13 +131,14 @@ class _SplitParts(tf.Module):
         return {}
 
     def _serialize_to_tensors(self):
-        values = [w.value() for w in self._wholes]
+        values = [w._serialize_to_tensors()['VARIABLE_VALUE'] for w in self._wholes]
         with tf.device(values[0].device):
             return {'VARIABLE_VALUE': tf.concat(values, self.axis)}
 
     def _restore_from_tensors(self, restored_tensors):
         pieces = tf.split(restored_tensors['VARIABLE_VALUE'], self.sizes, self.axis)
-        return tf.group([w.assign(piece) for w, piece in zip(self._wholes, pieces)])
+        return tf.group([w._restore_from_tensors({'VARIABLE_VALUE': piece})
+                         for w, piece in zip(self._wholes, pieces)])
 
 
 class _ClientWeight(variable_shards.ClientPart):
@@ -165,17 +171,10 @@ class WeightShards:
         p = pipe.params
         unbuilt = [what for what, on in (
             ('expert_parallel > 1', p.expert_parallel > 1 or (
-                peers is not None and peers.expert_parallel > 1)),
-            ('tensor_parallel > 1 across trainer clients',
-             p.tensor_parallel > 1 and peers is not None)) if on]
+                peers is not None and peers.expert_parallel > 1)),) if on]
         if unbuilt:
             raise ValueError(f"{pipe.path}: task.train.sharding='weights' with "
                              f"{', '.join(unbuilt)} is not built: use 'gradients' there")
-        if per_micro_batch and p.tensor_parallel > 1 and p.cell_functions:
-            raise ValueError(f'{pipe.path}: task.train.regather_per_micro_batch with '
-                             'tensor_parallel > 1 under cell functions is not built (the step '
-                             'hung): set task.pipeline.cell_functions=False, or '
-                             'regather_per_micro_batch=False')
         whole = [{path: v for path, v in copy.items() if v.trainable}
                  for copy in pipe.ReplicaVariablesByPath()]
         self._peers = peers

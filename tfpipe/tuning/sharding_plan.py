@@ -41,7 +41,7 @@ def stages(replicas: int, expert_parallel: int = 1) -> tuple[str, ...]:
     parallelism P > 1 (the trainer refuses it). With T > 1 every stage: a cell's weights
     per device are then its shards' (`LayerProfile.per_device`), which stage 3 cuts into
     R parts and gathers among the R replicas holding the same shard, as its collectives
-    and peak are costed here (across trainer clients the trainer refuses it)."""
+    and peak are costed here (in one process and across trainer clients)."""
     if replicas <= 1:
         return ()
     if expert_parallel > 1:
