@@ -90,22 +90,39 @@ def run_column(stage: str, args, start: int, walk: bool = False, log=print) -> d
 
 
 def step_search(probe, start: int, budget: int) -> dict:
-    """The largest size that fits, one block at a time from `start` (up while it fits, else
-    down): a later stage's answer lies a few blocks from an earlier one's, where doubling
-    first would trace a model twice the size (minutes at R x K devices here). The same
-    report as table1_benchmark.search."""
-    reports = {start: dict(probe(start), size=start)}
-    step = 1 if fits(reports[start], budget) else -1
+    """The largest size that fits, near `start`: a later stage's answer lies a few blocks
+    from an earlier one's, where doubling first would trace a model twice the size
+    (minutes at R x K devices here). Probes `start` and the next size toward the budget,
+    jumps to where the line through their peaks meets the budget, then walks one block at
+    a time until a fitting size has a missing one above it. The same report as
+    table1_benchmark.search."""
+    reports: dict[int, dict] = {}
+
+    def fit(size: int) -> bool:
+        if size not in reports:
+            reports[size] = dict(probe(size), size=size)
+        return fits(reports[size], budget)
+
     size = start
+    step = 1 if fit(size) else -1
+    if size + step >= 1 and not reports[size].get('oom'):
+        nxt = size + step
+        fit(nxt)
+        a, b = reports[size], reports[nxt]
+        if not b.get('oom') and (b['peak'] - a['peak']) * step > 0:
+            per_block = (b['peak'] - a['peak']) / step
+            size = max(1, int(nxt + (budget - b['peak']) // per_block))
+        else:
+            size = nxt
     while True:
-        size += step
         if size < 1:
             return dict(probes=len(reports))
-        reports[size] = dict(probe(size), size=size)
-        if fits(reports[size], budget) != (step == 1):
-            break
-    lo, hi = (size - 1, size) if step == 1 else (size, size + 1)
-    return dict(reports[lo], probes=len(reports), first_miss=reports[hi])
+        if fit(size):
+            if not fit(size + 1):
+                return dict(reports[size], probes=len(reports), first_miss=reports[size + 1])
+            size += 1
+        else:
+            size -= 1
 
 
 def report(results: dict, args) -> list[str]:

@@ -13,12 +13,21 @@ def _linear(size: int) -> dict:
     return dict(peak=10 * size, oom=False, params=size, step_s=1.0)
 
 
-@pytest.mark.parametrize('start', [2, 5, 7, 9])
-def test_the_walk_finds_the_largest_fitting_size_from_below_and_from_above(start):
+@pytest.mark.parametrize('start', [2, 5, 7, 9, 14])
+@pytest.mark.parametrize('bend', [0.0, 0.8])
+def test_the_walk_finds_the_largest_fitting_size_from_below_and_from_above(start, bend):
+    """A peak linear in the size is found in at most four probes (start, the next size,
+    the line's answer and the one above it); one that bends up is walked down to."""
+    def peak(size):
+        return dict(_linear(size), peak=10 * size + bend * size * size)
+
     walked = []
-    res = zs.step_search(lambda n: walked.append(n) or _linear(n), start, 73)
-    assert res['size'] == 7 and res['first_miss']['size'] == 8
-    assert res['probes'] == len(set(walked)) == abs(start - 7) + 1 + (start <= 7)
+    res = zs.step_search(lambda n: walked.append(n) or peak(n), start, 73)
+    best = max(n for n in range(1, 20) if peak(n)['peak'] <= 73)
+    assert res['size'] == best and res['first_miss']['size'] == best + 1
+    assert res['probes'] == len(walked) == len(set(walked))
+    if not bend:
+        assert len(walked) <= 4
 
 
 def test_nothing_fits_is_said_without_a_size():
