@@ -144,12 +144,15 @@ def test_the_older_switch_means_optimizer_states():
     assert sharding.stage_of(_train_params(sharding='gradients'), 4) == 'gradients'
 
 
-def test_stage_3_with_expert_parallelism_is_refused_in_one_line():
-    with pytest.raises(ValueError, match=r"expert_parallel=2 is not built: stages "
-                                         r"\['optimizer_states', 'gradients'\] work") as e:
-        sharding.stage_of(_train_params(sharding='weights'), 4, 2)
+def test_stage_3_with_expert_parallelism_across_clients_is_refused_in_one_line():
+    """In one process it is built (tests/test_sharded_weights_experts.py)."""
+    with pytest.raises(ValueError, match=r"sharding='weights' with task.pipeline."
+                                         r"expert_parallel=2 across trainer clients is not "
+                                         r"built: use 'gradients'") as e:
+        sharding.stage_of(_train_params(sharding='weights'), 4, 2, across_clients=True)
     assert '\n' not in str(e.value)
-    assert sharding.stage_of(_train_params(), 4, 2) == 'none'
+    assert sharding.stage_of(_train_params(sharding='weights'), 4, 2) == 'weights'
+    assert sharding.stage_of(_train_params(), 4, 2, across_clients=True) == 'none'
 
 
 @pytest.mark.parametrize('values,stage', [({'sharding': 'optimizer_states'}, 'optimizer_states'),

@@ -116,7 +116,8 @@ class Trainer:
         stage = sharding.stage_of(tp, count=peers.count if peers else
                                   params.task.pipeline.num_replicas,
                                   expert_parallel=peers.expert_parallel if peers else
-                                  params.task.pipeline.expert_parallel)
+                                  params.task.pipeline.expert_parallel,
+                                  across_clients=peers is not None)
         if stage == sharding.WEIGHTS:
             # The layers now hold each replica's parts.
             self.task.pipe.ShardWeights(per_micro_batch=tp.regather_per_micro_batch)
