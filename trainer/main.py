@@ -279,7 +279,7 @@ def _run_client(client_cluster) -> int:
     _configure_devices()
     params, options = _load_params_and_options()
     clients.check_num_replicas(params.task.pipeline.num_replicas, client_cluster.count)
-    _check_sharding(params, client_cluster.count, across_clients=True)
+    _check_sharding(params, client_cluster.count)
     expert_parallel = _check_experts_across_clients(params, client_cluster.count)
     params.task.pipeline.num_replicas = 1  # this process holds one replica of R
     options.apply_to(params)  # the fingerprint holds what the trainer will run
@@ -304,15 +304,14 @@ def _run_client(client_cluster) -> int:
     return code
 
 
-def _check_sharding(params, count: int, across_clients: bool = False) -> None:
+def _check_sharding(params, count: int) -> None:
     """Refuses a bad task.train.sharding over `count` replicas (one per trainer client
     across clients; tfpipe/pipeline/sharding.py)
     before the cluster starts: the trainer checks it again when it builds its optimizer,
     but that is after the clients (or the workers) connect, so a client would first wait
     for all the others and a missing one would hide the real error behind a time-out."""
     from tfpipe.pipeline import sharding
-    sharding.stage_of(params.task.train, count, params.task.pipeline.expert_parallel,
-                      across_clients)
+    sharding.stage_of(params.task.train, count, params.task.pipeline.expert_parallel)
 
 
 def _check_experts_across_clients(params, count: int) -> int:

@@ -43,16 +43,18 @@ among them; one replica's parts of the T shards stand for the whole weight toget
 (`_JoinedWholes`, through variable_shards.of), so checkpoints save it whole and Adafactor's
 whole-weight statistics are reduced over its T shards, each shard's over its R parts.
 
-Expert parallelism (P > 1, in one process): replica r holds the E/P experts of rank r % P,
+Expert parallelism (P > 1): replica r holds the E/P experts of rank r % P,
 so an expert weight is cut into R/P parts over the replicas holding the same experts
 (expert_parallel.expert_data_parallel: r % P, r % P + P, ...), gathered among them only
 (one more all-gather group per rank), its gradient reduce-scattered among them (the
 optimizer sees the parts marked as expert variables); with R = P a rank's weight is one
 part, never gathered. Checkpoints save it whole over all E experts (`_JoinedWholes` of
 the P ranks' wholes, as expert_parallel.WholeExperts at stages 0-2), so a stage-3 P=2
-checkpoint restores at P=1 unsharded and back.
+checkpoint restores at P=1 unsharded and back. Across clients (client c holds rank c % P)
+likewise over the strided clients holding the same experts (`_clients`), each client's
+`_ClientWeight` one range of the whole over all E experts (shard_parts.client_bounds).
 
-Not built: expert parallelism and T > 1 across trainer clients, and T > 1 with
+Not built: T > 1 across trainer clients, and T > 1 with
 per_micro_batch under cell functions (the step hung; unrolled it is exact): each refused
 here.
 """
@@ -68,7 +70,7 @@ from tensorflow.python.ops import collective_ops
 
 from tfpipe import variable_shards
 from tfpipe.pipeline import across_clients, expert_parallel, replicas, ties
-from tfpipe.pipeline.shard_parts import shard_bounds
+from tfpipe.pipeline.shard_parts import client_bounds, join_rows, shard_bounds
 
 __all__ = ['WeightShards']
 
@@ -156,20 +158,23 @@ class _JoinedWholes(tf.Module):
 
 
 class _ClientWeight(variable_shards.ClientPart):
-    """A trainer client's part of one weight: elements [index*s, (index+1)*s) of the
-    flattened whole (s = the part's size; zero-padded past the end)."""
+    """A trainer client's part of one weight: elements `bounds[index]` of the flattened
+    whole of `shape` (zero-padded to the part's size), `bounds` every client's
+    (shard_parts.client_bounds: an expert weight's whole is over all E experts, each
+    client's range in its rank's experts)."""
 
-    def __init__(self, path: str, part: tf.Variable, shape: tf.TensorShape, index: int):
+    def __init__(self, path: str, part: tf.Variable, shape: tf.TensorShape, index: int,
+                 bounds: list[tuple[int, int]]):
         super().__init__(path, part, shape)
-        self.index = index
+        self.index, self.bounds = index, bounds
 
     def cut(self, whole: tf.Tensor) -> tf.Tensor:
-        size, n = int(self.part.shape[0]), self.shape.num_elements()
-        piece = tf.reshape(whole, [-1])[self.index * size:(self.index + 1) * size]
-        return tf.pad(piece, [[0, size - max(0, min(n - self.index * size, size))]])
+        start, stop = self.bounds[self.index]
+        piece = tf.reshape(whole, [-1])[start:stop]
+        return tf.pad(piece, [[0, int(self.part.shape[0]) - (stop - start)]])
 
     def join(self, parts: tf.Tensor) -> tf.Tensor:
-        return tf.reshape(tf.reshape(parts, [-1])[:self.shape.num_elements()], self.shape)
+        return tf.reshape(join_rows(parts, self.bounds), self.shape)
 
 
 class WeightShards:
@@ -184,10 +189,8 @@ class WeightShards:
         backward task instead of once a step (task.train.regather_per_micro_batch)."""
         p = pipe.params
         unbuilt = [what for what, on in (
-            ('expert_parallel > 1 across trainer clients',
-             peers is not None and peers.expert_parallel > 1),
             ('tensor_parallel > 1 across trainer clients',
-             p.tensor_parallel > 1 and peers is not None)) if on]
+             p.tensor_parallel > 1 and peers is not None),) if on]
         if unbuilt:
             raise ValueError(f"{pipe.path}: task.train.sharding='weights' with "
                              f"{', '.join(unbuilt)} is not built: use 'gradients' there")
@@ -204,22 +207,27 @@ class WeightShards:
         # [local replica] -> the local replicas whose parts of a weight make it whole (its
         # all-gather group): every replica, or for an expert weight (P > 1) the R/P
         # holding the same experts (expert_parallel.expert_data_parallel).
-        count, experts = len(whole), p.expert_parallel
+        count, experts = len(whole), peers.expert_parallel if peers else p.expert_parallel
+        expert = {path: experts > 1 and expert_parallel.is_expert_variable(var)
+                  for path, var in whole[0].items()}
         self._members = {path: [tuple(expert_parallel.expert_data_parallel(count, experts, r))
-                                if experts > 1 and expert_parallel.is_expert_variable(var)
-                                else tuple(range(count)) for r in range(count)]
-                         for path, var in whole[0].items()}
+                                if expert[path] else tuple(range(count)) for r in range(count)]
+                         for path in expert}
+        # Across clients, likewise the clients: () for all, or an expert weight's strided
+        # set holding the same experts (ascending, this client among them).
+        self._clients = {path: tuple(expert_parallel.expert_data_parallel(
+            peers.count, experts, peers.index)) if peers and expert[path] else ()
+            for path in expert}
         self.parts = [{path: self._part(path, r, var) for path, var in copy.items()}
                       for r, copy in enumerate(whole)]
         for copy in self.parts:  # an expert part's gradient sums over its group only
             for path, part in copy.items():
-                if len(self._members[path][0]) < count:
+                if expert[path]:
                     expert_parallel.mark_expert_variable(part)
         self._path_of = {id(part): path for copy in self.parts for path, part in copy.items()}
         if peers:
-            self._wholes: dict = {path: _ClientWeight(path, self.parts[0][path], shape,
-                                                      peers.index)
-                                  for path, shape in self.shapes.items()}
+            self._wholes: dict = {path: self._client_weight(path, peers, experts)
+                                  for path in self.shapes}
         else:
             self._wholes = {path: self._whole_of(path) for path in self.shapes}
         # Across clients, what the chief checkpoints whole (Trainer: SplitValues).
@@ -246,6 +254,9 @@ class WeightShards:
     def _shard_of(self, path: str, r: int) -> tuple[int, int]:
         """(which part of `path` local replica r holds, of how many parts)."""
         if self._peers is not None:
+            clients = self._clients[path]
+            if clients:
+                return clients.index(self._peers.index), len(clients)
             return self._peers.index, self._peers.count
         members = self._members[path][r]
         return members.index(r), len(members)
@@ -265,6 +276,18 @@ class WeightShards:
             flat = tf.reshape(var.read_value(), [-1])[start:stop]
             return tf.Variable(tf.pad(flat, [[0, size - (stop - start)]]),
                                name=var.name.split(':')[0].rpartition('/')[2], trainable=True)
+
+    def _client_weight(self, path: str, peers: across_clients.Peers,
+                       experts: int) -> _ClientWeight:
+        """This client's part of `path` as the chief checkpoints it: of the whole weight, or
+        of an expert weight over all E experts (client c holds rank c % P)."""
+        n = self.shapes[path].num_elements()
+        if not self._clients[path]:
+            return _ClientWeight(path, self.parts[0][path], self.shapes[path], peers.index,
+                                 shard_bounds(n, peers.count))
+        shape = tf.TensorShape([experts * self.shapes[path][0], *self.shapes[path][1:]])
+        return _ClientWeight(path, self.parts[0][path], shape, peers.index,
+                             client_bounds(experts * n, peers.count, experts))
 
     def _whole_of(self, path: str) -> Any:
         """What checkpoints save for `path` in one process: its parts joined, or for an
@@ -311,10 +334,10 @@ class WeightShards:
             paths = {path for cell in cells if not cell.recompute
                      for path in self.paths_of(_read_by(cell, replica_thetas[0]))}
         wholes: list[dict] = [{} for _ in self.parts]
-        for (devices, _), (members, group) in self._groups(paths).items():
+        for (devices, clients, _), (members, group) in self._groups(paths).items():
             key = replicas.new_instance_key()
             for r in members:  # the local replicas of the group
-                wholes[r].update(self._gather(r, devices, group, key))
+                wholes[r].update(self._gather(r, devices, clients, group, key))
         return [self._substitute(theta, wholes[r]) for r, theta in enumerate(replica_thetas)]
 
     def regatherers(self, replica_cells: Sequence[Sequence[Any]],
@@ -344,32 +367,35 @@ class WeightShards:
             devices = self._devices(path, r)
             if (k, n, path, devices) not in keys:
                 keys[(k, n, path, devices)] = replicas.new_instance_key()
-            wholes.update(self._gather(r, devices, [path], keys[(k, n, path, devices)]))
+            wholes.update(self._gather(r, devices, self._clients[path], [path],
+                                       keys[(k, n, path, devices)]))
         return cells[k].read_theta(self._substitute(theta, wholes))
 
     def _groups(self, paths: Any) -> dict[tuple, tuple[tuple[int, ...], list[str]]]:
-        """`paths` by all-gather group: {(the group's devices, dtype): (its local replicas,
-        sorted paths)}; one per cell and dtype, and with expert parallelism one more per
-        expert rank."""
+        """`paths` by all-gather group: {(the group's devices, its clients, dtype): (its
+        local replicas, sorted paths)}; one per cell and dtype, and with expert
+        parallelism one more per expert rank."""
         by_group: dict = {}
         for path in sorted(paths):
             for members in sorted(set(self._members[path])):
-                by_group.setdefault((self._devices(path, members[0]),
+                by_group.setdefault((self._devices(path, members[0]), self._clients[path],
                                      self.parts[0][path].dtype), (members, []))[1].append(path)
         return by_group
 
-    def _gather(self, r: int, devices: tuple, paths: list[str], key: int) -> dict:
-        """Local replica r's side of one all-gather (instance `key`) among `devices`: the
-        whole weights at `paths` (one group's), packed into one buffer, on its device."""
+    def _gather(self, r: int, devices: tuple, clients: tuple, paths: list[str],
+                key: int) -> dict:
+        """Local replica r's side of one all-gather (instance `key`) among `devices` (across
+        clients among `clients`, () for all): the whole weights at `paths` (one group's),
+        packed into one buffer, on its device."""
         sizes = [int(self.parts[r][path].shape[0]) for path in paths]
         device = self.parts[r][paths[0]].device
         wholes = {}
         with tf.device(device), tf.name_scope(f'gather_weights_{r}'):
             packed = tf.concat([self.parts[r][path].read_value() for path in paths], 0)
-            if self._peers is not None:  # its own keys, in the clients' trace order
-                rows = across_clients.all_gather(self._peers, packed, device)
-            elif len(devices) == 1:  # an expert weight held by one replica (R = P): whole
-                rows = packed[tf.newaxis]
+            if len(devices) == 1 and (self._peers is None or len(clients) == 1):
+                rows = packed[tf.newaxis]  # an expert weight held by one replica (R = P)
+            elif self._peers is not None:  # its own keys, in the clients' trace order
+                rows = across_clients.all_gather(self._peers, packed, device, clients)
             else:
                 rows = tf.reshape(collective_ops.all_gather(
                     packed, len(devices), replicas.group_key(devices), key,

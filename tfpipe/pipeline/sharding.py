@@ -24,15 +24,14 @@ NONE, OPTIMIZER_STATES, GRADIENTS, WEIGHTS = 'none', 'optimizer_states', 'gradie
 STAGES = (NONE, OPTIMIZER_STATES, GRADIENTS, WEIGHTS)
 
 
-def stage_of(train: Params, count: int, expert_parallel: int = 1,
-             across_clients: bool = False) -> str:
+def stage_of(train: Params, count: int, expert_parallel: int = 1) -> str:
     """The stage `train` (task.train) asks for over `count` replicas (in one process, or
-    one per trainer client: `across_clients`); ValueError (one line) for an unknown or
+    one per trainer client); ValueError (one line) for an unknown or
     unbuilt stage, a contradiction (also regather_per_micro_batch at a stage other than
     'weights'), or a stage at R=1. With expert parallelism P > 1 an expert weight's slots
-    (stage 1), gradient sums (stage 2) and, in one process, weights (stage 3) shard over
-    the R/P replicas holding the same experts (across clients the strided set of clients
-    c' with c' % P == c % P); stage 3 across clients at P > 1 is not built."""
+    (stage 1), gradient sums (stage 2) and weights (stage 3) shard over the R/P replicas
+    holding the same experts, in one process or across clients (the strided set of
+    clients c' with c' % P == c % P)."""
     name = train.sharding
     if train.regather_per_micro_batch and name != WEIGHTS:
         raise ValueError(f'task.train.regather_per_micro_batch=True with task.train.sharding='
@@ -44,10 +43,6 @@ def stage_of(train: Params, count: int, expert_parallel: int = 1,
         raise ValueError(f'unknown task.train.sharding={name!r}{hint}: use one of '
                          f'{list(STAGES)}')
     stage = OPTIMIZER_STATES if train.shard_optimizer_states else name
-    if across_clients and expert_parallel > 1 and stage == WEIGHTS:
-        raise ValueError(f"task.train.sharding='weights' with task.pipeline.expert_parallel="
-                         f'{expert_parallel} across trainer clients is not built: use '
-                         "'gradients' there, or train in one process (num_replicas R)")
     if train.shard_optimizer_states:
         if name not in (NONE, OPTIMIZER_STATES):
             raise ValueError(f'task.train.shard_optimizer_states=True contradicts task.train.'

@@ -42,7 +42,7 @@ def stages(replicas: int) -> tuple[str, ...]:
     cuts into R parts and gathers among the R replicas holding the same shard; with P > 1
     an expert weight into R/P parts among the replicas holding the same experts, as its
     peak is costed here (`peak_delta`). Across trainer clients the trainer refuses stage 3
-    with T > 1 or P > 1."""
+    with T > 1."""
     return STAGES if replicas > 1 else ()
 
 
