@@ -12,13 +12,14 @@ given empty logdirs, must receive their experts' rows and slot parts from the ch
 expert groups, each expert's gradient reduce-scattered over the 2 clients that hold it
 (ZeRO stage 2: its slots sharded over those 2, the others' over all 4), against the
 unsharded reference: resumed at another stage, as the uninterrupted run. Beside it, 4
-fresh clients at ZeRO stage 3 (M=1, the reference's 4 micro-batches) take its first 2
-steps: each holds its part of every weight, an expert weight's over the 2 clients holding
-its experts. oneDNN is off in every process; every process is stopped by its PID in
-teardown.
+clients at ZeRO stage 3 resume a copy of the same checkpoint: each cuts its part of every
+weight from the chief's, an expert weight's over the 2 clients holding its experts, and
+they reach the same step-4 state. oneDNN is off in every process; every process is
+stopped by its PID in teardown.
 """
 import os
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -59,16 +60,17 @@ def runs(tmp_path_factory, data_dir, processes):
         STEPS, **{'task.pipeline.num_replicas': 2})), environ=EXACT)
     d['first_stderr'] = th.finish(first, timeout=600)
     assert not os.path.exists(others[0])
-    for other in others:
+    d['stage3'] = [str(root / f'stage3_{i}') for i in range(4)]
+    shutil.copytree(d['chief'], d['stage3'][0])  # the step-2 checkpoint, resumed twice
+    for other in [*others, *d['stage3'][1:]]:
         os.makedirs(other)  # empty: the non-chiefs have no access to the chief's logdir
     # Resumed by 4 clients: two expert groups, and the expert gradients summed over the
     # pairs of clients that hold the same experts. The checkpoint's 4 micro-batches are
     # kept (M=1 each), so the steps are the reference's.
     second = _start_clients(processes, [d['chief'], *others], data_dir, *_flags(
         STEPS, **{'task.train.sharding': 'gradients'}))
-    d['stage3'] = [str(root / f'stage3_{i}') for i in range(4)]
     stage3 = _start_clients(processes, d['stage3'], data_dir, *_flags(
-        STEPS // 2, **{'task.train.sharding': 'weights', 'task.pipeline.num_micro_batches': 1}))
+        STEPS, **{'task.train.sharding': 'weights'}))
     stderr = th.finish([*second, *stage3, reference], timeout=600)
     d['second_stderr'], d['stage3_stderr'] = stderr[:4], stderr[4:8]
     d['others'] = others
@@ -113,17 +115,18 @@ def _assert_checkpoint_equal(chief: str, reference: str, step: int) -> None:
                                    err_msg=f'ckpt-{step} {name}')
 
 
-def test_expert_clients_at_stage_3_train_as_one_process(runs):
-    """4 clients at sharding='weights', P=2: losses and the chief's checkpoint after 2 steps
-    equal the unsharded one-process reference's; each client holds under half the weights
-    of an unsharded replica between steps (its E/P experts' over 2 clients, the rest over
-    4: 1/4 of all E's)."""
+def test_expert_clients_at_stage_3_resume_and_train_as_one_process(runs):
+    """4 clients at sharding='weights', P=2, resumed from the stage-1 step-2 checkpoint:
+    losses of steps 3-4 and the chief's step-4 checkpoint equal the unsharded one-process
+    reference's; each client holds under half the weights of an unsharded replica
+    between steps (its E/P experts' over 2 clients, the rest over 4: 1/4 of all E's)."""
     got = th.losses_by_step(os.path.join(runs['stage3'][0], 'train'))
     want = th.losses_by_step(os.path.join(runs['reference'], 'train'))
-    assert sorted(got) == [1, 2], got
-    np.testing.assert_allclose([got[s] for s in got], [want[s] for s in got], rtol=1e-5)
-    _assert_checkpoint_equal(runs['stage3'][0], runs['reference'], STEPS // 2)
-    assert not any(map(os.path.exists, runs['stage3'][1:]))  # only the chief wrote
+    assert sorted(got)[-2:] == [3, 4], got
+    np.testing.assert_allclose([got[s] for s in (3, 4)], [want[s] for s in (3, 4)],
+                               rtol=1e-5)
+    _assert_checkpoint_equal(runs['stage3'][0], runs['reference'], STEPS)
+    assert all(os.listdir(other) == [] for other in runs['stage3'][1:])  # only the chief wrote
     sizes = [tuple(map(int, WEIGHT_BYTES.findall(err)[-1])) for err in runs['stage3_stderr']]
     assert all(mine < whole / 2 for mine, whole in sizes), sizes
 
