@@ -8,8 +8,9 @@ so an expert weight is not cut at all (its part is the whole, flattened) while e
 weight is cut in 2. The reference is the unsharded run at the same P, R and K: 3 steps
 of tests/test_expert_parallel_pipeline.py's float64 MoE pipeline (capacity drops nothing)
 with the trainer's update (guarded_update, clipping by the global norm active at every
-step), with Adam and with Adafactor (factored moments, parameter scale: statistics of
-the whole weight, which for an expert weight is the replica's E/P experts, as unsharded).
+step; one point regathers per task), with Adam and with Adafactor (factored moments,
+parameter scale: statistics of the whole weight, which for an expert weight is the
+replica's E/P experts, as unsharded).
 Loss, auxiliary losses and norm at every step and the checkpoint's every weight and slot
 ([E, ...] for an expert weight) within 1e-5; the stage-3 P=2 checkpoint restores into
 P=1 unsharded and back, key by key. One traced pair of runs per grid point.
@@ -35,11 +36,11 @@ from trainer.guarded_update import guarded_update
 STEPS = 3
 LR = 0.01
 CLIP = 0.05  # below every step's global norm here: every step clips
-GRID = {  # name: (optimizer, P, R, K)
-    'adam_p2_r4_k1': ('adam', 2, 4, 1),
-    'adam_p2_r2_k2': ('adam', 2, 2, 2),
-    'adafactor_p2_r4_k2': ('adafactor', 2, 4, 2),
-    'adafactor_p2_r2_k1': ('adafactor', 2, 2, 1)}
+GRID = {  # name: (optimizer, P, R, K, regather_per_micro_batch)
+    'adam_p2_r4_k1': ('adam', 2, 4, 1, False),
+    'adam_p2_r2_k2': ('adam', 2, 2, 2, False),
+    'regather_adafactor_p2_r4_k2': ('adafactor', 2, 4, 2, True),
+    'adafactor_p2_r2_k1': ('adafactor', 2, 2, 1, False)}
 EXPERT = 'pipe/moe/wi'  # [E, D, H] = [4, 8, 6]
 
 
@@ -49,10 +50,11 @@ class Run(tp_optimizers.Run):
     with one ShardedOptimizer over the replicas' parts, as train_job builds them. Saves as
     tests/test_tensor_parallel_optimizers.py's Run, whose pipeline it replaces."""
 
-    def __init__(self, rule, p, r, k, stage3):  # pylint: disable=super-init-not-called
+    def __init__(self, rule, p, r, k, stage3,  # pylint: disable=super-init-not-called
+                 regather=False):
         self.p, self.pipe = p, pipeline(p, r, k, m=4 // r)
         if stage3:
-            self.pipe.ShardWeights()
+            self.pipe.ShardWeights(per_micro_batch=regather)
             self.variables = self.pipe.weight_shards.parts
             self.optimizer = self.optimizers = ShardedOptimizer(
                 rule, self.variables, weight_shapes=self.pipe.weight_shards.shapes,
@@ -99,9 +101,9 @@ class Run(tp_optimizers.Run):
 @pytest.fixture(scope='module', params=sorted(GRID))
 def trained(request):
     """(unsharded run, stage-3 run, their steps' figures, the grid point)."""
-    name, p, r, k = GRID[request.param]
+    name, p, r, k, regather = GRID[request.param]
     rule = OPTIMIZERS[name].Copy().Set(name=name)
-    ref, run = (Run(rule, p, r, k, stage3) for stage3 in (False, True))
+    ref, run = Run(rule, p, r, k, False), Run(rule, p, r, k, True, regather)
     return ref, run, ref.train(STEPS), run.train(STEPS), GRID[request.param]
 
 
@@ -115,7 +117,7 @@ def test_loss_aux_losses_and_norm_at_every_step_equal_the_unsharded_ones(trained
 def test_checkpoint_weights_and_slots_equal_the_unsharded_ones(trained, tmp_path):
     """Saved whole under the unsharded keys (an expert weight and its slots [E, ...], all
     P ranks joined), every value the unsharded run's within 1e-5."""
-    ref, run, _, _, (name, _, _, _) = trained
+    ref, run, _, _, (name, *_) = trained
     want = tp_optimizers.contents(ref.save(tmp_path / 'unsharded'))
     got = tp_optimizers.contents(run.save(tmp_path / 'stage3'))
     assert sorted(got) == sorted(want)
@@ -130,7 +132,7 @@ def test_an_expert_weight_is_cut_over_the_replicas_holding_its_experts(trained):
     """Replica r holds 1/(R/P) of its experts' weight (the R/P replicas r % P, r % P + P,
     ... hold rank r % P's experts), on its own device; every other weight 1/R. At R = P
     the expert part is the rank's whole weight, flattened."""
-    ref, run, _, _, (_, p, r, _) = trained
+    ref, run, _, _, (_, p, r, *_) = trained
     shards = run.pipe.weight_shards
     group = r // p
     for replica, copy in enumerate(run.pipe.ReplicaVariablesByPath()):
@@ -141,6 +143,17 @@ def test_an_expert_weight_is_cut_over_the_replicas_holding_its_experts(trained):
         other = copy['pipe/fc2/w']
         assert other.shape == [8 * 5 // r] and not expert_parallel.is_expert_variable(other)
     assert shards.whole(EXPERT).shape == [4, 8, 6]  # as checkpoints save it
+
+
+def test_a_step_gathers_in_its_tasks_only_when_regathering(trained):
+    """Under regather_per_micro_batch the recomputing cells gather their weights inside
+    each forward and backward task; else once a step, before the tasks."""
+    _, run, _, _, (*_, regather) = trained
+    graph = run._step.get_concrete_function(*inputs(0)).graph.as_graph_def()
+    nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+    gathers = [n.name for n in nodes if n.op == 'CollectiveGather']
+    in_tasks = [g for g in gathers if '/forward_' in g or '/backward_' in g]
+    assert gathers and bool(in_tasks) == regather
 
 
 def test_sharding_the_weights_frees_the_whole_expert_copies():
@@ -161,7 +174,7 @@ def test_a_stage3_p2_checkpoint_restores_into_p1_unsharded_and_back(trained, tmp
     all 4 experts) saves back the same values, key by key; that run takes a step
     (another K, M), and its checkpoint restored into the stage-3 run saves back the same
     again, each replica's parts cut from it. Last: it moves the shared stage-3 run."""
-    _, run, _, _, (name, _, _, _) = trained
+    _, run, _, _, (name, *_) = trained
     saved = run.save(tmp_path / 'stage3')
     p1 = Run(OPTIMIZERS[name].Copy().Set(name=name), 1, 2, 2, stage3=False).restore(saved)
     tp_optimizers.assert_same(tp_optimizers.contents(p1.save(tmp_path / 'p1')),
