@@ -87,13 +87,17 @@ def search_in_process(k: int, t: int, width: int, m: int, budget: int, start: in
 
 
 def measure_in_process(k: int, t: int, blocks: int, width: int, m: int) -> dict:
-    """The host allocator's peak over the trainer's third step (the first traces) of the LM;
-    the environment switched BFC on. The input's shuffle buffer (about 10 MiB of
+    """The host allocator's peak over the trainer's third step of the LM (measure_peak)."""
+    return measure_peak(lm_params(width, t, blocks, m, cells=k))
+
+
+def measure_peak(params) -> dict:
+    """The host allocator's peak over the trainer's third step (the first traces) of
+    `params`; the environment switched BFC on. The input's shuffle buffer (about 10 MiB of
     documents, host memory no accelerator would hold) is off."""
     import tensorflow as tf
     from trainer import runtime_options, train_job
 
-    params = lm_params(width, t, blocks, m, cells=k)
     params.input.train.shuffle_buffer = 0
     with tempfile.TemporaryDirectory() as train_dir:
         trainer = train_job.Trainer(params, train_dir, runtime_options.RuntimeOptions())
@@ -113,9 +117,10 @@ def measure_in_process(k: int, t: int, blocks: int, width: int, m: int) -> dict:
 
 
 def run_child(task: str, args: dict, devices: int, cap_bytes: int = 0,
-              timeout: float = 3600) -> dict:
-    """`task` ('search', 'predict' or 'measure') with `args` in a child of `devices` logical CPUs;
-    with `cap_bytes`, the BFC allocator on and capped there."""
+              timeout: float = 3600, script: str = __file__) -> dict:
+    """`task` ('search', 'predict' or 'measure') with `args` in a child of `devices` logical CPUs
+    (`script --child task devices args`, this file's by default); with `cap_bytes`, the BFC
+    allocator on and capped there."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
     env['PYTHONPATH'] = os.pathsep.join([repo, os.path.dirname(os.path.abspath(__file__))]
@@ -123,7 +128,7 @@ def run_child(task: str, args: dict, devices: int, cap_bytes: int = 0,
     if cap_bytes:
         env.update(TF_CPU_ALLOCATOR_USE_BFC='true',
                    TF_CPU_BFC_MEM_LIMIT_IN_MB=str(max(1, cap_bytes // MIB)))
-    cmd = [sys.executable, os.path.abspath(__file__), '--child', task, str(devices),
+    cmd = [sys.executable, os.path.abspath(script), '--child', task, str(devices),
            json.dumps(args)]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
                          cwd=repo)

@@ -439,3 +439,24 @@ def test_calibration_ignores_a_task_another_process_delayed():
                        64, None, source='x')
     assert fitted.forward_scale == pytest.approx(0.5, rel=1e-6)
     assert fitted.backward_scale == pytest.approx(2.0, rel=1e-6)
+
+
+def test_what_a_layers_forward_keeps_is_held_per_micro_batch_or_rebuilt_in_the_backward():
+    """A cell that does not recompute holds its layers' saved tensors (profiled) for every
+    micro-batch in flight; a recomputing one rebuilds them inside its backward task. The
+    layers' inputs and outputs stand in only where nothing was measured."""
+    from tfpipe.tuning.calibration import cell_costs
+    measured = [dataclasses.replace(p, saved_bytes_per_example=7e4) for p in _layers(4)]
+    b = 16 / 4
+    (never,) = cell_costs(measured, [4], 4, 16, 'never')
+    (always,) = cell_costs(measured, [4], 4, 16, 'always')
+    assert never.stash_bytes == b * 4 * 7e4
+    assert always.stash_bytes == b * 1e4  # the cell's input
+    assert always.working_bytes == b * 4 * 7e4 + 4 * 1e6
+    (unmeasured,) = cell_costs(_layers(4), [4], 4, 16, 'never')
+    assert unmeasured.stash_bytes == b * 4 * 2e4
+    peak = {name: max(planner.search(layers, 16, 1, _independent(), micro_batches=[4],
+                                     recompute=['never'], schedules=['fill_drain'])[0].peak_bytes)
+            for name, layers in (('measured', measured), ('unmeasured', _layers(4)))}
+    # Fill-drain on one cell: all 4 micro-batches in flight.
+    assert peak['measured'] - peak['unmeasured'] == pytest.approx(4 * b * 4 * (7e4 - 2e4))

@@ -41,3 +41,30 @@ def test_the_same_definition_fed_other_shapes_is_another_cost():
     assert profile._same_cost_key(renamed, x) == key  # noqa: SLF001
     assert profile._same_cost_key(layer, tf.zeros([4, 3, WIDTH])) != key  # noqa: SLF001
     assert profile._same_cost_key(layer, tf.zeros([4, WIDTH], tf.float64)) != key  # noqa: SLF001
+
+
+def test_a_matmul_keeps_its_input_and_a_relu_its_output_too():
+    """What the backward needs, read from the graph: x @ w keeps x (w is a weight, there
+    all step); with a relu, the activation too. Shared with identical layers."""
+    batch = 8
+    sample = tf.random.stateless_normal([batch, WIDTH], [0, 1])
+    prof = profile.profile_body(_body(), sample, '/CPU:0', [batch], timed=False)
+    row = WIDTH * 4.0
+    assert [p.saved_bytes_per_example for p in prof] == [row, row, 2 * row, row]
+    assert [p.kept_per_example() for p in prof] == [row, row, 2 * row, row]
+
+
+def test_a_transformer_block_keeps_its_attention_probabilities_beyond_its_output():
+    """The planner counted only layer inputs and outputs for what a cell keeps; a block
+    keeps its heads' [length, length] probabilities and its feed-forward's hidden
+    activations, many times its output. Without a measurement the old estimate remains."""
+    length, width, heads, hidden = 32, 16, 4, 64
+    block = layers.TransformerBlock.Params().Set(
+        name='block', model_dim=width, hidden_dim=hidden, num_heads=heads, causal=True)
+    sample = tf.random.stateless_normal([2, length, width], [0, 1])
+    (prof,) = profile.profile_body([block], sample, '/CPU:0', [2], timed=False)
+    probabilities = heads * length * length * 4.0
+    assert prof.saved_bytes_per_example >= probabilities + length * hidden * 4.0
+    assert prof.saved_bytes_per_example > 5 * prof.output_bytes_per_example
+    unmeasured = profile.LayerProfile('x', None, None, 0.0, 0.0, 3.0, 5.0)
+    assert unmeasured.kept_per_example() == 8.0

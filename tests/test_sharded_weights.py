@@ -29,7 +29,7 @@ from tests import test_tensor_parallel_optimizers as tp_optimizers
 from tests.test_sharded_gradients import PipelineRun
 from tests.test_sharded_optimizer import OPTIMIZERS
 from tfpipe import optimizers
-from tfpipe.pipeline import across_clients, sharding, ties
+from tfpipe.pipeline import sharding, ties
 
 STEPS = 4
 CLIP = 0.5  # PipelineRun's: below every step's norm here, so every step clips
@@ -165,29 +165,6 @@ def test_sharding_the_weights_frees_the_whole_copies():
     gc.collect()
     assert whole and all(ref() is None for ref in whole)
     assert {path for path, v in pipe.VariablesByPath().items() if not v.trainable} == kept
-
-
-def test_stage3_with_tensor_parallel_cells_across_clients_is_refused_in_one_line():
-    """In one process T > 1 is built (tests/test_sharded_weights_tensor_parallel.py);
-    across trainer clients it is not."""
-    pipe = tp_optimizers.pipeline(2, 1, 1)
-    pipe.JoinClients(across_clients.Peers(count=2, index=0))
-    with pytest.raises(ValueError, match=r"sharding='weights' with tensor_parallel > 1 across "
-                                         "trainer clients is not built: use 'gradients'") as e:
-        pipe.ShardWeights()
-    assert '\n' not in str(e.value)
-    assert pipe.weight_shards is None
-
-
-def test_regather_with_tensor_parallel_cells_under_cell_functions_is_refused_in_one_line():
-    """Unrolled it is built (tests/test_sharded_weights_tensor_parallel.py); with cell
-    functions the step hung."""
-    pipe = tp_optimizers.pipeline(2, 2, 2)
-    with pytest.raises(ValueError, match=r'regather_per_micro_batch with tensor_parallel > 1 '
-                                         'under cell functions is not built') as e:
-        pipe.ShardWeights(per_micro_batch=True)
-    assert '\n' not in str(e.value)
-    assert pipe.weight_shards is None
 
 
 @pytest.fixture(scope='module')

@@ -9,9 +9,11 @@ clipping active at every step). With Adam and with Adafactor (factored, momentum
 parameter scale), whose statistics are of the whole weight: a column-split weight's row
 moment sums over its T shards, each shard's over its R parts, so treating each shard
 as a weight of its own is off by 1e-3 in the loss and 30-60% in the factored moments.
-One point regathers per task (task.train.regather_per_micro_batch, unrolled: under cell
-functions it is refused). The model has no attention, so no weight has the exact zero gradient (a key bias's)
-whose rounding noise Adam would amplify.
+Two points regather per task (task.train.regather_per_micro_batch): unrolled, and under
+cell functions, whose calls of a tensor-parallel cell are stateful (collectives) and were
+chained across replicas by tf.function's automatic control dependencies, which deadlocked
+with the regather (cell_functions._unchained). The model has no attention, so no weight
+has the exact zero gradient (a key bias's) whose rounding noise Adam would amplify.
 """
 import numpy as np
 import pytest
@@ -28,6 +30,7 @@ STEPS = 3
 GRID = {  # name: (optimizer, K, pipeline params, regather_per_micro_batch)
     'adam_k1': ('adam', 1, {}, False),
     'regather_adam_k2_unrolled': ('adam', 2, {'cell_functions': False}, True),
+    'regather_adafactor_k2': ('adafactor', 2, {}, True),
     'adafactor_k1': ('adafactor', 1, {}, False),
     'adafactor_k2': ('adafactor', 2, {}, False)}
 
@@ -89,6 +92,23 @@ def test_each_gathered_shard_is_read_on_its_own_device(trained):
     assert reads and all(op.device == op.inputs[0].device for op in reads)
     shard_devices = {d for cell in run.pipe.cells for d in cell.shard_devices[1:]}
     assert shard_devices and shard_devices <= {op.device for op in reads}
+
+
+def test_no_cell_function_call_waits_for_another_task_but_through_its_inputs(trained):
+    """Under cell functions each forward call of a tensor-parallel cell (stateful: its
+    collectives) is ordered by its inputs alone (the executor's per-device order), not
+    chained after the previously built stateful op, which may be another replica's task
+    (with the per-task regather that chain deadlocked)."""
+    _, run, _, _, _ = trained
+    if not run.pipe.params.cell_functions:
+        pytest.skip('unrolled: no calls')
+    x, y = tp_optimizers.inputs(0)
+    graph = run._step.get_concrete_function(tf.cast(x, tf.float64), y).graph
+    calls = [op for op in graph.get_operations()
+             if op.type == 'StatefulPartitionedCall' and '/forward_' in op.name]
+    assert len(calls) == 2 * 2 * len(run.pipe.cells)  # R x M x K
+    assert all(not op.control_inputs for op in calls), [
+        (op.name, [c.name for c in op.control_inputs]) for op in calls]
 
 
 def test_checkpoint_is_the_unsharded_one_and_restores_into_the_parts(trained, tmp_path):

@@ -211,6 +211,7 @@ class FunctionalPipelineRun(PipelineRun):
             self.tapes[(k, m)] = (tape, x, [y], functions.aux_records(aux), theta)
         else:
             y, stats, aux = functions.forward(theta, x, offset, step)
+        _unchained(y)
         functions.record(stats, self.sinks[k])
         self.aux_forward[(k, m)] = functions.aux_records(aux)
         return y
@@ -231,6 +232,7 @@ class FunctionalPipelineRun(PipelineRun):
         aux_grads = [None if g is None else _opaque(g) for g in aux_losses.coefficients(
             self.aux_forward[(k, m)], self.aux_upstream, self.fractions[m])]
         dx, out, *stamp = functions.backward(theta, x, list(dy), offset, step, acc, aux_grads)
+        _unchained(out)
         if stamp:  # the recompute ended inside the call: the timeline's split
             self.recorder.split(k, m, BACKWARD, stamp=stamp[0])
         acc = [accumulate.add(s, _static_shape(g, t)) if gathered else g
@@ -288,6 +290,31 @@ class FunctionalPipelineRun(PipelineRun):
             with tf.control_dependencies([total]):
                 tf.raw_ops.StackCloseV2(handle=stack)
         return total
+
+
+def _unchained(call_outputs: Any) -> None:
+    """Frees the call of a cell function that returned `call_outputs` from the step's one
+    program-order chain, when it is in it.
+
+    tf.function's automatic control dependencies chain every stateful op that takes no
+    resource in the order it was built, one chain for the whole step. A function whose
+    body runs collectives (a tensor-parallel cell's) is stateful, so its calls were in
+    that chain, in the order the replicas' pipelines are built: replica 0's tasks, then
+    replica 1's. With ZeRO stage 3's per-task regather (sharded_weights.regatherers)
+    that deadlocked: replica 0's second task waits for its weights' all-gather, whose
+    replica-1 member runs after replica 1's first task, which the chain put after replica
+    0's second. The executor orders each device's tasks itself (`_scope`), and a call's
+    collectives have keys of their own, so the chain adds only waits: without it the
+    calls of a tensor-parallel cell run as a T=1 cell's (a stateless call, never
+    chained) do. A call that takes a resource (a gradient sum's stack) stays ordered
+    by it."""
+    manager = getattr(tf.compat.v1.get_default_graph(), 'experimental_acd_manager', None)
+    if manager is None:  # eagerly, or outside tf.function's control dependencies
+        return
+    for op in {t.op for t in tf.nest.flatten(call_outputs) if isinstance(t, tf.Tensor)}:
+        if op.type == 'StatefulPartitionedCall' and all(t.dtype != tf.resource
+                                                         for t in op.inputs):
+            manager.run_independently(op)
 
 
 # Ops whose gradient passes an IndexedSlices through, and ops that make one.

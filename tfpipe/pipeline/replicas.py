@@ -40,6 +40,13 @@ from tfpipe.pipeline.cell import Cell, cell_dtypes
 
 _lock = threading.Lock()
 _group_keys: dict[tuple[str, ...], int] = {}
+# Keys of this process's groups of its own devices (a replica's, a tensor-parallel cell's):
+# from 2**30 up, above the keys of the groups that span trainer clients (across_clients.
+# group_key), and 2**20 apart per task of the group's first device, because the collective
+# leader (client 0) resolves every client's groups by key: trainer clients of a tensor-
+# parallel pipeline each have a cell group of their own devices, which a shared key would
+# join into one (and the first device's group across clients, at a key below 2**30).
+_FIRST_LOCAL_GROUP_KEY, _GROUP_KEYS_PER_TASK = 2 ** 30, 2 ** 20
 _instance_keys = itertools.count(1)
 
 
@@ -117,11 +124,14 @@ def examples_of_group(batch: int, num_micro_batches: int, num_replicas: int, rep
 
 
 def group_key(devices: Sequence[str]) -> int:
-    """One collective group per set of devices, stable for the life of the process."""
+    """One collective group per set of devices, stable for the life of the process, its key
+    no other process's (trainer client's) group has."""
     key = tuple(devices)
     with _lock:
         if key not in _group_keys:
-            _group_keys[key] = len(_group_keys) + 1
+            task = tf.DeviceSpec.from_string(key[0]).task or 0
+            _group_keys[key] = (_FIRST_LOCAL_GROUP_KEY + task * _GROUP_KEYS_PER_TASK
+                                + len(_group_keys))
         return _group_keys[key]
 
 

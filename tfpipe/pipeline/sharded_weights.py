@@ -42,6 +42,9 @@ other here, cut into R parts over the replicas' copies of that shard's device an
 among them; one replica's parts of the T shards stand for the whole weight together
 (`_JoinedWholes`, through variable_shards.of), so checkpoints save it whole and Adafactor's
 whole-weight statistics are reduced over its T shards, each shard's over its R parts.
+Across trainer clients likewise, the R parts of a shard being the clients' parts on their
+copies of the shard's device: the shard's `_ClientWeight` is what the chief gathers and
+restores whole, and `_JoinedWholes` joins the T of them along the split axis.
 
 Expert parallelism (P > 1): replica r holds the E/P experts of rank r % P,
 so an expert weight is cut into R/P parts over the replicas holding the same experts
@@ -53,10 +56,6 @@ the P ranks' wholes, as expert_parallel.WholeExperts at stages 0-2), so a stage-
 checkpoint restores at P=1 unsharded and back. Across clients (client c holds rank c % P)
 likewise over the strided clients holding the same experts (`_clients`), each client's
 `_ClientWeight` one range of the whole over all E experts (shard_parts.client_bounds).
-
-Not built: T > 1 across trainer clients, and T > 1 with
-per_micro_batch under cell functions (the step hung; unrolled it is exact): each refused
-here.
 """
 from __future__ import annotations
 
@@ -117,7 +116,9 @@ class _WholeWeight(tf.Module):
 
 class _JoinedWholes(tf.Module):
     """A weight held as pieces along `axis`, each piece whole only over the replicas'
-    parts of it (`wholes`, _WholeWeight): a tensor-parallel weight's T shards
+    parts of it (`wholes`: _WholeWeight, or across trainer clients _ClientWeight, whole
+while the chief saves, its restored whole kept for the other clients): a tensor-parallel
+weight's T shards
     (variable_shards.ShardedWeight `split`), or an expert weight's P ranks (each rank's
     E/P experts, joined over the R/P replicas holding them). `shards` are the variables
     standing for the pieces (one replica's parts of the T shards, or replicas 0..P-1's
@@ -127,7 +128,7 @@ class _JoinedWholes(tf.Module):
     joined along `axis`) under `path`, as at stages 0-2."""
 
     def __init__(self, path: str, axis: int, parts: Sequence[tf.Variable],
-                 wholes: Sequence[_WholeWeight]):
+                 wholes: Sequence[_WholeWeight | _ClientWeight]):
         super().__init__(name=None)
         self.path, self.axis, self.dtype = path, axis, wholes[0].dtype
         self.sizes = [int(w.shape[axis]) for w in wholes]
@@ -145,7 +146,7 @@ class _JoinedWholes(tf.Module):
 
     def value(self) -> tf.Tensor:
         """The whole weight, joined on the first piece's device."""
-        values = [w.value() for w in self._wholes]
+        values = [w._serialize_to_tensors()['VARIABLE_VALUE'] for w in self._wholes]
         with tf.device(values[0].device):
             return tf.concat(values, self.axis)
 
@@ -154,7 +155,8 @@ class _JoinedWholes(tf.Module):
 
     def _restore_from_tensors(self, restored_tensors):
         pieces = tf.split(restored_tensors['VARIABLE_VALUE'], self.sizes, self.axis)
-        return tf.group([w.assign(piece) for w, piece in zip(self._wholes, pieces)])
+        return tf.group([w._restore_from_tensors({'VARIABLE_VALUE': piece})
+                         for w, piece in zip(self._wholes, pieces)])
 
 
 class _ClientWeight(variable_shards.ClientPart):
@@ -179,26 +181,16 @@ class _ClientWeight(variable_shards.ClientPart):
 
 class WeightShards:
     """Every replica's part of every trainable weight of `pipe` (a PipeliningLayer), which
-    it swaps into the pipeline's layers in place of the whole variables; refused (one
-    line) for what is not built. With `peers` the pipeline is trainer client
-    `peers.index`'s one replica of `peers.count`, which holds part `peers.index`."""
+    it swaps into the pipeline's layers in place of the whole variables. With `peers` the
+    pipeline is trainer client `peers.index`'s one replica of `peers.count`, which holds
+    part `peers.index` (of an expert weight, its part among the clients holding the same
+    experts)."""
 
     def __init__(self, pipe: Any, peers: across_clients.Peers | None = None,
                  per_micro_batch: bool = False):
         """per_micro_batch: recomputing cells regather their weights in each forward and
         backward task instead of once a step (task.train.regather_per_micro_batch)."""
         p = pipe.params
-        unbuilt = [what for what, on in (
-            ('tensor_parallel > 1 across trainer clients',
-             p.tensor_parallel > 1 and peers is not None),) if on]
-        if unbuilt:
-            raise ValueError(f"{pipe.path}: task.train.sharding='weights' with "
-                             f"{', '.join(unbuilt)} is not built: use 'gradients' there")
-        if per_micro_batch and p.tensor_parallel > 1 and p.cell_functions:
-            raise ValueError(f'{pipe.path}: task.train.regather_per_micro_batch with '
-                             'tensor_parallel > 1 under cell functions is not built (the step '
-                             'hung): set task.pipeline.cell_functions=False, or '
-                             'regather_per_micro_batch=False')
         whole = [{path: v for path, v in copy.items() if v.trainable}
                  for copy in pipe.ReplicaVariablesByPath()]
         self._peers = peers

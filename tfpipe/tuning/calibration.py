@@ -113,10 +113,11 @@ def cell_costs(profiles: Sequence[LayerProfile], balance: Sequence[int],
                buffers: Optional[Sequence[float]] = None) -> list[simulator.CellCosts]:
     """Per-micro-batch costs of each cell of one configuration.
 
-    Memory (bytes, an estimate from layer inputs and outputs): static = weights,
+    Memory (bytes, an estimate from the layer profiles): static = weights,
     optimizer slots and the gradient sums; stash = the cell input when
-    recomputing, else every layer's input and output; working = the
-    activations of one forward (recompute) plus one set of weight gradients.
+    recomputing, else what its layers' forwards keep for the backward
+    (`LayerProfile.kept_per_example`); working = that of one forward (recompute)
+    plus one set of weight gradients.
 
     With `tensor_parallel` T, the split share of each layer's per-example
     compute, weights and slots is divided by T (`LayerProfile.per_device`: the
@@ -144,8 +145,9 @@ def cell_costs(profiles: Sequence[LayerProfile], balance: Sequence[int],
         backward = sum(p.backward.per_example * b * p.per_device(t) for p in layers)
         backward_fixed = sum(p.backward.fixed for p in layers)
         params = sum(p.param_bytes * p.per_device(t) for p in layers)
-        activations = b * sum(p.input_bytes_per_example + p.output_bytes_per_example
-                              for p in layers)
+        # What the backward needs of one micro-batch's forward: held from forward to
+        # backward without recompute, rebuilt inside the backward task with it.
+        kept = b * sum(p.kept_per_example() for p in layers)
         cell_input = b * layers[0].input_bytes_per_example
         overhead = calibration.task_overhead
         keep = 1.0 if recomputes else calibration.keep_scale
@@ -156,8 +158,8 @@ def cell_costs(profiles: Sequence[LayerProfile], balance: Sequence[int],
         cells.append(simulator.CellCosts(
             time=time,
             static_bytes=2 * params + sum(p.slot_bytes * p.per_device(t) for p in layers),
-            stash_bytes=cell_input if recomputes else activations,
-            working_bytes=(activations if recomputes else 0.0) + params + held,
+            stash_bytes=cell_input if recomputes else kept,
+            working_bytes=(kept if recomputes else 0.0) + params + held,
             output_bytes=b * layers[-1].output_bytes_per_example, devices=t,
             width=_width(layers, t),
             collectives=sum(p.all_reduces for p in layers),

@@ -107,7 +107,9 @@ def cell_memory(profiles: Sequence[LayerProfile], cells: Sequence[CellLayout],
     without recompute already stashes, so those are taken out of it once: its
     measured `saved_bytes[k]` (what one micro-batch's forward keeps for its backward,
     inside the layers too: attention's probabilities, a feed-forward's hidden
-    activations) when given and not None, never less than its layers' outputs.
+    activations) when given and not None, never less than its layers' outputs. Without
+    measurements, the layers' profiled saved tensors (`LayerProfile.saved_bytes_per_example`,
+    else their outputs) stand for both.
     `input_bytes[k]`: cell k's measured input per micro-batch, in the compute dtype;
     else the profiled layer's (float32). `loss_gradient_bytes[k]`: what cell k keeps per
     micro-batch for the loss (the last cell's output gradient, taken at its forward),
@@ -119,17 +121,20 @@ def cell_memory(profiles: Sequence[LayerProfile], cells: Sequence[CellLayout],
         weights = sum(p.param_bytes for p in layers)
         static = 2 * weights + sum(p.slot_bytes for p in layers) / slot_shards
         outputs = micro_batch_size * sum(p.output_bytes_per_example for p in layers)
+        kept = micro_batch_size * sum(p.output_bytes_per_example
+                                      if p.saved_bytes_per_example is None
+                                      else p.saved_bytes_per_example for p in layers)
         if cell.recompute:
             if input_bytes is not None:
                 stash = input_bytes[k]
             else:
                 stash = micro_batch_size * layers[0].input_bytes_per_example if layers else 0.0
-            working = outputs if working_bytes is None else working_bytes[k]
+            working = kept if working_bytes is None else working_bytes[k]
         else:
             if saved_bytes is not None and saved_bytes[k] is not None:
                 stash = max(saved_bytes[k], outputs)
             else:
-                stash = outputs
+                stash = kept
             working = 0.0 if working_bytes is None else max(working_bytes[k] - stash, 0.0)
         if loss_gradient_bytes is not None:  # the measured working set's output gradient
             stash += loss_gradient_bytes[k]

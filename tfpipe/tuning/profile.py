@@ -64,10 +64,19 @@ class LayerProfile:
     output_bytes_per_example: float
     split_fraction: float = 0.0
     all_reduces: int = 0
+    # What one example's forward keeps for the backward (saved_bytes); None: not measured.
+    saved_bytes_per_example: Optional[float] = None
 
     def per_device(self, tensor_parallel: int) -> float:
         """The share of the layer's weights and compute on a cell's home device at T."""
         return 1.0 - self.split_fraction + self.split_fraction / tensor_parallel
+
+    def kept_per_example(self) -> float:
+        """Bytes per example held from the forward to the backward without recompute: the
+        measured saved tensors, else the layer's input and output."""
+        if self.saved_bytes_per_example is not None:
+            return self.saved_bytes_per_example
+        return self.input_bytes_per_example + self.output_bytes_per_example
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -137,6 +146,55 @@ def forward_backward(apply: Callable[[Any, Any], Any]) -> Callable[[Any, Any], t
         # Embedding lookups give IndexedSlices; the pipeline densifies them too.
         return [tf.convert_to_tensor(g) for g in grads], y
     return fwd_bwd
+
+
+# Ops whose output shares its input's buffer, and ops that read only their input's shape.
+_ALIASING = frozenset({'Identity', 'Reshape', 'ExpandDims', 'Squeeze', 'StopGradient'})
+_SHAPE_ONLY = frozenset({'Shape', 'ShapeN', 'Size', 'Rank'})
+
+
+def saved_bytes(apply: Callable[[Any, Any], Any], theta: Any, x: Any) -> float:
+    """Bytes the forward of `apply(theta, x)` keeps for its backward, read from the traced
+    graph of both: the forward's tensors (and float inputs) that a gradient op consumes,
+    each buffer once (a reshape shares its input's), weights excluded (they live all step).
+
+    Why: a cell that does not recompute holds these for every micro-batch in flight, and a
+    recomputing one holds them for the cell during its backward. A Transformer block keeps
+    its attention probabilities and feed-forward activations, 10-40x its output, so
+    counting only layer inputs and outputs let the planner accept layouts that do not fit.
+    Read from the graph before grappler's rewrites, so it needs no allocator statistics."""
+    found: list[float] = []
+
+    @tf.function
+    def trace(theta, v):
+        graph = tf.compat.v1.get_default_graph()
+        leaves = float_leaves(v) + tf.nest.flatten(theta)
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(leaves)
+            first = len(graph.get_operations())
+            y = apply(theta, v)
+            forward = set(graph.get_operations()[first:])
+        outs = float_leaves(y)
+        seeds = [tf.ones(o.shape, o.dtype) for o in outs]
+        start = len(graph.get_operations())
+        tape.gradient(outs, leaves, output_gradients=seeds,
+                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        kept: dict[Any, tf.Tensor] = {}
+        for op in graph.get_operations()[start:]:
+            if op.type in _SHAPE_ONLY:
+                continue
+            for t in op.inputs:
+                while t.op.type in _ALIASING and t.op.inputs:
+                    t = t.op.inputs[0]
+                if (t.op in forward and t.op.type not in ('Const', 'ReadVariableOp')) or (
+                        t.op.type == 'Placeholder' and t.dtype.is_floating):
+                    kept[t.ref()] = t
+        found.append(float(sum(t.shape.num_elements() * t.dtype.size for t in kept.values()
+                               if t.shape.is_fully_defined())))
+        return 0
+
+    trace.get_concrete_function(theta, x)
+    return found[-1]
 
 
 def _timings(apply: Callable[[Any, Any], Any], theta: Any, x: Any, sizes: Sequence[int],
@@ -212,16 +270,19 @@ def profile_body(body: Sequence[Params], sample: Any, device: str,
         with fprop_context.scope(training=True, step=tf.constant(0, tf.int64),
                                  batch_stats=sink):
             timed_by_key: dict[str, tuple[list[float], list[float]]] = {}
-            for layer in seq.layers:
+            saved_by_key: dict[str, float] = {}
+            for index, layer in enumerate(seq.layers):
                 def apply(theta, v, layer=layer):
                     return apply_layer(layer, theta, v)
+                key = _same_cost_key(layer, x) if share_identical else str(index)
                 if timed:
-                    key = _same_cost_key(layer, x) if share_identical else str(len(timings))
                     if key not in timed_by_key:
                         timed_by_key[key] = _timings(apply, layer.theta, x, sizes, repeats)
                     timings.append(timed_by_key[key])
+                if key not in saved_by_key:
+                    saved_by_key[key] = saved_bytes(apply, layer.theta, x) / sizes[-1]
                 y = apply(layer.theta, x)
-                shapes.append((_bytes_per_example(x), _bytes_per_example(y)))
+                shapes.append((_bytes_per_example(x), _bytes_per_example(y), saved_by_key[key]))
                 x = y
 
             if timed:
@@ -238,8 +299,8 @@ def profile_body(body: Sequence[Params], sample: Any, device: str,
     else:
         forwards = backwards = [None] * len(seq.layers)
     profiles = []
-    for layer, forward, backward, (in_bytes, out_bytes) in zip(seq.layers, forwards, backwards,
-                                                                shapes):
+    for layer, forward, backward, (in_bytes, out_bytes, saved) in zip(
+            seq.layers, forwards, backwards, shapes):
         variables = layer.trainable_variables
         split_fraction, all_reduces = tensor_split.layer_split(layer)
         profiles.append(LayerProfile(
@@ -247,7 +308,8 @@ def profile_body(body: Sequence[Params], sample: Any, device: str,
             param_bytes=float(sum(v.shape.num_elements() * v.dtype.size for v in variables)),
             slot_bytes=slot_bytes_of(optimizer, variables),
             input_bytes_per_example=in_bytes, output_bytes_per_example=out_bytes,
-            split_fraction=split_fraction, all_reduces=all_reduces))
+            split_fraction=split_fraction, all_reduces=all_reduces,
+            saved_bytes_per_example=saved))
     return profiles
 
 

@@ -41,8 +41,7 @@ def stages(replicas: int) -> tuple[str, ...]:
     a cell's weights per device are its shards' (`LayerProfile.per_device`), which stage 3
     cuts into R parts and gathers among the R replicas holding the same shard; with P > 1
     an expert weight into R/P parts among the replicas holding the same experts, as its
-    peak is costed here (`peak_delta`). Across trainer clients the trainer refuses stage 3
-    with T > 1."""
+    peak is costed here (`peak_delta`); in one process and across trainer clients."""
     return STAGES if replicas > 1 else ()
 
 
