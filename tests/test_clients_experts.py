@@ -11,11 +11,15 @@ second half of the run is 4 clients that restore the chief's checkpoint (the non
 given empty logdirs, must receive their experts' rows and slot parts from the chief): two
 expert groups, each expert's gradient reduce-scattered over the 2 clients that hold it
 (ZeRO stage 2: its slots sharded over those 2, the others' over all 4), against the
-unsharded reference: resumed at another stage, as the uninterrupted run. oneDNN is off in
-every process; every process is stopped by its PID in teardown.
+unsharded reference: resumed at another stage, as the uninterrupted run. Beside it, 4
+clients at ZeRO stage 3 resume a copy of the same checkpoint: each cuts its part of every
+weight from the chief's, an expert weight's over the 2 clients holding its experts, and
+they reach the same step-4 state. oneDNN is off in every process; every process is
+stopped by its PID in teardown.
 """
 import os
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -29,6 +33,7 @@ EXACT = {'TF_ENABLE_ONEDNN_OPTS': '0'}
 EXPERTS = {'task.pipeline.expert_parallel': 2}
 SLOT_BYTES = re.compile(r'optimizer slots: (\d+) bytes per replica in this process, (\d+) '
                         'unsharded')
+WEIGHT_BYTES = re.compile(r'weights: (\d+) bytes per replica, (\d+) unsharded')
 
 
 def _flags(steps: int, **overrides) -> list[str]:
@@ -55,14 +60,19 @@ def runs(tmp_path_factory, data_dir, processes):
         STEPS, **{'task.pipeline.num_replicas': 2})), environ=EXACT)
     d['first_stderr'] = th.finish(first, timeout=600)
     assert not os.path.exists(others[0])
-    for other in others:
+    d['stage3'] = [str(root / f'stage3_{i}') for i in range(4)]
+    shutil.copytree(d['chief'], d['stage3'][0])  # the step-2 checkpoint, resumed twice
+    for other in [*others, *d['stage3'][1:]]:
         os.makedirs(other)  # empty: the non-chiefs have no access to the chief's logdir
     # Resumed by 4 clients: two expert groups, and the expert gradients summed over the
     # pairs of clients that hold the same experts. The checkpoint's 4 micro-batches are
     # kept (M=1 each), so the steps are the reference's.
     second = _start_clients(processes, [d['chief'], *others], data_dir, *_flags(
         STEPS, **{'task.train.sharding': 'gradients'}))
-    d['second_stderr'] = th.finish([*second, reference], timeout=600)[:-1]
+    stage3 = _start_clients(processes, d['stage3'], data_dir, *_flags(
+        STEPS, **{'task.train.sharding': 'weights'}))
+    stderr = th.finish([*second, *stage3, reference], timeout=600)
+    d['second_stderr'], d['stage3_stderr'] = stderr[:4], stderr[4:8]
     d['others'] = others
     return d
 
@@ -81,22 +91,44 @@ def test_expert_clients_train_as_one_process_and_save_every_expert_whole(runs):
                                rtol=1e-5)
     assert min(norms[1].values()) > 1.0  # above the LM's clip: clipping was active
     for step in (STEPS // 2, STEPS):
-        actual = th.checkpoint_state(runs['chief'], step)
-        expected = th.checkpoint_state(runs['reference'], step)
-        assert actual.keys() == expected.keys()
-        experts = [n for n in expected if re.search(r'moe(\.S|-)[wb][io]/', n)]
-        assert len(experts) == 12  # wi, wo, bi, bo and their m and v, with all 8 experts:
-        assert all(actual[n].shape[0] == 8 for n in experts)
-        for name in expected:
-            if re.search(r'atten(\.S|-)key(\.S|-)b/', name):
-                # A softmax ignores a bias added to every key: its gradient is rounding
-                # noise, summed in another order by 4 clients, which Adam scales to steps
-                # of lr. Zero in exact arithmetic; here small, not equal.
-                assert np.abs(actual[name]).max() < 1e-4, name
-                continue
-            np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5, atol=1e-6,
-                                       err_msg=f'ckpt-{step} {name}')
+        _assert_checkpoint_equal(runs['chief'], runs['reference'], step)
     assert all(os.listdir(other) == [] for other in runs['others'])  # only the chief wrote
+
+
+def _assert_checkpoint_equal(chief: str, reference: str, step: int) -> None:
+    """The chief's checkpoint of `step` holds the reference's keys, every expert weight and
+    slot whole (all 8 experts), and its values within 1e-5."""
+    actual = th.checkpoint_state(chief, step)
+    expected = th.checkpoint_state(reference, step)
+    assert actual.keys() == expected.keys()
+    experts = [n for n in expected if re.search(r'moe(\.S|-)[wb][io]/', n)]
+    assert len(experts) == 12  # wi, wo, bi, bo and their m and v, with all 8 experts:
+    assert all(actual[n].shape[0] == 8 for n in experts)
+    for name in expected:
+        if re.search(r'atten(\.S|-)key(\.S|-)b/', name):
+            # A softmax ignores a bias added to every key: its gradient is rounding
+            # noise, summed in another order by 4 clients, which Adam scales to steps
+            # of lr. Zero in exact arithmetic; here small, not equal.
+            assert np.abs(actual[name]).max() < 1e-4, name
+            continue
+        np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5, atol=1e-6,
+                                   err_msg=f'ckpt-{step} {name}')
+
+
+def test_expert_clients_at_stage_3_resume_and_train_as_one_process(runs):
+    """4 clients at sharding='weights', P=2, resumed from the stage-1 step-2 checkpoint:
+    losses of steps 3-4 and the chief's step-4 checkpoint equal the unsharded one-process
+    reference's; each client holds under half the weights of an unsharded replica
+    between steps (its E/P experts' over 2 clients, the rest over 4: 1/4 of all E's)."""
+    got = th.losses_by_step(os.path.join(runs['stage3'][0], 'train'))
+    want = th.losses_by_step(os.path.join(runs['reference'], 'train'))
+    assert sorted(got)[-2:] == [3, 4], got
+    np.testing.assert_allclose([got[s] for s in (3, 4)], [want[s] for s in (3, 4)],
+                               rtol=1e-5)
+    _assert_checkpoint_equal(runs['stage3'][0], runs['reference'], STEPS)
+    assert all(os.listdir(other) == [] for other in runs['stage3'][1:])  # only the chief wrote
+    sizes = [tuple(map(int, WEIGHT_BYTES.findall(err)[-1])) for err in runs['stage3_stderr']]
+    assert all(mine < whole / 2 for mine, whole in sizes), sizes
 
 
 def test_expert_clients_hold_part_of_the_optimizer_slots(runs):

@@ -149,10 +149,6 @@ BAD_STAGES = {
                 "unknown task.train.sharding='gradient' (did you mean 'gradients'?)"),
     'one_client': ('trainer', 1, 0, {'task.train.sharding': 'gradients'},
                    "task.train.sharding='gradients' with 1 replica does nothing"),
-    'experts': ('trainer', 2, 0, {'task.train.sharding': 'weights',
-                                  'task.pipeline.expert_parallel': 2},
-                "task.train.sharding='weights' with task.pipeline.expert_parallel=2 is "
-                'not built'),
     'workers': ('worker', 2, None, {'task.train.sharding': 'weights',
                                     'task.pipeline.num_replicas': 1},
                 "task.train.sharding='weights' with 1 replica does nothing"),

@@ -188,17 +188,24 @@ def test_the_trainer_measures_a_p2_model_s_configuration_as_one_replica_at_p1():
     assert (pipe.num_replicas, pipe.params.expert_parallel) == (1, 1)
 
 
-def test_stages_1_and_2_at_p2_hold_the_slots_the_sharded_optimizer_holds(body):
-    """At P=2 of R=4 the planner offers stages 1 and 2 (not 3, which the trainer refuses).
-    From stage 1 on a member holds 1/R of P=1's slots (its E/P experts' slots over the R/P
-    replicas holding them, the rest over R), as the trainer's ShardedOptimizer does."""
+def test_every_stage_at_p2_holds_the_slots_and_weights_the_trainer_holds(body):
+    """At P=2 of R=4 the planner offers every stage. From stage 1 on a member holds 1/R of
+    P=1's slots (its E/P experts' slots over the R/P replicas holding them, the rest over
+    R), as the trainer's ShardedOptimizer does; at stage 3 likewise 1/R of P=1's weights
+    beside the gathered cell, as its WeightShards hold them."""
     from tfpipe.pipeline.sharded_optimizer import ShardedOptimizer
     _, profiles, experts = body
     configs = planner.search(profiles, BATCH, 1, planner.DeviceProfile(simulator.DeviceModel()),
                              experts=experts, expert_parallel=[2], replicas=R,
                              micro_batches=(2,), recompute=('always',), schedules=('1f1b',))
     by_stage = {c.sharding: c for c in configs}
-    assert set(by_stage) == {'none', 'optimizer_states', 'gradients'}
+    assert set(by_stage) == {'none', 'optimizer_states', 'gradients', 'weights'}
+    parts = sum(p.param_bytes for p in profiles) / R
+    assert max(by_stage['weights'].peak_bytes) - max(by_stage['gradients'].peak_bytes) == \
+        pytest.approx(parts, rel=1e-12)
+    sharded = pipeline(2, R, 1)
+    sharded.ShardWeights()
+    assert sharded.weight_shards.Bytes()[0] == pytest.approx(parts, rel=0.02)  # padded parts
     unsharded = sum(p.slot_bytes for p in expert_parallel_memory.cut(profiles,
                                                                      experts.fractions, 2))
     held = sum(p.slot_bytes for p in profiles) / R

@@ -49,10 +49,10 @@ def test_a_budget_only_a_sharded_stage_fits_picks_it():
     assert 'gradients' in planner.format_table([best])
 
 
-def test_weights_are_offered_with_tensor_parallel_cells_not_expert_parallel_ones():
+def test_weights_are_offered_with_tensor_parallel_cells():
+    """And with expert-parallel ones (tests/test_planner_expert_parallel.py)."""
     assert 'weights' in {c.sharding for c in _search()}  # tied weights too (ties.py)
-    assert sharding_plan.stages(R, expert_parallel=2) == ('none', 'optimizer_states',
-                                                          'gradients')
+    assert sharding_plan.stages(R) == ('none', 'optimizer_states', 'gradients', 'weights')
     configs = planner.search(tp_layers(), 16, 2, planner.DeviceProfile(DEVICE),
                              micro_batches=(4,), recompute=('always',), schedules=('1f1b',),
                              replicas=R, tensor_parallel=(2,), cells=[1])

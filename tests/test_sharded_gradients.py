@@ -144,20 +144,14 @@ def test_the_older_switch_means_optimizer_states():
     assert sharding.stage_of(_train_params(sharding='gradients'), 4) == 'gradients'
 
 
-def test_stage_3_with_expert_parallelism_is_refused_in_one_line():
-    with pytest.raises(ValueError, match=r"expert_parallel=2 is not built: stages "
-                                         r"\['optimizer_states', 'gradients'\] work") as e:
-        sharding.stage_of(_train_params(sharding='weights'), 4, 2)
-    assert '\n' not in str(e.value)
-    assert sharding.stage_of(_train_params(), 4, 2) == 'none'
-
-
 @pytest.mark.parametrize('values,stage', [({'sharding': 'optimizer_states'}, 'optimizer_states'),
                                           ({'shard_optimizer_states': True}, 'optimizer_states'),
-                                          ({'sharding': 'gradients'}, 'gradients')])
-def test_stages_1_and_2_with_expert_parallelism_are_built(values, stage):
-    """In one process (test_expert_parallel_sharded_optimizer.py) and across trainer
-    clients (test_clients_experts.py), also with as many clients as experts' ranks."""
+                                          ({'sharding': 'gradients'}, 'gradients'),
+                                          ({'sharding': 'weights'}, 'weights')])
+def test_every_stage_with_expert_parallelism_is_built(values, stage):
+    """In one process (test_expert_parallel_sharded_optimizer.py, test_sharded_weights_
+    experts.py) and across trainer clients (test_clients_experts.py), also with as many
+    clients as experts' ranks."""
     assert sharding.stage_of(_train_params(**values), 4, expert_parallel=2) == stage
     assert sharding.stage_of(_train_params(**values), 2, expert_parallel=2) == stage
 

@@ -51,9 +51,9 @@ def whole_slots(variables: Variables, slots: dict,
     optimizers), or a trainer client's expert rows (ClientSlices), whose slots are saved
     whole from every client's rows. A slot is a tf.Variable or anything with its shape,
     dtype, device, read_value and assign (the sharded optimizer's)."""
-    key_of = {id(var): (slots_, slot_key(path))
+    key_of = {id(var): (slots_, slot_key(path))  # only where those slots are held
               for variables_, slots_ in [*others, (variables, slots)]
-              for path, var in variables_.items()}
+              for path, var in variables_.items() if slot_key(path) in slots_}
     out: dict = {}
     for path, var in variables.items():
         sharded = variable_shards.checkpointed_as(var)

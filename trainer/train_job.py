@@ -125,9 +125,11 @@ class Trainer:
         self.replica_variables = [{p: v for p, v in copy.items() if v.trainable}
                                   for copy in self.task.pipe.ReplicaVariablesByPath()]
         self.variables = self.replica_variables[0]
-        # A client's experts: checkpointed whole (before the optimizer's slots are joined).
+        # A client's experts: checkpointed whole (before the optimizer's slots are joined;
+        # at stage 3 as its weight parts, by the weight shards).
         experts = (expert_parallel.ClientExperts(peers, self.task.VariablesByPath())
-                   if peers is not None and peers.expert_parallel > 1 else None)
+                   if peers is not None and peers.expert_parallel > 1
+                   and stage != sharding.WEIGHTS else None)
         if stage != sharding.NONE:
             if stage == sharding.GRADIENTS:
                 self.task.pipe.DeferGradientSum()  # reduce-scattered by the optimizer

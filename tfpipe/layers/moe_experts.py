@@ -52,16 +52,22 @@ class ExpertStack:
         self._act = activation
         p, rank = self.group.size, self.group.rank
         local = num_experts // p
-        self.variables: list[tf.Variable] = []  # at any P (P=1 marks none as experts)
+        self._layer = layer
         for name, (shape_of, init) in _WEIGHTS.items():
             var = layer.CreateVariable(name, shape_of(local, model_dim, hidden_dim), init)
-            self.variables.append(var)
             if p > 1:  # this member's slice of the whole P=1 initial value
                 expert_parallel.mark_expert_variable(var)
                 whole = initializers.get(init)(
                     shape_of(num_experts, model_dim, hidden_dim), var.dtype,
                     initializers.seed_for(layer._seed, f'{layer.path}/{name}'))
                 var.assign(whole[rank * local:(rank + 1) * local])
+
+    @property
+    def variables(self) -> list[tf.Variable]:
+        """The expert weights as the layer holds them now, at any P (P=1 marks none as
+        experts). Read by name, never kept here: ZeRO stage 3 swaps them for parts
+        (tfpipe/pipeline/sharded_weights.py), and a reference would keep the whole ones."""
+        return [self._layer.theta[name] for name in _WEIGHTS]
 
     def FProp(self, theta: dict, slots: tf.Tensor) -> tf.Tensor:
         """The experts' outputs [E, C, D] for this member's slots [E, C, D]."""

@@ -215,8 +215,8 @@ class PipeliningLayer(BaseLayer):
         a step (sharded_weights.py), or with `per_micro_batch` by every forward and
         backward task of a recomputing cell; the gradients are left for the
         reduce-scatter."""
-        self.weight_shards = sharded_weights.WeightShards(self, self._peers,
-                                                          per_micro_batch)
+        self.weight_shards = sharded_weights.WeightShards(self, self._peers, per_micro_batch)
+        self._whole_experts = None  # the parts save the experts whole: free the old copies
         self.DeferGradientSum()
 
     @contextlib.contextmanager

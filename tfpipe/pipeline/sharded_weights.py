@@ -40,13 +40,22 @@ is folded onto the owner's before the reduce-scatter, as unsharded.
 Tensor-parallel cells (T > 1): each shard variable of a split weight is a weight like any
 other here, cut into R parts over the replicas' copies of that shard's device and gathered
 among them; one replica's parts of the T shards stand for the whole weight together
-(`_SplitParts`, through variable_shards.of), so checkpoints save it whole and Adafactor's
+(`_JoinedWholes`, through variable_shards.of), so checkpoints save it whole and Adafactor's
 whole-weight statistics are reduced over its T shards, each shard's over its R parts.
 Across trainer clients likewise, the R parts of a shard being the clients' parts on their
 copies of the shard's device: the shard's `_ClientWeight` is what the chief gathers and
-restores whole, and `_SplitParts` joins the T of them along the split axis.
+restores whole, and `_JoinedWholes` joins the T of them along the split axis.
 
-Not built: expert parallelism, refused here.
+Expert parallelism (P > 1): replica r holds the E/P experts of rank r % P,
+so an expert weight is cut into R/P parts over the replicas holding the same experts
+(expert_parallel.expert_data_parallel: r % P, r % P + P, ...), gathered among them only
+(one more all-gather group per rank), its gradient reduce-scattered among them (the
+optimizer sees the parts marked as expert variables); with R = P a rank's weight is one
+part, never gathered. Checkpoints save it whole over all E experts (`_JoinedWholes` of
+the P ranks' wholes, as expert_parallel.WholeExperts at stages 0-2), so a stage-3 P=2
+checkpoint restores at P=1 unsharded and back. Across clients (client c holds rank c % P)
+likewise over the strided clients holding the same experts (`_clients`), each client's
+`_ClientWeight` one range of the whole over all E experts (shard_parts.client_bounds).
 """
 from __future__ import annotations
 
@@ -59,8 +68,8 @@ import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
 from tfpipe import variable_shards
-from tfpipe.pipeline import across_clients, replicas, ties
-from tfpipe.pipeline.shard_parts import shard_bounds
+from tfpipe.pipeline import across_clients, expert_parallel, replicas, ties
+from tfpipe.pipeline.shard_parts import client_bounds, join_rows, shard_bounds
 
 __all__ = ['WeightShards']
 
@@ -105,22 +114,27 @@ class _WholeWeight(tf.Module):
         return self.assign(restored_tensors['VARIABLE_VALUE'])
 
 
-class _SplitParts(tf.Module):
-    """One replica's parts of the T shards of a tensor-parallel weight (variable_shards.
-    ShardedWeight `split`), for `variable_shards.of` (split_as): `shards` are the parts in
-    shard order, which an update reading whole-weight statistics takes together; the
-    weight saves whole (each shard's parts joined over the replicas, `wholes`, then the
-    shards joined along the split axis) under the whole weight's key, as at stages 0-2.
-    Each of `wholes` saves and restores one shard whole: a `_WholeWeight`, or across
-    trainer clients a `_ClientWeight` (whole while the chief saves, and its restored
-    whole kept for the other clients)."""
+class _JoinedWholes(tf.Module):
+    """A weight held as pieces along `axis`, each piece whole only over the replicas'
+    parts of it (`wholes`: _WholeWeight, or across trainer clients _ClientWeight, whole
+while the chief saves, its restored whole kept for the other clients): a tensor-parallel
+weight's T shards
+    (variable_shards.ShardedWeight `split`), or an expert weight's P ranks (each rank's
+    E/P experts, joined over the R/P replicas holding them). `shards` are the variables
+    standing for the pieces (one replica's parts of the T shards, or replicas 0..P-1's
+    parts of the expert weight), in order: for `variable_shards.of` (split_as), where an
+    update reading whole-weight statistics takes them together, and for the optimizer's
+    whole slots (optimizers.whole_slots). The weight saves whole (the pieces' wholes
+    joined along `axis`) under `path`, as at stages 0-2."""
 
-    def __init__(self, split: variable_shards.ShardedWeight, parts: Sequence[tf.Variable],
+    def __init__(self, path: str, axis: int, parts: Sequence[tf.Variable],
                  wholes: Sequence[_WholeWeight | _ClientWeight]):
         super().__init__(name=None)
-        self.path, self.axis, self.shape, self.dtype = (split.path, split.axis, split.shape,
-                                                       split.dtype)
-        self.sizes = split.sizes
+        self.path, self.axis, self.dtype = path, axis, wholes[0].dtype
+        self.sizes = [int(w.shape[axis]) for w in wholes]
+        shape = list(wholes[0].shape)
+        shape[axis] = sum(self.sizes)
+        self.shape = tf.TensorShape(shape)
         self._parts, self._wholes = list(parts), list(wholes)
 
     @property
@@ -130,10 +144,14 @@ class _SplitParts(tf.Module):
     def _trackable_children(self, save_type='checkpoint', **kwargs):  # saved by value only
         return {}
 
-    def _serialize_to_tensors(self):
+    def value(self) -> tf.Tensor:
+        """The whole weight, joined on the first piece's device."""
         values = [w._serialize_to_tensors()['VARIABLE_VALUE'] for w in self._wholes]
         with tf.device(values[0].device):
-            return {'VARIABLE_VALUE': tf.concat(values, self.axis)}
+            return tf.concat(values, self.axis)
+
+    def _serialize_to_tensors(self):
+        return {'VARIABLE_VALUE': self.value()}
 
     def _restore_from_tensors(self, restored_tensors):
         pieces = tf.split(restored_tensors['VARIABLE_VALUE'], self.sizes, self.axis)
@@ -142,62 +160,76 @@ class _SplitParts(tf.Module):
 
 
 class _ClientWeight(variable_shards.ClientPart):
-    """A trainer client's part of one weight: elements [index*s, (index+1)*s) of the
-    flattened whole (s = the part's size; zero-padded past the end)."""
+    """A trainer client's part of one weight: elements `bounds[index]` of the flattened
+    whole of `shape` (zero-padded to the part's size), `bounds` every client's
+    (shard_parts.client_bounds: an expert weight's whole is over all E experts, each
+    client's range in its rank's experts)."""
 
-    def __init__(self, path: str, part: tf.Variable, shape: tf.TensorShape, index: int):
+    def __init__(self, path: str, part: tf.Variable, shape: tf.TensorShape, index: int,
+                 bounds: list[tuple[int, int]]):
         super().__init__(path, part, shape)
-        self.index = index
+        self.index, self.bounds = index, bounds
 
     def cut(self, whole: tf.Tensor) -> tf.Tensor:
-        size, n = int(self.part.shape[0]), self.shape.num_elements()
-        piece = tf.reshape(whole, [-1])[self.index * size:(self.index + 1) * size]
-        return tf.pad(piece, [[0, size - max(0, min(n - self.index * size, size))]])
+        start, stop = self.bounds[self.index]
+        piece = tf.reshape(whole, [-1])[start:stop]
+        return tf.pad(piece, [[0, int(self.part.shape[0]) - (stop - start)]])
 
     def join(self, parts: tf.Tensor) -> tf.Tensor:
-        return tf.reshape(tf.reshape(parts, [-1])[:self.shape.num_elements()], self.shape)
+        return tf.reshape(join_rows(parts, self.bounds), self.shape)
 
 
 class WeightShards:
     """Every replica's part of every trainable weight of `pipe` (a PipeliningLayer), which
-    it swaps into the pipeline's layers in place of the whole variables; refused (one
-    line) for what is not built. With `peers` the pipeline is trainer client
-    `peers.index`'s one replica of `peers.count`, which holds part `peers.index`."""
+    it swaps into the pipeline's layers in place of the whole variables. With `peers` the
+    pipeline is trainer client `peers.index`'s one replica of `peers.count`, which holds
+    part `peers.index` (of an expert weight, its part among the clients holding the same
+    experts)."""
 
     def __init__(self, pipe: Any, peers: across_clients.Peers | None = None,
                  per_micro_batch: bool = False):
         """per_micro_batch: recomputing cells regather their weights in each forward and
         backward task instead of once a step (task.train.regather_per_micro_batch)."""
         p = pipe.params
-        unbuilt = [what for what, on in (
-            ('expert_parallel > 1', p.expert_parallel > 1 or (
-                peers is not None and peers.expert_parallel > 1)),) if on]
-        if unbuilt:
-            raise ValueError(f"{pipe.path}: task.train.sharding='weights' with "
-                             f"{', '.join(unbuilt)} is not built: use 'gradients' there")
         whole = [{path: v for path, v in copy.items() if v.trainable}
                  for copy in pipe.ReplicaVariablesByPath()]
         self._peers = peers
-        self.num_shards = peers.count if peers else len(whole)
-        index = [peers.index] if peers else list(range(len(whole)))  # each local part's
         self.per_micro_batch = per_micro_batch
         self.shapes = {path: tf.TensorShape(v.shape) for path, v in whole[0].items()}
-        self.parts = [{path: self._part(index[r], var) for path, var in copy.items()}
+        # [local replica] -> the local replicas whose parts of a weight make it whole (its
+        # all-gather group): every replica, or for an expert weight (P > 1) the R/P
+        # holding the same experts (expert_parallel.expert_data_parallel).
+        count, experts = len(whole), peers.expert_parallel if peers else p.expert_parallel
+        expert = {path: experts > 1 and expert_parallel.is_expert_variable(var)
+                  for path, var in whole[0].items()}
+        self._members = {path: [tuple(expert_parallel.expert_data_parallel(count, experts, r))
+                                if expert[path] else tuple(range(count)) for r in range(count)]
+                         for path in expert}
+        # Across clients, likewise the clients: () for all, or an expert weight's strided
+        # set holding the same experts (ascending, this client among them).
+        self._clients = {path: tuple(expert_parallel.expert_data_parallel(
+            peers.count, experts, peers.index)) if peers and expert[path] else ()
+            for path in expert}
+        self.parts = [{path: self._part(path, r, var) for path, var in copy.items()}
                       for r, copy in enumerate(whole)]
-        # The replicas' copies of one variable: one all-gather group (a cell's devices).
-        self._devices = {path: tuple(copy[path].device for copy in self.parts)
-                         for path in self.shapes}
+        for copy in self.parts:  # an expert part's gradient sums over its group only
+            for path, part in copy.items():
+                if expert[path]:
+                    expert_parallel.mark_expert_variable(part)
         self._path_of = {id(part): path for copy in self.parts for path, part in copy.items()}
-        self._wholes = {path: _ClientWeight(path, self.parts[0][path], shape, peers.index)
-                        if peers else _WholeWeight(path, shape, [c[path] for c in self.parts])
-                        for path, shape in self.shapes.items()}
+        if peers:
+            self._wholes: dict = {path: self._client_weight(path, peers, experts)
+                                  for path in self.shapes}
+        else:
+            self._wholes = {path: self._whole_of(path) for path in self.shapes}
         # Across clients, what the chief checkpoints whole (Trainer: SplitValues).
         self.client_parts = [self._wholes[path] for path in sorted(self._wholes)] if peers else []
         # Each replica's parts of a tensor-parallel weight's shards stand for the weight
         # together (variable_shards.of), as its shards did: checkpoints save it whole and
         # Adafactor's statistics span its T shards (split_statistics.groups).
-        self._splits = [_SplitParts(split, [self.parts[r][path] for path in paths],
-                                    [self._wholes[path] for path in paths])
+        self._splits = [_JoinedWholes(split.path, split.axis,
+                                      [self.parts[r][path] for path in paths],
+                                      [self._wholes[path] for path in paths])
                         for r, copy in enumerate(whole) for split, paths in _splits_of(copy)]
         for split in self._splits:
             for part in split.shards:
@@ -211,15 +243,55 @@ class WeightShards:
                 for layer in cell.layers:
                     layer.ReplaceVariables(replacements)
 
-    def _part(self, r: int, var: tf.Variable) -> tf.Variable:
-        """Replica r's part of `var` (its current value), padded to ceil(n/R), on its device."""
+    def _shard_of(self, path: str, r: int) -> tuple[int, int]:
+        """(which part of `path` local replica r holds, of how many parts)."""
+        if self._peers is not None:
+            clients = self._clients[path]
+            if clients:
+                return clients.index(self._peers.index), len(clients)
+            return self._peers.index, self._peers.count
+        members = self._members[path][r]
+        return members.index(r), len(members)
+
+    def _devices(self, path: str, r: int) -> tuple[str, ...]:
+        """The devices of the parts of `path` that local replica r's joins (its group)."""
+        return tuple(self.parts[m][path].device for m in self._members[path][r])
+
+    def _part(self, path: str, r: int, var: tf.Variable) -> tf.Variable:
+        """Local replica r's part of `var` (its current value), padded to ceil(n/parts), on
+        its device."""
         n = var.shape.num_elements()
-        start, stop = shard_bounds(n, self.num_shards)[r]
-        size = math.ceil(n / self.num_shards)
+        index, count = self._shard_of(path, r)
+        start, stop = shard_bounds(n, count)[index]
+        size = math.ceil(n / count)
         with tf.init_scope(), tf.device(var.device):
             flat = tf.reshape(var.read_value(), [-1])[start:stop]
             return tf.Variable(tf.pad(flat, [[0, size - (stop - start)]]),
                                name=var.name.split(':')[0].rpartition('/')[2], trainable=True)
+
+    def _client_weight(self, path: str, peers: across_clients.Peers,
+                       experts: int) -> _ClientWeight:
+        """This client's part of `path` as the chief checkpoints it: of the whole weight, or
+        of an expert weight over all E experts (client c holds rank c % P)."""
+        n = self.shapes[path].num_elements()
+        if not self._clients[path]:
+            return _ClientWeight(path, self.parts[0][path], self.shapes[path], peers.index,
+                                 shard_bounds(n, peers.count))
+        shape = tf.TensorShape([experts * self.shapes[path][0], *self.shapes[path][1:]])
+        return _ClientWeight(path, self.parts[0][path], shape, peers.index,
+                             client_bounds(experts * n, peers.count, experts))
+
+    def _whole_of(self, path: str) -> Any:
+        """What checkpoints save for `path` in one process: its parts joined, or for an
+        expert weight each rank's parts joined (replicas k, k+P, ...), then the P ranks
+        joined along the experts' axis, [E, ...] as at P=1 (expert_parallel.WholeExperts)."""
+        groups = sorted(set(self._members[path]))
+        wholes = [_WholeWeight(path, self.shapes[path], [self.parts[m][path] for m in members])
+                  for members in groups]
+        if len(groups) == 1:
+            return wholes[0]
+        return _JoinedWholes(path, 0, [self.parts[members[0]][path] for members in groups],
+                             wholes)
 
     def whole(self, path: str) -> tf.Tensor:
         """The whole weight at `path`, its parts joined (as checkpoints save it)."""
@@ -254,10 +326,10 @@ class WeightShards:
             paths = {path for cell in cells if not cell.recompute
                      for path in self.paths_of(_read_by(cell, replica_thetas[0]))}
         wholes: list[dict] = [{} for _ in self.parts]
-        for (devices, _), group in self._groups(paths):
+        for (devices, clients, _), (members, group) in self._groups(paths).items():
             key = replicas.new_instance_key()
-            for r in range(len(self.parts)):  # the local replicas
-                wholes[r].update(self._gather(r, devices, group, key))
+            for r in members:  # the local replicas of the group
+                wholes[r].update(self._gather(r, devices, clients, group, key))
         return [self._substitute(theta, wholes[r]) for r, theta in enumerate(replica_thetas)]
 
     def regatherers(self, replica_cells: Sequence[Sequence[Any]],
@@ -284,32 +356,42 @@ class WeightShards:
         n, calls[k] = calls[k], calls[k] + 1
         wholes: dict = {}
         for path in sorted(set(self.paths_of(_read_by(cells[k], theta)))):  # see `regatherers`
-            if (k, n, path) not in keys:
-                keys[(k, n, path)] = replicas.new_instance_key()
-            wholes.update(self._gather(r, self._devices[path], [path], keys[(k, n, path)]))
+            devices = self._devices(path, r)
+            if (k, n, path, devices) not in keys:
+                keys[(k, n, path, devices)] = replicas.new_instance_key()
+            wholes.update(self._gather(r, devices, self._clients[path], [path],
+                                       keys[(k, n, path, devices)]))
         return cells[k].read_theta(self._substitute(theta, wholes))
 
-    def _groups(self, paths: Any) -> list[tuple[tuple, list[str]]]:
-        """`paths` by all-gather group: ((the replicas' devices, dtype), sorted paths)."""
+    def _groups(self, paths: Any) -> dict[tuple, tuple[tuple[int, ...], list[str]]]:
+        """`paths` by all-gather group: {(the group's devices, its clients, dtype): (its
+        local replicas, sorted paths)}; one per cell and dtype, and with expert
+        parallelism one more per expert rank."""
         by_group: dict = {}
         for path in sorted(paths):
-            by_group.setdefault((self._devices[path], self.parts[0][path].dtype),
-                                []).append(path)
-        return list(by_group.items())
+            for members in sorted(set(self._members[path])):
+                by_group.setdefault((self._devices(path, members[0]), self._clients[path],
+                                     self.parts[0][path].dtype), (members, []))[1].append(path)
+        return by_group
 
-    def _gather(self, r: int, devices: tuple, paths: list[str], key: int) -> dict:
-        """Replica r's side of one all-gather (instance `key`): the whole weights at
-        `paths` (one group's), packed into one buffer, on its device."""
-        sizes = [int(self.parts[0][path].shape[0]) for path in paths]
+    def _gather(self, r: int, devices: tuple, clients: tuple, paths: list[str],
+                key: int) -> dict:
+        """Local replica r's side of one all-gather (instance `key`) among `devices` (across
+        clients among `clients`, () for all): the whole weights at `paths` (one group's),
+        packed into one buffer, on its device."""
+        sizes = [int(self.parts[r][path].shape[0]) for path in paths]
+        device = self.parts[r][paths[0]].device
         wholes = {}
-        with tf.device(devices[r]), tf.name_scope(f'gather_weights_{r}'):
+        with tf.device(device), tf.name_scope(f'gather_weights_{r}'):
             packed = tf.concat([self.parts[r][path].read_value() for path in paths], 0)
-            if self._peers is not None:  # its own keys, in the clients' trace order
-                rows = across_clients.all_gather(self._peers, packed, devices[r])
+            if len(devices) == 1 and (self._peers is None or len(clients) == 1):
+                rows = packed[tf.newaxis]  # an expert weight held by one replica (R = P)
+            elif self._peers is not None:  # its own keys, in the clients' trace order
+                rows = across_clients.all_gather(self._peers, packed, device, clients)
             else:
                 rows = tf.reshape(collective_ops.all_gather(
-                    packed, self.num_shards, replicas.group_key(devices), key,
-                    communication_hint='auto'), [self.num_shards, -1])
+                    packed, len(devices), replicas.group_key(devices), key,
+                    communication_hint='auto'), [len(devices), -1])
             for path, column in zip(paths, tf.split(rows, sizes, axis=1)):
                 flat = tf.reshape(column, [-1])[:self.shapes[path].num_elements()]
                 wholes[path] = tf.reshape(flat, self.shapes[path])

@@ -22,8 +22,6 @@ from tfpipe.hyperparams import Params
 
 NONE, OPTIMIZER_STATES, GRADIENTS, WEIGHTS = 'none', 'optimizer_states', 'gradients', 'weights'
 STAGES = (NONE, OPTIMIZER_STATES, GRADIENTS, WEIGHTS)
-# The stages an expert weight shards over its R/P replicas in (expert_parallel P > 1).
-BUILT_WITH_EXPERTS = (OPTIMIZER_STATES, GRADIENTS)
 
 
 def stage_of(train: Params, count: int, expert_parallel: int = 1) -> str:
@@ -31,10 +29,9 @@ def stage_of(train: Params, count: int, expert_parallel: int = 1) -> str:
     one per trainer client); ValueError (one line) for an unknown or
     unbuilt stage, a contradiction (also regather_per_micro_batch at a stage other than
     'weights'), or a stage at R=1. With expert parallelism P > 1 an expert weight's slots
-    (stage 1) and gradient sums (stage 2) shard over the R/P replicas holding the same
-    experts, in one process or across clients (the strided set of clients c' with c' % P
-    == c % P); stage 3 would gather an expert weight over another group than the
-    others' (not built)."""
+    (stage 1), gradient sums (stage 2) and weights (stage 3) shard over the R/P replicas
+    holding the same experts, in one process or across clients (the strided set of
+    clients c' with c' % P == c % P)."""
     name = train.sharding
     if train.regather_per_micro_batch and name != WEIGHTS:
         raise ValueError(f'task.train.regather_per_micro_batch=True with task.train.sharding='
@@ -46,11 +43,6 @@ def stage_of(train: Params, count: int, expert_parallel: int = 1) -> str:
         raise ValueError(f'unknown task.train.sharding={name!r}{hint}: use one of '
                          f'{list(STAGES)}')
     stage = OPTIMIZER_STATES if train.shard_optimizer_states else name
-    if stage != NONE and expert_parallel > 1 and stage not in BUILT_WITH_EXPERTS:
-        raise ValueError(f'task.train.sharding={stage!r} with task.pipeline.expert_parallel='
-                         f'{expert_parallel} is not built: stages {list(BUILT_WITH_EXPERTS)} '
-                         'work with it (in one process and across trainer clients), or set '
-                         'expert_parallel=1')
     if train.shard_optimizer_states:
         if name not in (NONE, OPTIMIZER_STATES):
             raise ValueError(f'task.train.shard_optimizer_states=True contradicts task.train.'

@@ -225,7 +225,7 @@ def _at_stages(config: Config, profiles: Sequence[LayerProfile], replicas: int,
                whole: Sequence[LayerProfile]) -> list[Config]:
     """`config` at each ZeRO stage `sharding_plan.stages` offers it (itself alone at R=1);
     `profiles` are what one member holds at the config's P, `whole` the same at P=1."""
-    offered = sharding_plan.stages(replicas, config.expert_parallel)
+    offered = sharding_plan.stages(replicas)
     if not offered:
         return [config]
     t = config.tensor_parallel
@@ -235,12 +235,13 @@ def _at_stages(config: Config, profiles: Sequence[LayerProfile], replicas: int,
         return [sum(getattr(p, field) * p.per_device(t) for p in layers[start:start + n])
                 for start, n in zip(starts, config.balance)]
     weights, slots = per_cell(profiles, 'param_bytes'), per_cell(profiles, 'slot_bytes')
-    whole_slots = per_cell(whole, 'slot_bytes')
+    whole_weights, whole_slots = per_cell(whole, 'param_bytes'), per_cell(whole, 'slot_bytes')
     model = calibration.device(device.model)
     out = []
     for stage in offered:
-        peak = [b + sharding_plan.peak_delta(stage, replicas, w, s, ws)
-                for b, w, s, ws in zip(config.peak_bytes, weights, slots, whole_slots)]
+        peak = [b + sharding_plan.peak_delta(stage, replicas, w, s, ws, ww)
+                for b, w, s, ws, ww in zip(config.peak_bytes, weights, slots, whole_slots,
+                                           whole_weights)]
         out.append(dataclasses.replace(
             config, peak_bytes=peak,
             fits=device.memory is None or max(peak) <= device.memory,

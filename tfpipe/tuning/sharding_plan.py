@@ -21,9 +21,9 @@ time: each stage's collectives on a cell's weights, each costed like the T and P
   'none' stay as before), the largest over the cells: cell 0's come last in the step,
   the others' overlap the pipeline's drain and fill only partly. The update's saving
   (each replica updates 1/R) is not modelled. With expert parallelism P > 1 a member's
-  expert slots and gradient sums shard over its R/P group (`peak_delta`), while the
-  collectives are costed over R on the member's weights, as at P=1: an expert part's
-  all-gather among R/P members is overstated.
+  expert slots, gradient sums and (stage 3) weights shard over its R/P group
+  (`peak_delta`), while the collectives are costed over R on the member's weights, as at
+  P=1: an expert part's all-gather among R/P members is overstated.
 """
 from __future__ import annotations
 
@@ -36,31 +36,30 @@ from tfpipe.tuning import simulator
 _COLLECTIVES = {NONE: (1, 2), OPTIMIZER_STATES: (2, 3), GRADIENTS: (2, 2), WEIGHTS: (2, 2)}
 
 
-def stages(replicas: int, expert_parallel: int = 1) -> tuple[str, ...]:
-    """The stages to try: none at R=1 (nothing to shard over); not 'weights' with expert
-    parallelism P > 1 (the trainer refuses it). With T > 1 every stage: a cell's weights
-    per device are then its shards' (`LayerProfile.per_device`), which stage 3 cuts into
-    R parts and gathers among the R replicas holding the same shard, as its collectives
-    and peak are costed here (in one process and across trainer clients)."""
-    if replicas <= 1:
-        return ()
-    if expert_parallel > 1:
-        return tuple(s for s in STAGES if s != WEIGHTS)
-    return STAGES
+def stages(replicas: int) -> tuple[str, ...]:
+    """The stages to try: none at R=1 (nothing to shard over), else every stage. With T > 1
+    a cell's weights per device are its shards' (`LayerProfile.per_device`), which stage 3
+    cuts into R parts and gathers among the R replicas holding the same shard; with P > 1
+    an expert weight into R/P parts among the replicas holding the same experts, as its
+    peak is costed here (`peak_delta`); in one process and across trainer clients."""
+    return STAGES if replicas > 1 else ()
 
 
 def peak_delta(stage: str, replicas: int, weights: float, slots: float,
-               whole_slots: Optional[float] = None) -> float:
+               whole_slots: Optional[float] = None,
+               whole_weights: Optional[float] = None) -> float:
     """Bytes a cell's device holds at the step's peak at `stage` minus at 'none' (the cell's
     `weights` and `slots` bytes per device, unsharded). With expert parallelism P > 1,
-    `slots` are what a member holds unsharded (its E/P experts' slots and every other)
-    and `whole_slots` the cell's slots at P=1: a member's expert slots shard over the R/P
-    replicas holding them and the others over R, so from stage 1 on it holds
-    whole_slots / R (tfpipe/tuning/expert_parallel_memory.cut)."""
+    `slots` and `weights` are what a member holds unsharded (its E/P experts' and every
+    other) and `whole_slots` and `whole_weights` the cell's at P=1: a member's expert
+    slots shard over the R/P replicas holding them and the others over R, so from stage 1
+    on it holds whole_slots / R (tfpipe/tuning/expert_parallel_memory.cut); at stage 3
+    its weight parts likewise whole_weights / R, beside the gathered cell."""
     if stage == NONE:
         return 0.0
     held = (slots if whole_slots is None else whole_slots) / replicas
-    return held - slots + (weights / replicas if stage == WEIGHTS else 0.0)
+    parts = (weights if whole_weights is None else whole_weights) / replicas
+    return held - slots + (parts if stage == WEIGHTS else 0.0)
 
 
 def between_steps(stage: str, replicas: int, weights: float, slots: float
