@@ -117,8 +117,8 @@ class _WholeWeight(tf.Module):
 class _JoinedWholes(tf.Module):
     """A weight held as pieces along `axis`, each piece whole only over the replicas'
     parts of it (`wholes`: _WholeWeight, or across trainer clients _ClientWeight, whole
-while the chief saves, its restored whole kept for the other clients): a tensor-parallel
-weight's T shards
+    while the chief saves, its restored whole kept for the other clients): a
+    tensor-parallel weight's T shards
     (variable_shards.ShardedWeight `split`), or an expert weight's P ranks (each rank's
     E/P experts, joined over the R/P replicas holding them). `shards` are the variables
     standing for the pieces (one replica's parts of the T shards, or replicas 0..P-1's
