@@ -93,9 +93,10 @@ def step_search(probe, start: int, budget: int) -> dict:
     """The largest size that fits, near `start`: a later stage's answer lies a few blocks
     from an earlier one's, where doubling first would trace a model twice the size
     (minutes at R x K devices here). Probes `start` and the next size toward the budget,
-    jumps to where the line through their peaks meets the budget, then walks one block at
-    a time until a fitting size has a missing one above it. The same report as
-    table1_benchmark.search."""
+    then where the line through the last fitting and missing (or two fitting) peaks meets
+    the budget, at most half the known size away (measured peaks are noisy: one block
+    moved a host peak by 14 MiB once and 190 MiB another time), always strictly inside a
+    bracket once there is one. The same report as table1_benchmark.search."""
     reports: dict[int, dict] = {}
 
     def fit(size: int) -> bool:
@@ -103,26 +104,38 @@ def step_search(probe, start: int, budget: int) -> dict:
             reports[size] = dict(probe(size), size=size)
         return fits(reports[size], budget)
 
-    size = start
-    step = 1 if fit(size) else -1
-    if size + step >= 1 and not reports[size].get('oom'):
-        nxt = size + step
-        fit(nxt)
-        a, b = reports[size], reports[nxt]
-        if not b.get('oom') and (b['peak'] - a['peak']) * step > 0:
-            per_block = (b['peak'] - a['peak']) / step
-            size = max(1, int(nxt + (budget - b['peak']) // per_block))
-        else:
-            size = nxt
+    def line(a: int, b: int) -> int:  # where the line through a's and b's peaks meets budget
+        pa, pb = reports[a].get('peak'), reports[b].get('peak')
+        if pa is None or pb is None or pa == pb:
+            return (a + b) // 2 if max(a, b) - min(a, b) > 1 else max(a, b) + 1
+        return int(a + (budget - pa) * (b - a) / (pb - pa))
+
+    lo = hi = None
+    if fit(start):
+        lo = start
+    else:
+        hi = start
+    size = start + (1 if lo else -1)
     while True:
         if size < 1:
             return dict(probes=len(reports))
         if fit(size):
-            if not fit(size + 1):
-                return dict(reports[size], probes=len(reports), first_miss=reports[size + 1])
-            size += 1
+            lo = max(lo or size, size)
         else:
-            size -= 1
+            hi = min(hi or size, size)
+        if lo is not None and hi is not None and hi == lo + 1:
+            return dict(reports[lo], probes=len(reports), first_miss=reports[hi])
+        known = [n for n in sorted(reports) if 'peak' in reports[n]]
+        if lo is not None and hi is not None:  # bracketed: inside it
+            guess = line(lo, hi)
+            size = min(max(guess, lo + 1), hi - 1)
+        elif lo is not None:  # everything fits so far: up, at most by half
+            guess = line(known[-2], known[-1]) if len(known) > 1 else lo + 1
+            size = min(max(guess, lo + 1), lo + max(1, lo // 2))
+        else:  # nothing fits yet: down, at most by half
+            smallest = min(reports)
+            size = max(smallest // 2, min(smallest - 1, line(smallest, smallest + 1)
+                                          if smallest + 1 in reports else smallest - 1))
 
 
 def report(results: dict, args) -> list[str]:

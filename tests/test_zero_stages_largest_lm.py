@@ -13,11 +13,13 @@ def _linear(size: int) -> dict:
     return dict(peak=10 * size, oom=False, params=size, step_s=1.0)
 
 
-@pytest.mark.parametrize('start', [2, 5, 7, 9, 14])
+@pytest.mark.parametrize('start', [2, 5, 7, 9, 14, 40])
 @pytest.mark.parametrize('bend', [0.0, 0.8])
 def test_the_walk_finds_the_largest_fitting_size_from_below_and_from_above(start, bend):
-    """A peak linear in the size is found in at most four probes (start, the next size,
-    the line's answer and the one above it); one that bends up is walked down to."""
+    """From within a factor of two, a peak linear in the size is found in at most four
+    probes (start, the next size, the line's answer and the one beside it); steps are at
+    most about half the known size, so a far start halves its way there; a peak that
+    bends up is found too."""
     def peak(size):
         return dict(_linear(size), peak=10 * size + bend * size * size)
 
@@ -26,8 +28,9 @@ def test_the_walk_finds_the_largest_fitting_size_from_below_and_from_above(start
     best = max(n for n in range(1, 20) if peak(n)['peak'] <= 73)
     assert res['size'] == best and res['first_miss']['size'] == best + 1
     assert res['probes'] == len(walked) == len(set(walked))
-    if not bend:
+    if not bend and best / 2 <= start <= 2 * best:
         assert len(walked) <= 4
+    assert min(walked) >= min(start, best // 2)  # never far below the answer
 
 
 def test_nothing_fits_is_said_without_a_size():
