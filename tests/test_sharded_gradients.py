@@ -152,8 +152,8 @@ def test_every_stage_with_expert_parallelism_is_built(values, stage):
     """In one process (test_expert_parallel_sharded_optimizer.py, test_sharded_weights_
     experts.py) and across trainer clients (test_clients_experts.py), also with as many
     clients as experts' ranks."""
-    assert sharding.stage_of(_train_params(**values), 4, expert_parallel=2) == stage
-    assert sharding.stage_of(_train_params(**values), 2, expert_parallel=2) == stage
+    assert sharding.stage_of(_train_params(**values), 4) == stage
+    assert sharding.stage_of(_train_params(**values), 2) == stage
 
 
 class PipelineRun(tp_optimizers.Run):

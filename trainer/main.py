@@ -311,7 +311,7 @@ def _check_sharding(params, count: int) -> None:
     but that is after the clients (or the workers) connect, so a client would first wait
     for all the others and a missing one would hide the real error behind a time-out."""
     from tfpipe.pipeline import sharding
-    sharding.stage_of(params.task.train, count, params.task.pipeline.expert_parallel)
+    sharding.stage_of(params.task.train, count)
 
 
 def _check_experts_across_clients(params, count: int) -> int:

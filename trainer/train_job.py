@@ -114,9 +114,7 @@ class Trainer:
             self.task.pipe.JoinClients(peers, global_batch_size=self.batch_size)
         self.optimizers: list[BaseOptimizer] | ShardedOptimizer
         stage = sharding.stage_of(tp, count=peers.count if peers else
-                                  params.task.pipeline.num_replicas,
-                                  expert_parallel=peers.expert_parallel if peers else
-                                  params.task.pipeline.expert_parallel)
+                                  params.task.pipeline.num_replicas)
         if stage == sharding.WEIGHTS:
             # The layers now hold each replica's parts.
             self.task.pipe.ShardWeights(per_micro_batch=tp.regather_per_micro_batch)

@@ -24,7 +24,7 @@ NONE, OPTIMIZER_STATES, GRADIENTS, WEIGHTS = 'none', 'optimizer_states', 'gradie
 STAGES = (NONE, OPTIMIZER_STATES, GRADIENTS, WEIGHTS)
 
 
-def stage_of(train: Params, count: int, expert_parallel: int = 1) -> str:
+def stage_of(train: Params, count: int) -> str:
     """The stage `train` (task.train) asks for over `count` replicas (in one process, or
     one per trainer client); ValueError (one line) for an unknown or
     unbuilt stage, a contradiction (also regather_per_micro_batch at a stage other than
