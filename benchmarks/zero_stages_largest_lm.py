@@ -125,11 +125,11 @@ def step_search(probe, start: int, budget: int) -> dict:
             hi = min(hi or size, size)
         if lo is not None and hi is not None and hi == lo + 1:
             return dict(reports[lo], probes=len(reports), first_miss=reports[hi])
-        known = [n for n in sorted(reports) if 'peak' in reports[n]]
         if lo is not None and hi is not None:  # bracketed: inside it
             guess = line(lo, hi)
             size = min(max(guess, lo + 1), hi - 1)
         elif lo is not None:  # everything fits so far: up, at most by half
+            known = [n for n in sorted(reports) if 'peak' in reports[n]]
             guess = line(known[-2], known[-1]) if len(known) > 1 else lo + 1
             size = min(max(guess, lo + 1), lo + max(1, lo // 2))
         else:  # nothing fits yet: down, at most by half
