@@ -2,6 +2,7 @@
 a member's weights and slots of an MoE layer are its E/P experts' (and the whole router),
 every other layer's are whole; the all-to-all buffers follow the layer's capacity."""
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tests.test_expert_parallel_pipeline import pipeline
@@ -38,6 +39,23 @@ def test_a_member_holds_its_experts_and_the_whole_router():
     sharded = expert_parallel_memory.member_profiles(member, profiles, ADAM, sharded_slots=True)
     assert [p.slot_bytes for p in sharded] == [p.slot_bytes for p in profiles]
     assert [p.param_bytes for p in sharded] == [p.param_bytes for p in got]
+
+
+def test_stage_3_cuts_a_members_weights_as_p1s_over_r():
+    """A member's cell weights scaled to P=1's (whole_weight_scales): what stage 3 cuts
+    into R parts, since its E/P experts are cut over only the R/P replicas holding them."""
+    whole, member = pipeline(1, 1, 1), pipeline(2, 2, 1)
+    got = expert_parallel_memory.whole_weight_scales(
+        member, [LayerProfile(layer.params.name, Affine(0, 0), Affine(0, 0),
+                              _bytes(layer.trainable_variables), 0.0, 1.0, 1.0)
+                 for layer in member.replica_cells[0][0].layers])
+    def cell_bytes(pipe):
+        return _bytes(v for layer in pipe.replica_cells[0][0].layers
+                      for v in layer.trainable_variables)
+    assert got == [pytest.approx(cell_bytes(whole) / cell_bytes(member))]
+    assert got[0] > 1.0
+    assert expert_parallel_memory.whole_weight_scales(whole, [
+        LayerProfile('', Affine(0, 0), Affine(0, 0), 1.0, 0.0, 1.0, 1.0)] * 3) == [1.0]
 
 
 def test_the_all_to_all_buffers_follow_the_capacity():

@@ -172,13 +172,17 @@ def _between_steps(out: str) -> list[tuple[float, float, float, float]]:
 
 def test_inspect_model_shows_stage_3s_weights_at_1_over_r_between_steps(data_dir, capsys):
     none = _between_steps(_inspected(data_dir, capsys, False))
+    gradients = _between_steps(_inspected(data_dir, capsys, False, 'gradients'))
     weights = _between_steps(_inspected(data_dir, capsys, False, 'weights'))
     assert len(none) == len(weights) == 4  # 2 replicas x 2 cells' devices
-    for (w0, g0, s0, peak0), (w3, g3, s3, peak3) in zip(none, weights):
+    for (w0, g0, s0, peak0), (_, _, _, peak2), (w3, g3, s3, peak3) in zip(
+            none, gradients, weights):
         assert w0 > 0 and (g0, g3) == (0, 0)
         assert w3 == pytest.approx(w0 / 2, rel=1e-3)
         assert s3 == pytest.approx(s0 / 2, rel=1e-3)
-        assert w3 + s3 < peak3  # the step's peak holds the gathered weights whole
+        # The step's peak holds the gathered weights whole beside their parts: stage 2's
+        # peak and the parts.
+        assert peak3 == pytest.approx(peak2 + w3, rel=1e-3)
 
 
 def test_inspect_model_divides_sharded_slot_bytes_by_r(data_dir, capsys):

@@ -104,7 +104,8 @@ def slot_shards(params) -> int:
     'optimizer_states', 'gradients' or 'weights', or shard_optimizer_states). Stage 2's
     gradient sums are predicted whole: a cell accumulates its micro-batches' gradients
     whole until its last backward, so its peak holds them whole; so are stage 3's weights,
-    gathered whole for the step (docs/optimizer_sharding.md)."""
+    gathered whole for the step, beside their 1/R parts (`weight_parts`;
+    docs/optimizer_sharding.md)."""
     train = params.task.train
     if train.shard_optimizer_states or train.sharding != 'none':
         return params.task.pipeline.num_replicas
@@ -163,7 +164,12 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
     prediction = tensor_parallel_memory.predict(pipe, profiles, replicas, batch / m, shards,
                                                 working, inputs, params.task.train.optimizer,
                                                 saved, loss_gradients)
-    devices, shard_devices = prediction.devices, prediction.shard_devices
+    scales = whole_weight_scales(task, profiles)
+    between = prediction.devices
+    parts = weight_parts(params, between, scales)
+    devices = [[dataclasses.replace(d, weights=d.weights + parts[d.device]) for d in r]
+               for r in between]
+    shard_devices = [d for r in devices for d in r[len(layouts):]]
     profiles = prediction.home_profiles  # each shard device's state is in shard_devices
     if working is not None:
         measured = 'backward working sets measured'
@@ -174,6 +180,8 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
         measured = ('backward working sets estimated from layer outputs: the allocator keeps '
                     'no statistics (TF_CPU_ALLOCATOR_USE_BFC=true on CPUs)')
     sharded = f', optimizer slots sharded over {shards}' if shards > 1 else ''
+    if configured_stage(params) == sharding.WEIGHTS:
+        sharded += ', weights gathered whole beside their 1/R parts'
     if p > 1:
         print(f'expert parallel {p}: each replica holds 1/{p} of every MoE layer\'s experts '
               '(weights, gradient sums and slots below); all-to-all buffers per micro-batch, '
@@ -185,7 +193,7 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
         for device in replica_devices:
             print(f'  {device.describe()}')
     print(f'  all devices {mib(sum(d.total for r in devices for d in r))}')
-    print_between_steps(params, devices, shards)
+    print_between_steps(params, between, shards, scales)
     if input_measurement is None:
         input_measurement = host_input_measurement(params, task)
     if input_measurement is None:
@@ -193,6 +201,7 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
     cells = [mem for cells in replicas
              for mem in memory_model.cell_memory(profiles, cells, batch / m, shards, working,
                                                  inputs, saved, loss_gradients)]
+    cells = [dataclasses.replace(c, static=c.static + parts[c.device]) for c in cells]
     held = [memory_model.in_flight(pipe.params.schedule, len(layouts), k % len(layouts), m)
             * mem.stash for k, mem in enumerate(cells)]
     if shard_devices:  # the shard devices' state shares the allocator
@@ -230,23 +239,51 @@ def inter_op_threads() -> int:
     return tf.config.threading.get_inter_op_parallelism_threads() or os.cpu_count() or 1
 
 
+def configured_stage(params: Params) -> str:
+    """The ZeRO stage the trainer builds (shard_optimizer_states is stage 1)."""
+    train = params.task.train
+    return sharding.OPTIMIZER_STATES if train.shard_optimizer_states else train.sharding
+
+
+def whole_weight_scales(task, profiles: list[profile.LayerProfile]) -> dict[str, float]:
+    """Per device, its cell's weight bytes at P=1 over a member's (1 without expert
+    parallelism), `profiles` being a member's (`profile_model`): stage 3 cuts a member's
+    experts over the R/P replicas holding them, so its parts are 1/R of P=1's."""
+    scales = expert_parallel_memory.whole_weight_scales(task.pipe, profiles)
+    return {device: scales[k] for cells in task.pipe.replica_cells
+            for k, cell in enumerate(cells) for device in cell.shard_devices}
+
+
+def weight_parts(params: Params, devices: list[list[memory_model.DeviceMemory]],
+                 scales: dict[str, float]) -> dict[str, float]:
+    """Per device, the bytes of the weight parts it keeps beside the gathered cell at
+    stage 3 ('weights'; 0 at the other stages)."""
+    return {d.device: sharding_plan.weight_parts(configured_stage(params),
+                                                 params.task.pipeline.num_replicas, d.weights,
+                                                 d.weights * scales[d.device])
+            for r in devices for d in r}
+
+
 def print_between_steps(params: Params, devices: list[list[memory_model.DeviceMemory]],
-                        shards: int) -> None:
+                        shards: int, scales: dict[str, float]) -> None:
     """Each device's model state between steps at the configured ZeRO stage, beside the
-    step's peak printed above: at stage 3 ('weights') the weights are 1/R there, while
-    the step gathers them whole (docs/optimizer_sharding.md); the gradient sums are freed
-    after the update at every stage (stages 2 and 3 reduce them to 1/R for it)."""
-    pipe, train = params.task.pipeline, params.task.train
-    stage = sharding.OPTIMIZER_STATES if train.shard_optimizer_states else train.sharding
-    print(f'model state between steps (sharding={stage!r} over {pipe.num_replicas} '
+    step's peak printed above (`devices` without stage 3's parts, `scales` as
+    `whole_weight_scales`): at stage 3 ('weights') only the weights' 1/R parts are kept
+    there, while the step gathers the cell whole beside them (docs/optimizer_sharding.md);
+    the gradient sums are freed after the update at every stage (stages 2 and 3 reduce
+    them to 1/R for it)."""
+    replicas, stage = params.task.pipeline.num_replicas, configured_stage(params)
+    parts = weight_parts(params, devices, scales)
+    print(f'model state between steps (sharding={stage!r} over {replicas} '
           'replicas; gradient sums freed after the update):')
     for replica_devices in devices:
         for d in replica_devices:
-            weights, slots = sharding_plan.between_steps(stage, pipe.num_replicas, d.weights,
-                                                         d.slots * shards)
+            weights, slots = sharding_plan.between_steps(stage, replicas, d.weights,
+                                                         d.slots * shards,
+                                                         d.weights * scales[d.device])
             print(f'  {d.device}: weights {mib(weights)}  gradient sums {mib(0)}  slots '
                   f'{mib(slots)}  total {mib(weights + slots)} (the step\'s peak above: '
-                  f'{mib(d.total)})')
+                  f'{mib(d.total + parts[d.device])})')
 
 
 def _relative_difference(a: np.ndarray, b: np.ndarray, floor: float = 0.0) -> float:

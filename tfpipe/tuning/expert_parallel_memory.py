@@ -89,6 +89,21 @@ def member_profiles(pipe: Any, profiles: Sequence[LayerProfile],
     return cut(profiles, expert_fractions(pipe, optimizer), degree(pipe.params), sharded_slots)
 
 
+def whole_weight_scales(pipe: Any, profiles: Sequence[LayerProfile]) -> list[float]:
+    """Per cell of the built `pipe`, its weight bytes at P=1 over a member's (`profiles`,
+    cut by `member_profiles`): what ZeRO stage 3 cuts into R parts, since a member's E/P
+    experts are cut over the R/P replicas holding them (sharding_plan.weight_parts)."""
+    p = degree(pipe.params)
+    fractions = expert_fractions(pipe) if p > 1 else [(0.0, 0.0)] * len(profiles)
+    out = []
+    for start, stop in partition.cell_ranges(pipe.balance):
+        member = sum(profiles[i].param_bytes for i in range(start, stop))
+        whole = sum(profiles[i].param_bytes / (1 - fractions[i][0] + fractions[i][0] / p)
+                    for i in range(start, stop))
+        out.append(whole / member if member else 1.0)
+    return out
+
+
 def buffer_bytes(pipeline: Params, micro_batch_shapes: Any) -> list[float]:
     """Per body layer, the bytes of one all-to-all buffer (E x C x D values: a member's
     dispatch or combine) on one micro-batch of `micro_batch_shapes`; 0 for a layer

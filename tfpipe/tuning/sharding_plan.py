@@ -58,16 +58,25 @@ def peak_delta(stage: str, replicas: int, weights: float, slots: float,
     if stage == NONE:
         return 0.0
     held = (slots if whole_slots is None else whole_slots) / replicas
-    parts = (weights if whole_weights is None else whole_weights) / replicas
-    return held - slots + (parts if stage == WEIGHTS else 0.0)
+    return held - slots + weight_parts(stage, replicas, weights, whole_weights)
 
 
-def between_steps(stage: str, replicas: int, weights: float, slots: float
-                  ) -> tuple[float, float]:
+def weight_parts(stage: str, replicas: int, weights: float,
+                 whole_weights: Optional[float] = None) -> float:
+    """Bytes of the weight parts a device keeps at `stage`: 1/R of its cell's weights at
+    stage 3 (beside the gathered cell during a step, alone between steps), else 0. With
+    expert parallelism `whole_weights` is the cell's at P=1 (see `peak_delta`)."""
+    if stage != WEIGHTS:
+        return 0.0
+    return (weights if whole_weights is None else whole_weights) / replicas
+
+
+def between_steps(stage: str, replicas: int, weights: float, slots: float,
+                  whole_weights: Optional[float] = None) -> tuple[float, float]:
     """(weights, slots) bytes a device holds between steps at `stage` (the gradient sums
-    are freed after the update at every stage)."""
-    return (weights / replicas if stage == WEIGHTS else weights,
-            slots if stage == NONE else slots / replicas)
+    are freed after the update at every stage; `whole_weights` as in `weight_parts`)."""
+    return (weight_parts(stage, replicas, weights, whole_weights) if stage == WEIGHTS
+            else weights, slots if stage == NONE else slots / replicas)
 
 
 def extra_seconds(stage: str, replicas: int, cell_weights: Sequence[float],
