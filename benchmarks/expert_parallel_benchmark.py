@@ -13,13 +13,25 @@ alone, timed in the same rounds: a function that runs just that step's all-to-al
 (per replica and micro-batch the dispatch and the combine, and their backwards) on
 slots of the layer's shape, and prints it as a share of the step.
 
+`--section=executors` compares the two executors at P > 1 on
+lm.pystdlib.TinyMoETransformerLM (its experts in its recomputing last cell) at R=2, P=2,
+K=2, M=4 on 4 logical CPUs: each round runs both in fresh processes, in alternating
+order; each process times its first step (trace, grappler, placement and the run) and the
+median of `--steps` later steps (ForwardBackward and SGD on every replica's variables).
+Printed: per executor the medians over rounds, and cell functions / unrolled as the
+median of per-round ratios.
+
 Run (from the repository root):
     PYTHONPATH=. python benchmarks/expert_parallel_benchmark.py --repeats=5
+    PYTHONPATH=. python benchmarks/expert_parallel_benchmark.py --section=executors --rounds=3
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
 import time
 
 import tfpipe  # before TensorFlow: it sets oneDNN's and the allocator's options at load
@@ -67,14 +79,81 @@ def exchange_alone(pipe, width: int, experts: int, tokens: int):
     return tf.function(run, autograph=False)
 
 
+EXECUTORS = ('functions', 'unrolled')
+
+
+def lm_step_times(executor: str, steps: int) -> dict:
+    """One executor's {first, steady} seconds on TinyMoETransformerLM (this process's)."""
+    import numpy as np
+    import model_registry
+    from tfpipe import fprop_context, inputs
+    params = model_registry.get_params('lm.pystdlib.TinyMoETransformerLM')
+    params.task.pipeline.Set(num_replicas=2, expert_parallel=2, num_micro_batches=4,
+                             cell_functions=executor == 'functions')
+    task = params.task.Instantiate()
+    batch, length = params.input.train.batch_size, params.input.train.max_length
+    ids = np.random.default_rng(0).integers(2, inputs.BYTE_VOCAB_SIZE, size=[batch, length + 1])
+    data = {'inputs': tf.constant(ids[:, :-1], tf.int32),
+            'targets': tf.constant(ids[:, 1:], tf.int32),
+            'segment_ids': tf.ones([batch, length], tf.int32),
+            'positions': tf.tile(tf.range(length)[None], [batch, 1])}
+
+    @tf.function
+    def step():
+        with fprop_context.training(step=1):
+            loss, grads = task.ForwardBackward(task.theta, data)
+        for theta, g in zip(task.pipe.ReplicaThetas(), grads):
+            for v, d in zip(tf.nest.flatten(theta), tf.nest.flatten(g['pipe'])):
+                v.assign_sub(0.01 * tf.convert_to_tensor(d))
+        return loss
+    start = time.perf_counter()
+    step().numpy()
+    first = time.perf_counter() - start
+    step().numpy()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step().numpy()
+        times.append(time.perf_counter() - start)
+    return {'first': first, 'steady': statistics.median(times)}
+
+
+def compare_executors(rounds: int, steps: int) -> None:
+    got: dict[str, list[dict]] = {e: [] for e in EXECUTORS}
+    for i in range(rounds):
+        for executor in EXECUTORS[::1 if i % 2 == 0 else -1]:
+            out = subprocess.run([sys.executable, __file__, f'--child={executor}',
+                                  f'--steps={steps}'], check=True, capture_output=True,
+                                 text=True).stdout
+            got[executor].append(json.loads(out.strip().splitlines()[-1]))
+    print(f'TinyMoETransformerLM R=2 P=2 K=2 M=4, 4 logical CPUs, {rounds} rounds, '
+          f'steady = median of {steps} steps')
+    for what in ('first', 'steady'):
+        cells = ', '.join(f'{e} {statistics.median(r[what] for r in got[e]):.3f} s'
+                          for e in EXECUTORS)
+        ratios = [f[what] / u[what] for f, u in zip(got['functions'], got['unrolled'])]
+        print(f'{what} step: {cells}; functions/unrolled {statistics.median(ratios):.2f}x '
+              f'[{min(ratios):.2f}-{max(ratios):.2f}]')
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--repeats', type=int, default=5)
     parser.add_argument('--batch', type=int, default=512)
     parser.add_argument('--width', type=int, default=128)
     parser.add_argument('--experts', type=int, default=8)
+    parser.add_argument('--section', default='p', choices=['p', 'executors'])
+    parser.add_argument('--rounds', type=int, default=3)
+    parser.add_argument('--steps', type=int, default=10)
+    parser.add_argument('--child', choices=EXECUTORS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     tfpipe.configure_logical_cpus(4)
+    if args.child:
+        print(json.dumps(lm_step_times(args.child, args.steps)))
+        return
+    if args.section == 'executors':
+        compare_executors(args.rounds, args.steps)
+        return
     from tfpipe import fprop_context
     x = tf.random.normal([args.batch, args.width], seed=1)
     y = tf.zeros([args.batch], tf.int32)

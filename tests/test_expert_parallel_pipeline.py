@@ -1,7 +1,8 @@
 """Expert parallelism in a pipeline: a step with P replicas sharing each MoE layer's
 experts is the P=1 step with the same R replicas (loss, auxiliary losses, gradients and
 SGD-updated weights within 1e-5, float64, capacity that drops nothing), on the logical CPUs of
-conftest.py: P in {1, 2, 4} x R in {P, 2P} x K in {1, 2} with R*K <= 8, and P=2 x T=2."""
+conftest.py: P in {1, 2, 4} x R in {P, 2P} x K in {1, 2} with R*K <= 8, and P=2 x T=2, under
+cell functions (the default); P=2, R=2, K=2 points also on the unrolled executor."""
 import os
 import re
 
@@ -48,9 +49,10 @@ def whole(pipe, per_replica, p):
     return out
 
 
-def step(pipe, p):
+def step(pipe, p, check_graph=None):
     """One SGD step of every replica through ForwardBackward(ReplicaThetas()) (the
-    trainer's form): (loss and auxiliary losses, whole gradients, whole updated weights)."""
+    trainer's form): (loss and auxiliary losses, whole gradients, whole updated weights).
+    check_graph(graph) looks at the traced step before it runs (a deadlock would hang)."""
     rng = np.random.default_rng(0)
     x = tf.constant(rng.normal(size=[16, 6]), F64)
     y = tf.constant(rng.integers(0, 5, size=[16]), tf.int32)
@@ -64,6 +66,8 @@ def step(pipe, p):
                 for v, d in zip(tf.nest.flatten(theta), tf.nest.flatten(g)):
                     v.assign_sub(0.1 * d)
         return [loss, sink.metrics()['aux_loss'], sink.metrics()['z_loss']], grads
+    if check_graph is not None:
+        check_graph(run.get_concrete_function().graph)
     loss, grads = run()
     grads = grads if isinstance(grads, list) else [grads]
     grads = [{q: g.numpy() for q, g in flatten_by_path(gr, 'pipe').items()} for gr in grads]
@@ -112,14 +116,32 @@ def test_schedules_recompute_and_executors_equal_p1(recompute, schedule, cell_fu
                                        err_msg=path)
 
 
-def test_experts_in_a_recomputing_last_cell_train_and_equal_p1():
-    """The trainer's MoE LM has its experts in its last cell: under cell functions that
-    deadlocked in the all-to-all (K=2, M=2, recompute always), so expert parallelism
-    runs the unrolled executor whatever cell_functions says. Hangs without that."""
+def sums_wait_for_their_replica_only(pipe):
+    """check_graph: each gradient sum's stack and zeros (StackV2, Empty) wait only for ops
+    on its own replica's devices. tf.function's automatic control dependencies had chained
+    them after every stateful op built before, replica 0's backward all-to-all among them,
+    whose member on replica 1 waits for those sums: the step deadlocked."""
+    def check(graph):
+        replica_of = {d: r for r, devices in enumerate(pipe.replica_devices) for d in devices}
+        sums = [op for op in graph.get_operations() if op.type in ('StackV2', 'Empty')]
+        assert len(sums) == 2 * 2 * (2 + 7)  # R x (stack, zeros) x both cells' flat weights
+        crossing = [(op.name, c.name) for op in sums for c in op.control_inputs
+                    if replica_of[c.device] != replica_of[op.device]]
+        assert not crossing
+    return check
+
+
+@pytest.mark.parametrize('cell_functions', [True, False])
+def test_experts_in_a_recomputing_last_cell_train_and_equal_p1(cell_functions):
+    """The trainer's MoE LM has its experts in its last cell, whose recomputing backward
+    under cell functions deadlocked in the all-to-all (K=2, M=2, recompute always) until
+    the gradient sums were left out of the step's program-order chain
+    (cell_functions._run_independently). Both executors equal P=1."""
     pipe = tfpipe.PipeliningLayer.Params().Set(
         name='pipe', body=body(), balance=[1, 2], num_micro_batches=2, num_replicas=2,
-        expert_parallel=2, recompute='always', cell_functions=True).Instantiate()
-    loss, grads, weights = step(pipe, 2)
+        expert_parallel=2, recompute='always', cell_functions=cell_functions).Instantiate()
+    loss, grads, weights = step(pipe, 2,
+                                sums_wait_for_their_replica_only(pipe) if cell_functions else None)
     ref_loss, ref_grads, ref_weights = run_of(1, 2, 2)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     for got, want in ((grads, ref_grads), (weights, ref_weights)):
@@ -148,6 +170,14 @@ def test_bad_expert_parallel_at_instantiation(p, r, experts, fix):
     params.body[1].num_experts = experts
     with pytest.raises(ValueError, match=fix) as info:
         params.Instantiate()
+    assert '\n' not in str(info.value)
+
+
+def test_jit_compile_with_expert_parallel_is_refused_in_one_line():
+    """XLA has no kernel for the all-to-all: the step failed to compile."""
+    with pytest.raises(ValueError, match=r'^pipe: jit_compile=True .* set jit_compile=False$'
+                       ) as info:
+        pipeline(2, 2, 1, jit_compile=True)
     assert '\n' not in str(info.value)
 
 

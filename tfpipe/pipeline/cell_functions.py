@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import tensorflow as tf
 
@@ -262,6 +262,7 @@ class FunctionalPipelineRun(PipelineRun):
                                    stack_name=f'grad_sum_{k}_{i}')
         # Empty is stateful, so never folded into a constant that would stay allocated.
         zeros = tf.raw_ops.Empty(shape=weight.shape.as_list(), dtype=weight.dtype, init=True)
+        _run_independently([stack, zeros])  # the push below orders both
         pushed = tf.raw_ops.StackPushV2(handle=stack, elem=zeros)
         with tf.control_dependencies([pushed]):  # every call finds the zeros there
             self._stacks[(k, i)] = tf.identity(stack)
@@ -308,13 +309,24 @@ def _unchained(call_outputs: Any) -> None:
     calls of a tensor-parallel cell run as a T=1 cell's (a stateless call, never
     chained) do. A call that takes a resource (a gradient sum's stack) stays ordered
     by it."""
+    _run_independently(  # lazily: eagerly a tensor has no op
+        t for t in tf.nest.flatten(call_outputs) if isinstance(t, tf.Tensor)
+        and t.op.type == 'StatefulPartitionedCall' and all(i.dtype != tf.resource
+                                                           for i in t.op.inputs))
+
+
+def _run_independently(tensors: Iterable[tf.Tensor]) -> None:
+    """Leaves the ops of `tensors` (stateful, taking no resource) out of the step's one
+    program-order chain (see `_unchained`): their inputs and the executor's control
+    dependencies order them. Besides the calls, the gradient sums' StackV2 and Empty need
+    it: chained, replica 1's last cell's waited for replica 0's first cell's, which wait
+    for replica 0's last-cell backward call, whose all-to-all (expert parallelism) waits
+    for replica 1's first backward call, which takes those sums: the step deadlocked."""
     manager = getattr(tf.compat.v1.get_default_graph(), 'experimental_acd_manager', None)
     if manager is None:  # eagerly, or outside tf.function's control dependencies
         return
-    for op in {t.op for t in tf.nest.flatten(call_outputs) if isinstance(t, tf.Tensor)}:
-        if op.type == 'StatefulPartitionedCall' and all(t.dtype != tf.resource
-                                                         for t in op.inputs):
-            manager.run_independently(op)
+    for op in dict.fromkeys(t.op for t in tensors):  # each once, in build order
+        manager.run_independently(op)
 
 
 # Ops whose gradient passes an IndexedSlices through, and ops that make one.

@@ -130,6 +130,16 @@ def layout(replica_devices: Sequence[Sequence[str]],
     return [[by_slot[s][r] for s in slots] for r in range(len(replica_devices))]
 
 
+def check_jit_compile(groups: Sequence[Sequence[ExpertGroup]], jit_compile: bool,
+                      where: str) -> None:
+    """One line when cells that exchange tokens (any group of `layout`'s has P > 1)
+    would be compiled: XLA has no kernel for CollectiveAllToAllV2."""
+    if jit_compile and any(g.size > 1 for slots in groups for g in slots):
+        raise ValueError(f'{where}: jit_compile=True compiles the cell functions, but XLA has '
+                         'no kernel for the expert all-to-all (CollectiveAllToAllV2) that '
+                         'expert_parallel > 1 runs: set jit_compile=False')
+
+
 def building_with(groups: Sequence[ExpertGroup], homes: Sequence[str],
                   inner: Callable[[Sequence[str]], ContextManager]
                   ) -> Callable[[Sequence[str]], ContextManager]:

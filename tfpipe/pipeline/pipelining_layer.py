@@ -102,8 +102,8 @@ class PipeliningLayer(BaseLayer):
                  '(1.02x [0.94-1.21] on a Dense stack, 0.96x [0.80-1.18] on the AmoebaNet body, '
                  'K=4). A cell that keeps its activations trains as unrolled ops (the gradient '
                  'of a call was 1.35-1.44x slower) unless jit_compile. False: the unrolled '
-                 'executor, every task\'s ops in the step\'s graph. Split backward (zb_*) and '
-                 'expert_parallel > 1 fall back to the unrolled tasks.')
+                 'executor, every task\'s ops in the step\'s graph. Split backward (zb_*) falls '
+                 'back to it.')
         p.Define('jit_compile', False, 'With cell_functions: compile each cell function with '
                  'XLA (jit_compile=True).')
         return p
@@ -134,7 +134,7 @@ class PipeliningLayer(BaseLayer):
         self.devices = self.replica_devices[0]
         # Per replica: a slot's build scope (its tensor-parallel and expert groups).
         expert_groups = expert_parallel.layout(self.replica_devices, p.expert_parallel)
-        self._exchanges = any(g.size > 1 for slots in expert_groups for g in slots)
+        expert_parallel.check_jit_compile(expert_groups, p.jit_compile, self.path)
         building = [expert_parallel.building_with(g, homes, tensor_parallel.building_on)
                     for g, homes in zip(expert_groups, self.replica_devices)]
         layers = []
@@ -289,9 +289,7 @@ class PipeliningLayer(BaseLayer):
         """A run over one replica's micro-batches: cell functions when asked for and
         supported (see cell_functions.py for what falls back), else unrolled tasks."""
         p = self.params
-        # Expert parallelism runs unrolled: under cell functions a recomputing last cell
-        # holding experts deadlocked in its all-to-all (K=2, M=2; not yet diagnosed).
-        if p.cell_functions and not split_backward and not self._exchanges:
+        if p.cell_functions and not split_backward:
             return FunctionalPipelineRun(*args, jit_compile=p.jit_compile,
                                          recorder=self._recorder, **kwargs)
         return PipelineRun(*args, split_backward=split_backward, recorder=self._recorder,
