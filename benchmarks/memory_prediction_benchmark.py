@@ -15,6 +15,10 @@ Run (from the repository root; about 30 s per configuration):
     PYTHONPATH=. python benchmarks/memory_prediction_benchmark.py
     PYTHONPATH=. python benchmarks/memory_prediction_benchmark.py --configs=default
     PYTHONPATH=. python benchmarks/memory_prediction_benchmark.py --configs=users
+    PYTHONPATH=. python benchmarks/memory_prediction_benchmark.py --configs=gpt2 --steps=6
+
+The GPT-2-shaped LMs' peak grows over their first steps (allocator fragmentation), so
+their runs train a few steps and read the last progress line's peak.
 """
 from __future__ import annotations
 
@@ -29,12 +33,22 @@ _PREDICTED = re.compile(r'host allocator .*: peak ([\d.]+) MiB')
 _MEASURED = re.compile(r'peak CPU:0 ([\d.]+) MiB')
 AMOEBA = 'image.shapes.AmoebaNetPipe'
 TRANSFORMER = 'mt.reverse.TransformerPipe'
+GPT2 = 'lm.pystdlib.GPT2SmallShapedLM'
+GPT2_MEDIUM = 'lm.pystdlib.GPT2MediumShapedLM'
 KERAS = 'keras'  # not a trainer model: tests/keras_memory_probe.py
 USERS = [('tests.memory_models.WideConvNet', ''), ('tests.memory_models.LongDocumentLM', ''),
          (KERAS, '')]
 CONFIGS = {
     'default': [(AMOEBA, ''), (TRANSFORMER, '')],
     'users': USERS,
+    # Issue 39's models at K = 4 (their default), 1, 2 and K=2 x T=2 (minutes each).
+    'gpt2': [(GPT2, ''), (GPT2, 'task.pipeline.balance=[17]'),
+             (GPT2, 'task.pipeline.balance=[8, 9]'),
+             (GPT2, 'task.pipeline.balance=[8, 9],task.pipeline.tensor_parallel=2')],
+    'gpt2_medium': [(GPT2_MEDIUM, ''), (GPT2_MEDIUM, 'task.pipeline.balance=[29]'),
+                    (GPT2_MEDIUM, 'task.pipeline.balance=[14, 15]'),
+                    (GPT2_MEDIUM,
+                     'task.pipeline.balance=[14, 15],task.pipeline.tensor_parallel=2')],
     'all': [(AMOEBA, ''), (TRANSFORMER, ''),
             (AMOEBA, 'task.pipeline.num_micro_batches=1'),
             (AMOEBA, 'task.pipeline.num_micro_batches=8'),
