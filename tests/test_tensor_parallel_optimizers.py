@@ -45,7 +45,8 @@ def pipeline(t, k, r, dtype=tf.float64, tied=False, **pipeline_params):
     for p in body:
         p.dtype = dtype
     return tfpipe.PipeliningLayer.Params().Set(
-        name='pipe', body=body, balance=partition.even_balance(len(body), k),
+        name='pipe', body=body,
+        balance=partition.even_balance(len(body), k * pipeline_params.get('virtual_stages', 1)),
         num_micro_batches=2, num_replicas=r, tensor_parallel=t, **pipeline_params).Instantiate()
 
 

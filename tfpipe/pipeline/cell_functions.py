@@ -262,6 +262,12 @@ class FunctionalPipelineRun(PipelineRun):
                                    stack_name=f'grad_sum_{k}_{i}')
         # Empty is stateful, so never folded into a constant that would stay allocated.
         zeros = tf.raw_ops.Empty(shape=weight.shape.as_list(), dtype=weight.dtype, init=True)
+        # Both take no resource, so tf.function's program-order chain would tie them to the
+        # other replicas' tasks, as it did a cell's calls (`_unchained`): with two cells on
+        # a device (interleaved_1f1b) and the per-task regather, replica 0's first sum of
+        # cell 0 came after its forward of micro-batch 1 (the device's order) and before
+        # replica 1's first backward, before that replica's matching gather: a deadlock.
+        _run_independently(stack.op, zeros.op)
         pushed = tf.raw_ops.StackPushV2(handle=stack, elem=zeros)
         with tf.control_dependencies([pushed]):  # every call finds the zeros there
             self._stacks[(k, i)] = tf.identity(stack)
@@ -308,13 +314,19 @@ def _unchained(call_outputs: Any) -> None:
     calls of a tensor-parallel cell run as a T=1 cell's (a stateless call, never
     chained) do. A call that takes a resource (a gradient sum's stack) stays ordered
     by it."""
+    _run_independently(*{t.op for t in tf.nest.flatten(call_outputs)
+                         if isinstance(t, tf.Tensor) and t.op.type == 'StatefulPartitionedCall'
+                         and all(i.dtype != tf.resource for i in t.op.inputs)})
+
+
+def _run_independently(*ops: tf.Operation) -> None:
+    """Leaves `ops` out of tf.function's program-order chain of stateful ops (a no-op
+    eagerly, or outside tf.function's automatic control dependencies)."""
     manager = getattr(tf.compat.v1.get_default_graph(), 'experimental_acd_manager', None)
-    if manager is None:  # eagerly, or outside tf.function's control dependencies
+    if manager is None:
         return
-    for op in {t.op for t in tf.nest.flatten(call_outputs) if isinstance(t, tf.Tensor)}:
-        if op.type == 'StatefulPartitionedCall' and all(t.dtype != tf.resource
-                                                         for t in op.inputs):
-            manager.run_independently(op)
+    for op in ops:
+        manager.run_independently(op)
 
 
 # Ops whose gradient passes an IndexedSlices through, and ops that make one.
