@@ -57,13 +57,7 @@ def runs(tmp_path_factory, data_dir, processes):
 
 
 def test_stage3_adafactor_clients_train_the_lm_as_one_unsharded_process(runs):
-    got = th.losses_by_step(os.path.join(runs['chief'], 'train'))
-    want = th.losses_by_step(os.path.join(runs['reference'], 'train'))
-    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
-    for step in want:
-        np.testing.assert_allclose(got[step], want[step], rtol=1e-5, err_msg=f'step {step}')
-    saved, expected = (th.checkpoint_state(runs[who], STEPS) for who in ('chief', 'reference'))
-    assert saved.keys() == expected.keys()
+    saved, expected = th.same_run(runs['chief'], runs['reference'], STEPS)
     # The embedding's factored moments (per row and per column) and the output bias's.
     slots = {re.sub(r'^optimizer/_slots/task-pipe-|/\.ATTRIBUTES/VARIABLE_VALUE$', '', key):
              value.shape for key, value in saved.items() if key.startswith('optimizer/_slots/')}
