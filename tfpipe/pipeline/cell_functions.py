@@ -267,7 +267,10 @@ class FunctionalPipelineRun(PipelineRun):
         # a device (interleaved_1f1b) and the per-task regather, replica 0's first sum of
         # cell 0 came after its forward of micro-batch 1 (the device's order) and before
         # replica 1's first backward, before that replica's matching gather: a deadlock.
-        _run_independently(stack.op, zeros.op)
+        manager = _acd_manager()
+        if manager is not None:
+            manager.run_independently(stack.op)
+            manager.run_independently(zeros.op)
         pushed = tf.raw_ops.StackPushV2(handle=stack, elem=zeros)
         with tf.control_dependencies([pushed]):  # every call finds the zeros there
             self._stacks[(k, i)] = tf.identity(stack)
@@ -314,19 +317,19 @@ def _unchained(call_outputs: Any) -> None:
     calls of a tensor-parallel cell run as a T=1 cell's (a stateless call, never
     chained) do. A call that takes a resource (a gradient sum's stack) stays ordered
     by it."""
-    _run_independently(*{t.op for t in tf.nest.flatten(call_outputs)
-                         if isinstance(t, tf.Tensor) and t.op.type == 'StatefulPartitionedCall'
-                         and all(i.dtype != tf.resource for i in t.op.inputs)})
-
-
-def _run_independently(*ops: tf.Operation) -> None:
-    """Leaves `ops` out of tf.function's program-order chain of stateful ops (a no-op
-    eagerly, or outside tf.function's automatic control dependencies)."""
-    manager = getattr(tf.compat.v1.get_default_graph(), 'experimental_acd_manager', None)
+    manager = _acd_manager()
     if manager is None:
         return
-    for op in ops:
-        manager.run_independently(op)
+    for op in {t.op for t in tf.nest.flatten(call_outputs) if isinstance(t, tf.Tensor)}:
+        if op.type == 'StatefulPartitionedCall' and all(t.dtype != tf.resource
+                                                         for t in op.inputs):
+            manager.run_independently(op)
+
+
+def _acd_manager() -> Any:
+    """The automatic control dependencies of the tf.function being traced, which chain its
+    stateful ops; None eagerly or outside them."""
+    return getattr(tf.compat.v1.get_default_graph(), 'experimental_acd_manager', None)
 
 
 # Ops whose gradient passes an IndexedSlices through, and ops that make one.
