@@ -9,10 +9,15 @@ clipping active at every step). With Adam and with Adafactor (factored, momentum
 parameter scale), whose statistics are of the whole weight: a column-split weight's row
 moment sums over its T shards, each shard's over its R parts, so treating each shard
 as a weight of its own is off by 1e-3 in the loss and 30-60% in the factored moments.
-Two points regather per task (task.train.regather_per_micro_batch): unrolled, and under
+Three points regather per task (task.train.regather_per_micro_batch): unrolled, and under
 cell functions, whose calls of a tensor-parallel cell are stateful (collectives) and were
 chained across replicas by tf.function's automatic control dependencies, which deadlocked
-with the regather (cell_functions._unchained). The model has no attention, so no weight
+with the regather (cell_functions._unchained). The other schedules run at T=2 too: the
+split backward (zb_h1, zb_h2: the unrolled executor, the weight task using the input
+task's gather) and interleaved_1f1b (K=2 x v=2: two cells per device slot group, on the
+tied model, whose 5 layers make the 4 cells), with the regather at one point: there the
+gradient sums' stacks (Empty, StackV2: stateful, no resource) were chained across
+replicas the same way and deadlocked, at T=1 as well (cell_functions._new_sum). The model has no attention, so no weight
 has the exact zero gradient (a key bias's) whose rounding noise Adam would amplify.
 """
 import numpy as np
@@ -27,12 +32,17 @@ from tfpipe import variable_shards
 from tfpipe.pipeline import sharding
 
 STEPS = 3
+INTERLEAVED = {'schedule': 'interleaved_1f1b', 'virtual_stages': 2, 'tied': True}
 GRID = {  # name: (optimizer, K, pipeline params, regather_per_micro_batch)
     'adam_k1': ('adam', 1, {}, False),
     'regather_adam_k2_unrolled': ('adam', 2, {'cell_functions': False}, True),
     'regather_adafactor_k2': ('adafactor', 2, {}, True),
     'adafactor_k1': ('adafactor', 1, {}, False),
-    'adafactor_k2': ('adafactor', 2, {}, False)}
+    'adafactor_k2': ('adafactor', 2, {}, False),
+    'adam_k2_zb_h1': ('adam', 2, {'schedule': 'zb_h1'}, False),
+    'adafactor_k2_zb_h2': ('adafactor', 2, {'schedule': 'zb_h2'}, False),
+    'tied_adam_k2_v2_interleaved': ('adam', 2, INTERLEAVED, False),
+    'tied_regather_adafactor_k2_v2_interleaved': ('adafactor', 2, INTERLEAVED, True)}
 
 
 @pytest.fixture(scope='module', params=sorted(GRID))
@@ -98,16 +108,22 @@ def test_no_cell_function_call_waits_for_another_task_but_through_its_inputs(tra
     """Under cell functions each forward call of a tensor-parallel cell (stateful: its
     collectives) is ordered by its inputs alone (the executor's per-device order), not
     chained after the previously built stateful op, which may be another replica's task
-    (with the per-task regather that chain deadlocked)."""
+    (with the per-task regather that chain deadlocked); nor is the creation of a gradient
+    sum's stack (its zeros and the stack: stateful, taking no resource)."""
     _, run, _, _, _ = trained
     x, y = tp_optimizers.inputs(0)
     graph = run._step.get_concrete_function(tf.cast(x, tf.float64), y).graph
     calls = [op for op in graph.get_operations()
              if op.type == 'StatefulPartitionedCall' and '/forward_' in op.name]
-    # R x M x K calls; the unrolled executor inlines every task (no calls).
-    assert len(calls) == (2 * 2 * len(run.pipe.cells) if run.pipe.params.cell_functions else 0)
-    assert all(not op.control_inputs for op in calls), [
-        (op.name, [c.name for c in op.control_inputs]) for op in calls]
+    p = run.pipe.params
+    # R x M x K*v calls; the unrolled executor (asked for, or a split backward's: zb_*)
+    # inlines every task (no calls).
+    functional = p.cell_functions and not p.schedule.startswith('zb_')
+    assert len(calls) == (2 * 2 * len(run.pipe.cells) if functional else 0)
+    stacks = [op for op in graph.get_operations() if op.type in ('StackV2', 'Empty')]
+    assert bool(stacks) == functional  # every cell here recomputes
+    assert all(not op.control_inputs for op in calls + stacks), [
+        (op.name, [c.name for c in op.control_inputs]) for op in calls + stacks]
 
 
 def test_checkpoint_is_the_unsharded_one_and_restores_into_the_parts(trained, tmp_path):

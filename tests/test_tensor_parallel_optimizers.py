@@ -30,9 +30,10 @@ LR = 0.01
 
 
 def pipeline(t, k, r, dtype=tf.float64, tied=False, **pipeline_params):
-    """The T-way split model over K cells and R replicas, its variables in `dtype`. `tied`:
-    two more 8x8 layers around the MLP, the second reading the first's weight (ties.py;
-    in cells 0 and 1 at K=2)."""
+    """The T-way split model over K cells (K*v with `virtual_stages`=v) and R replicas, its
+    variables in `dtype`. `tied`: two more 8x8 layers around the MLP, the second reading
+    the first's weight (ties.py; in cells 0 and 1 at K=2, in cells 0 and 2, both on
+    device slot 0, at K=2 x v=2)."""
     body = [ColumnParallelDense.Params().Set(name='fc0', input_dim=6, output_dim=8,
                                              activation='relu'),
             ParallelMLP.Params().Set(name='mlp', input_dim=8, hidden_dim=16, keep_prob=0.8),
@@ -45,7 +46,8 @@ def pipeline(t, k, r, dtype=tf.float64, tied=False, **pipeline_params):
     for p in body:
         p.dtype = dtype
     return tfpipe.PipeliningLayer.Params().Set(
-        name='pipe', body=body, balance=partition.even_balance(len(body), k),
+        name='pipe', body=body,
+        balance=partition.even_balance(len(body), k * pipeline_params.get('virtual_stages', 1)),
         num_micro_batches=2, num_replicas=r, tensor_parallel=t, **pipeline_params).Instantiate()
 
 

@@ -327,3 +327,17 @@ def checkpoint_state(logdir: str, step: int) -> dict:
     reader = tf.train.load_checkpoint(prefix)
     return {name: reader.get_tensor(name) for name, _ in tf.train.list_variables(prefix)
             if name.startswith(('model/', 'optimizer/', 'step/'))}
+
+
+def same_run(logdir: str, reference: str, steps: int) -> tuple[dict, dict]:
+    """Asserts that the trainer in `logdir` logged `reference`'s loss at each of steps 1 to
+    `steps` within 1e-5, and that both saved ckpt-`steps` under the same keys; returns
+    those checkpoints' values (`checkpoint_state`), `logdir`'s first."""
+    got = losses_by_step(os.path.join(logdir, 'train'))
+    want = losses_by_step(os.path.join(reference, 'train'))
+    assert sorted(got) == sorted(want) == list(range(1, steps + 1))
+    for step in want:
+        np.testing.assert_allclose(got[step], want[step], rtol=1e-5, err_msg=f'step {step}')
+    saved, expected = checkpoint_state(logdir, steps), checkpoint_state(reference, steps)
+    assert saved.keys() == expected.keys()
+    return saved, expected

@@ -319,9 +319,13 @@ def _run_independently(tensors: Iterable[tf.Tensor]) -> None:
     """Leaves the ops of `tensors` (stateful, taking no resource) out of the step's one
     program-order chain (see `_unchained`): their inputs and the executor's control
     dependencies order them. Besides the calls, the gradient sums' StackV2 and Empty need
-    it: chained, replica 1's last cell's waited for replica 0's first cell's, which wait
-    for replica 0's last-cell backward call, whose all-to-all (expert parallelism) waits
-    for replica 1's first backward call, which takes those sums: the step deadlocked."""
+    it; chained, two steps deadlocked. Expert parallelism: replica 1's last cell's sums
+    waited for replica 0's first cell's, which wait for replica 0's last-cell backward
+    call, whose all-to-all waits for replica 1's first backward call, which takes those
+    sums. ZeRO stage 3 regathering per task with two cells on a device
+    (interleaved_1f1b): replica 0's first sum of cell 0 came after its forward of
+    micro-batch 1 and before replica 1's first backward, which preceded that replica's
+    member of the gather replica 0 waited in."""
     manager = getattr(tf.compat.v1.get_default_graph(), 'experimental_acd_manager', None)
     if manager is None:  # eagerly, or outside tf.function's control dependencies
         return
