@@ -193,7 +193,7 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
         for device in replica_devices:
             print(f'  {device.describe()}')
     print(f'  all devices {mib(sum(d.total for r in devices for d in r))}')
-    print_between_steps(params, between, shards, scales)
+    print_between_steps(params, between, shards, scales, parts)
     if input_measurement is None:
         input_measurement = host_input_measurement(params, task)
     if input_measurement is None:
@@ -265,15 +265,15 @@ def weight_parts(params: Params, devices: list[list[memory_model.DeviceMemory]],
 
 
 def print_between_steps(params: Params, devices: list[list[memory_model.DeviceMemory]],
-                        shards: int, scales: dict[str, float]) -> None:
+                        shards: int, scales: dict[str, float],
+                        parts: dict[str, float]) -> None:
     """Each device's model state between steps at the configured ZeRO stage, beside the
-    step's peak printed above (`devices` without stage 3's parts, `scales` as
+    step's peak printed above (`devices` without stage 3's `parts`, `scales` as
     `whole_weight_scales`): at stage 3 ('weights') only the weights' 1/R parts are kept
     there, while the step gathers the cell whole beside them (docs/optimizer_sharding.md);
     the gradient sums are freed after the update at every stage (stages 2 and 3 reduce
     them to 1/R for it)."""
     replicas, stage = params.task.pipeline.num_replicas, configured_stage(params)
-    parts = weight_parts(params, devices, scales)
     print(f'model state between steps (sharding={stage!r} over {replicas} '
           'replicas; gradient sums freed after the update):')
     for replica_devices in devices:
