@@ -233,12 +233,17 @@ def test_inspect_pipeline_for_other_devices_uses_the_profile_alone(tmp_path, dat
     assert report['calibration']['source'] == 'profiled only'
 
 
-def test_inspect_pipeline_with_no_fitting_config_exits_2_and_writes_nothing(tmp_path, data_dir):
+@pytest.mark.parametrize('flag,error', [
+    ('--device_memory=1KiB', 'no configuration fits --device_memory'),
+    ('--plan_seconds=-5', '--plan_seconds=-5: give a budget of at least 0')],
+    ids=['no_fitting_config', 'negative_plan_seconds'])
+def test_inspect_pipeline_with_bad_input_exits_2_and_writes_nothing(tmp_path, data_dir, flag,
+                                                                    error):
     logdir = str(tmp_path / 'plan')
     out = trainer_helpers.run(trainer_helpers.FAST, logdir, data_dir, '--mode=inspect_pipeline',
-                              '--num_devices=2', '--device_memory=1KiB')
+                              '--num_devices=2', flag)
     assert out.returncode == 2
-    assert 'no configuration fits --device_memory' in trainer_helpers.error_line(out)
+    assert error in trainer_helpers.error_line(out)
     assert not os.path.exists(logdir)
 
 

@@ -108,6 +108,9 @@ flags.DEFINE_integer('num_devices', None, 'inspect_pipeline: devices to plan for
 flags.DEFINE_string('device_memory', None, 'inspect_pipeline: bytes per device, e.g. 16GiB.')
 flags.DEFINE_string('device_profile', '', 'inspect_pipeline: plan for other devices, e.g. '
                     'speed=8,memory=16GiB,bandwidth=10e9[,parallelism=N].')
+flags.DEFINE_float('plan_seconds', None, 'inspect_pipeline: measure configurations only while '
+                   'the plan, profiling included, ends within this many seconds (0: the '
+                   'profile alone decides); default: measure them all (minutes at GPT-2 size).')
 
 
 
@@ -184,9 +187,12 @@ def _run_inspect_mode(params) -> int:
                                            or tf.config.list_logical_devices('CPU'))
     if num_devices < 1:
         raise UsageError(f'--num_devices={num_devices}: plan for at least one device')
+    if FLAGS.plan_seconds is not None and FLAGS.plan_seconds < 0:
+        raise UsageError(f'--plan_seconds={FLAGS.plan_seconds:g}: give a budget of at least 0 '
+                         'seconds, or leave it out to measure every candidate')
     plan_mode.inspect_pipeline(params, num_devices, memory, FLAGS.device_profile,
                                tf.config.threading.get_intra_op_parallelism_threads(),
-                               FLAGS.logdir)
+                               FLAGS.logdir, FLAGS.plan_seconds)
     return 0
 
 

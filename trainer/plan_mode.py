@@ -159,18 +159,19 @@ def _device(num_devices: int, device_memory: Optional[float], device_profile: st
 
 def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[float],
                      device_profile: str, intra_op_threads: int,
-                     logdir: Optional[str]) -> None:
+                     logdir: Optional[str], seconds: Optional[float] = None) -> None:
     """Profiles the body, hands `planning.plan` this model's measuring function (when
     planning for this machine's logical CPUs; for other devices, `device_profile`, the
     profile alone decides), prints the plan and writes it to `logdir`. A budget no
     configuration fits is a ValueError (exit 2) raised before anything is measured or
-    written."""
+    written. With `seconds` (--plan_seconds), measuring stops so that the plan, profiling
+    included, ends within them where it can (planning.MeasuringBudget)."""
+    begin = time.perf_counter()
     device = _device(num_devices, device_memory, device_profile, intra_op_threads)
     task = params.task.Instantiate()
     inspect_modes.print_placement(task.pipe)
     batch_size = params.input.train.batch_size
     max_m = min(max(planner.MICRO_BATCHES), batch_size)
-    begin = time.perf_counter()
     profiles = inspect_modes.profile_model(params, task, max_m, member=False)
     logging.info('planning: %d layers profiled in %.0f s; measuring configurations next',
                  len(profiles), time.perf_counter() - begin)
@@ -190,7 +191,8 @@ def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[f
                              tensor_parallel=degrees,
                              set_tensor_parallel=degrees != [1] or configured.set_tensor_parallel,
                              experts=experts, set_expert_parallel=(
-                                 expert_degrees != [1] or configured.set_expert_parallel))
+                                 expert_degrees != [1] or configured.set_expert_parallel),
+                             budget_seconds=seconds, start=begin)
     best = plan.best
     print(f'{len(profiles)} layers profiled on {task.pipe.devices[0]}, batch {batch_size}; '
           f'{len(plan.configs)} configurations simulated for up to {num_devices} devices'
@@ -207,6 +209,8 @@ def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[f
     print(planner.format_table(plan.configs))
     if plan.candidates:
         print(plan.describe_measured())
+    if plan.budget_note:
+        print(plan.budget_note)
     print(f'best: {best.describe()}: predicted {1e3 * best.step_time:.2f} ms/step, bubble '
           f'{best.bubble:.2f}, peak {inspect_modes.mib(max(best.peak_bytes))}')
     print(best.shell_flag())
@@ -232,7 +236,7 @@ def _write(logdir: str, params: Params, num_devices: int, device: planner.Device
               'best': plan.best.to_json(), 'params_override': plan.best.params_override(),
               'configs': [c.to_json() for c in plan.configs],
               'measured': plan.measured_json(),
-              'measuring_seconds': plan.measuring_seconds}
+              'measuring_seconds': plan.measuring_seconds, 'budget_note': plan.budget_note}
     path = os.path.join(logdir, PLAN_FILE)
     with open(path, 'w') as f:
         json.dump(report, f, indent=1)

@@ -50,6 +50,7 @@ class Plan:
     measuring_seconds: float = 0.0
     rounds: int = CANDIDATE_ROUNDS
     steps: int = CANDIDATE_STEPS
+    budget_note: str = ''  # what was measured within a budget ('' without one)
 
     def describe_measured(self) -> str:
         """The measured candidates and the pick, one line each ('' when none were)."""
@@ -122,17 +123,75 @@ def fit_calibration(profiles: Sequence[LayerProfile], runs: Sequence[MeasuredRun
                      f'(schedule={runs[0].schedule})')
 
 
+class MeasuringBudget:
+    """`measure` within wall-clock `seconds` from `start` (the trainer's --plan_seconds).
+
+    Measuring is most of a plan of a large model: GPT2SmallShapedLM's took 10 minutes on a
+    quiet host and 46 on a loaded one, 12 traced configurations of several 4-30 s steps.
+    With a budget a measurement starts only while it would end before the budget does, judged by
+    the same configuration's previous call (its trace is cached, so a later round costs
+    less) or else the longest first call so far; what could not be measured is left out
+    and said (`note`), and the plan decides on what was: fewer calibration runs, fewer
+    candidates or rounds, at worst the profile alone. None: no budget.
+    """
+
+    def __init__(self, measure: Measure, seconds: Optional[float], start: float,
+                 clock: Callable[[], float] = time.perf_counter):
+        self._measure, self._clock, self.seconds = measure, clock, seconds
+        self.deadline = None if seconds is None else start + seconds
+        self._first_calls: list[float] = []
+        self._last: dict[str, float] = {}  # config.describe() -> its last call's seconds
+        self.calls = 0
+
+    def allows(self, config: planner.Config) -> bool:
+        if self.deadline is None:
+            return True
+        key = config.describe()
+        cost = self._last.get(key, max(self._first_calls, default=0.0))
+        return self._clock() + cost < self.deadline
+
+    def __call__(self, config: planner.Config, steps: int, record: bool) -> MeasuredRun:
+        begin = self._clock()
+        run = self._measure(config, steps, record)
+        took, key = self._clock() - begin, config.describe()
+        self.calls += 1
+        if key not in self._last:
+            self._first_calls.append(took)
+        self._last[key] = took
+        return run
+
+    def note(self, calibrated: int, calibrations: int, measured: int, candidates: int,
+             rounds: int, wanted_rounds: int) -> str:
+        """What was measured within the budget, one line ('' without a budget)."""
+        if self.deadline is None:
+            return ''
+        complete = (calibrated, measured, rounds) == (calibrations, candidates, wanted_rounds)
+        longest = max(self._first_calls, default=0.0)
+        decided = ('the pick is the best measured candidate' if measured else
+                   'the pick is the calibrated prediction, not measured' if calibrated else
+                   'the pick is the profile\'s prediction: nothing was measured')
+        return (f'planning budget {self.seconds:g} s (--plan_seconds): measured {calibrated} of '
+                f'{calibrations} calibration runs and {measured} of {candidates} candidates in '
+                f'{rounds} of {wanted_rounds} rounds (a first measurement took up to '
+                f'{longest:.0f} s); {decided}.' + ('' if complete else
+                                                    ' Raise it, or drop it, to measure more.'))
+
+
 def interleaved(measure: Measure, configs: Sequence[planner.Config], rounds: int,
-                steps: int) -> list[list[float]]:
-    """Wall seconds of `rounds` x `steps` training steps of each configuration.
+                steps: int, budget: Optional[MeasuringBudget] = None) -> list[list[float]]:
+    """Wall seconds of up to `rounds` x `steps` training steps of each configuration.
 
     The rounds are interleaved (each in another order) so that every configuration sees
     the same load: on a shared machine load comes and goes in bursts longer than a step.
+    Within a `budget` a round stops at the first configuration it does not allow, and no
+    round follows: a configuration may have one round fewer, or none.
     """
     seconds: list[list[float]] = [[] for _ in configs]
     for r in range(rounds):
         for i in [(r + j) % len(configs) for j in range(len(configs))]:
-            seconds[i] += measure(configs[i], steps, False).step_seconds
+            if budget is not None and not budget.allows(configs[i]):
+                return seconds
+            seconds[i] += (budget or measure)(configs[i], steps, False).step_seconds
     return seconds
 
 
@@ -141,7 +200,8 @@ def plan(profiles: Sequence[LayerProfile], batch_size: int, num_devices: int,
          measure: Optional[Measure] = None, replicas: int = 1,
          calibration_steps: int = CALIBRATION_STEPS, candidates: int = CANDIDATES,
          rounds: int = CANDIDATE_ROUNDS, steps: int = CANDIDATE_STEPS,
-         **search_options) -> Plan:
+         budget_seconds: Optional[float] = None, start: Optional[float] = None,
+         clock: Callable[[], float] = time.perf_counter, **search_options) -> Plan:
     """The recommended configuration of one replica's pipeline (of `replicas`, each on its
     share of `batch_size` and of the `num_devices` devices) for devices like `device`.
 
@@ -153,7 +213,9 @@ def plan(profiles: Sequence[LayerProfile], batch_size: int, num_devices: int,
     ValueError raised before anything is measured. `search_options` go to
     `planner.search` (e.g. `tensor_parallel`, the T to try); with `replicas` > 1 the search
     tries each ZeRO stage too, which `measure` (one replica) cannot tell apart: their
-    predictions differ by the memory and collectives `sharding_plan` models.
+    predictions differ by the memory and collectives `sharding_plan` models. With
+    `budget_seconds` (counted from `start`, e.g. before profiling, on `clock`) measuring
+    stops where a `MeasuringBudget` says, and the plan says what it left out.
     """
     if num_devices < replicas:
         raise ValueError(f'{replicas} replicas need at least as many devices, not '
@@ -164,15 +226,31 @@ def plan(profiles: Sequence[LayerProfile], batch_size: int, num_devices: int,
     best = planner.best_fitting(configs, device.memory)  # memory needs no calibration
     if measure is None:
         return Plan(configs, best)
-    runs = [measure(c, calibration_steps, True)
-            for c in calibration_configs(configured, profiles, batch)]
+    budget = MeasuringBudget(measure, budget_seconds, clock() if start is None else start,
+                             clock)
+    wanted = calibration_configs(configured, profiles, batch)
+    runs = []
+    for config in wanted:
+        if not budget.allows(config):
+            break
+        runs.append(budget(config, calibration_steps, True))
+    if not runs:
+        return Plan(configs, best, budget_note=budget.note(0, len(wanted), 0, candidates, 0,
+                                                           rounds))
     calibration = fit_calibration(profiles, runs, batch, device.model.parallelism)
     configs = planner.search(profiles, batch, devices, device, calibration=calibration,
                              replicas=replicas, **search_options)
-    planner.best_fitting(configs, device.memory)
-    begin = time.perf_counter()
-    measured = planner.measurement_candidates(configs, candidates)
-    seconds = interleaved(measure, measured, rounds, steps)
+    best = planner.best_fitting(configs, device.memory)
+    begin = clock()
+    chosen = planner.measurement_candidates(configs, candidates)
+    seconds = interleaved(measure, chosen, rounds, steps, budget)
+    done = [i for i, s in enumerate(seconds) if s]
+    note = budget.note(len(runs), len(wanted), len(done), len(chosen),
+                       -(-(budget.calls - len(runs)) // max(len(chosen), 1)), rounds)
+    if not done:
+        return Plan(configs, best, calibration, measuring_seconds=clock() - begin,
+                    budget_note=note)
+    measured, seconds = [chosen[i] for i in done], [seconds[i] for i in done]
     pick = planner.pick_measured(measured, seconds, PICK_TOLERANCE)
     return Plan(configs, measured[pick], calibration, measured, seconds,
-                time.perf_counter() - begin, rounds, steps)
+                clock() - begin, rounds, steps, note)
