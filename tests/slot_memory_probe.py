@@ -1,0 +1,67 @@
+"""The host allocator's bytes in use before and after optimizer updates on a holed heap.
+
+Run in a fresh process (the BFC allocator, which keeps the statistics, must be on before
+TensorFlow starts): python -m tests.slot_memory_probe
+Prints one JSON line: {optimizer: bytes in use after UPDATES updates less before them}.
+
+Before each update the heap gets holes of 1.5 times a slot's size, each between two live
+tensors, as a training step leaves it after its temporaries are freed: a slot that moved
+into a new buffer at each update (`assign` adopting the new value's buffer) would land in
+one, and the BFC allocator holds and counts the whole chunk (it splits a free chunk only
+when it is at least twice the request). A slot updated in place keeps its buffer.
+"""
+import json
+import os
+
+os.environ['TF_CPU_ALLOCATOR_USE_BFC'] = 'true'
+os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '1')  # as the trainer and the test session
+
+import tfpipe  # noqa: E402,F401  (before TensorFlow)
+import tensorflow as tf  # noqa: E402
+
+from tfpipe import optimizers  # noqa: E402
+
+SHAPE = [256, 1024]  # 1 MiB in float32, a slot's size
+HOLES, UPDATES = 16, 3
+RULES = {'Adam': optimizers.Adam.Params(),
+         'SGD': optimizers.SGD.Params().Set(momentum=0.9),
+         'RMSProp': optimizers.RMSProp.Params()}
+
+
+def in_use() -> int:
+    return int(tf.config.experimental.get_memory_info('CPU:0')['current'])
+
+
+def holed_heap() -> list:
+    """HOLES free chunks of 1.5 slots, each between two live ones (returned: keep them)."""
+    size = SHAPE[0] * SHAPE[1] * 3 // 2
+    chunks = [tf.fill([size], 1.0) for _ in range(2 * HOLES + 1)]
+    return chunks[::2]  # the others are freed: holes between the kept ones
+
+
+def growth(rule) -> int:
+    variables = {f'w{i}': tf.Variable(tf.ones(SHAPE)) for i in range(2)}
+    optimizer = rule.Instantiate()
+    optimizer.CreateSlots(variables)
+    grads = {path: tf.fill(SHAPE, 0.5) for path in variables}
+
+    @tf.function
+    def update():
+        optimizer.Apply(tf.constant(0.01), grads, variables)
+
+    update()  # traced, and its first buffers allocated
+    kept = holed_heap()
+    before = in_use()
+    for _ in range(UPDATES):
+        update()
+    after = in_use()
+    del kept
+    return after - before
+
+
+def main() -> None:
+    print(json.dumps({name: growth(rule) for name, rule in RULES.items()}))
+
+
+if __name__ == '__main__':
+    main()
