@@ -323,13 +323,14 @@ class UpdateChains:
     and gradient sums, a different amount at every step (its step's peak 1,726-1,838 MiB
     over 6 steps). In two chains it holds what two weights' updates hold, the step's peak
     stays at its backward's (1,725-1,739 MiB) and the step takes as long (7.0-7.3 s
-    against 7.1 s). The logical CPUs of a host share one allocator and one pool of
-    threads, so their weights share chains; each GPU has its own.
+    against 7.1 s); GPT2MediumShapedLM's peak fell by 230-540 MiB (docs/memory.md). The
+    logical CPUs of a host share one allocator and one pool of threads, so their weights
+    share chains; each GPU has its own.
     """
 
-    def __init__(self, count: Optional[int] = None):
-        self.count = count or tf.config.threading.get_inter_op_parallelism_threads() or (
-            os.cpu_count() or 1)
+    def __init__(self):
+        self.count = (tf.config.threading.get_inter_op_parallelism_threads()
+                      or os.cpu_count() or 1)  # 0: TensorFlow's default, one per core
         self._ends: dict[tuple, list[list]] = {}  # {allocator: each chain's last ops}
         self._turn: dict[tuple, int] = {}
 
