@@ -17,8 +17,10 @@ Run (from the repository root; about 30 s per configuration):
     PYTHONPATH=. python benchmarks/memory_prediction_benchmark.py --configs=users
     PYTHONPATH=. python benchmarks/memory_prediction_benchmark.py --configs=gpt2 --steps=6
 
-The GPT-2-shaped LMs' peak grows over their first steps (allocator fragmentation), so
-their runs train a few steps and read the last progress line's peak.
+The GPT-2-shaped LMs' runs train a few steps and read the last progress line's peak:
+the most of several steps, each ordered by the threads its own way. (Their peak used to
+grow over the first steps: the optimizer moved its slots into new buffers every step,
+docs/memory.md.)
 """
 from __future__ import annotations
 

@@ -9,9 +9,11 @@ paths, whatever the creation order) and starts at zero. ``Apply`` works in tf.fu
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import re
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import tensorflow as tf
 
@@ -105,7 +107,26 @@ def checkpointed_slots(children: dict, save_type: str) -> dict:
 
 def _ema(slot: tf.Variable, decay: float | _T, x: _T) -> _T:
     """slot = decay * slot + (1 - decay) * x. read_value(): a bare read drops tf.device."""
-    return slot.assign(decay * slot.read_value() + (1 - decay) * x)
+    return _write(slot, decay * slot.read_value() + (1 - decay) * x)
+
+
+def _write(slot: tf.Variable, value: _T) -> _T:
+    """slot = value, copied into the slot's own buffer; returns `value` (a read of the slot
+    would be a copy, below, and drop tf.device).
+
+    `slot.assign(value)` adopts `value`'s buffer when nothing else reads it, so every
+    update moved the slots into buffers the step allocated among its temporaries. The
+    BFC allocator hands out a free chunk whole when it is under twice the request, and
+    counts (and holds) the whole chunk, so the moved slots took more memory step after
+    step: GPT2SmallShapedLM's Adam slots (652 MiB) raised the host's bytes between steps
+    from 1,011 to 1,122 MiB over 8 steps and its peak from 1,614 to 1,774 MiB; written in
+    place, 1,013 MiB after every step and a peak of 1,580-1,626 (docs/memory.md). The
+    full-slice assign writes in place at the cost of a copy, and puts the slot in
+    TensorFlow's copy-on-read mode: its reads (this rule's, a checkpoint's) copy it."""
+    with tf.device(slot.device):  # slot[...] = value, without slot[...]'s read
+        tf.raw_ops.ResourceStridedSliceAssign(ref=slot.handle, begin=[0], end=[0],
+                                              strides=[1], value=value, ellipsis_mask=1)
+    return value
 
 
 class Whole:
@@ -269,21 +290,64 @@ class BaseOptimizer(tf.Module):
                           f'gradient for {path!r} has shape {getattr(grad, "shape", None)}, '
                           f'variable {shape}; they must match')
         step = self.iterations.assign_add(1)  # this update's 1-based number
+        chains = UpdateChains()
         for paths, axis in split_statistics.groups(grads, variables,
                                                    self.WHOLE_WEIGHT_STATISTICS):
-            parts = []
-            for path in paths:
-                var = variables[path]
-                with tf.device(var.device):
-                    lr_, step_, grad_ = cast_args(lr, step, grads[path], var.dtype)
-                    parts.append(Whole(grad_, var.read_value()))
-            split = split_statistics.Split(parts, [variables[p].device for p in paths], axis)
-            with tf.device(split.devices[0]):  # the scalars on the home shard's device
-                deltas = self._deltas(lr_, step_, [part.grad for part in parts],
-                                      [self._slots[slot_key(path)] for path in paths], split)
-            for path, delta in zip(paths, deltas):
-                with tf.device(variables[path].device):
-                    variables[path].assign_sub(delta)
+            with chains.next(variables[paths[0]].device) as done:
+                parts = []
+                for path in paths:
+                    var = variables[path]
+                    with tf.device(var.device):
+                        lr_, step_, grad_ = cast_args(lr, step, grads[path], var.dtype)
+                        parts.append(Whole(grad_, var.read_value()))
+                split = split_statistics.Split(parts, [variables[p].device for p in paths],
+                                               axis)
+                with tf.device(split.devices[0]):  # the scalars on the home shard's device
+                    deltas = self._deltas(lr_, step_, [part.grad for part in parts],
+                                          [self._slots[slot_key(path)] for path in paths],
+                                          split)
+                for path, delta in zip(paths, deltas):
+                    with tf.device(variables[path].device):
+                        done.append(variables[path].assign_sub(delta, read_value=False))
+
+
+class UpdateChains:
+    """Orders an update's weights into as many chains per allocator as the host runs ops
+    at once (its inter-op threads): a weight's update starts after the update of the
+    weight before it in its chain has ended.
+
+    Unordered, the executor starts the updates of many weights before it ends any, and
+    each holds several temporaries of its weight's size (Adam: the new moments, their
+    bias corrections, the square root, the quotient) until it ends: GPT2SmallShapedLM's
+    update (85M parameters, one cell) held up to about 500 MiB above the weights, slots
+    and gradient sums, a different amount at every step (its step's peak 1,726-1,838 MiB
+    over 6 steps). In two chains it holds what two weights' updates hold, the step's peak
+    stays at its backward's (1,725-1,739 MiB) and the step takes as long (7.0-7.3 s
+    against 7.1 s); GPT2MediumShapedLM's peak fell by 230-540 MiB (docs/memory.md). The
+    logical CPUs of a host share one allocator and one pool of threads, so their weights
+    share chains; each GPU has its own.
+    """
+
+    def __init__(self):
+        self.count = (tf.config.threading.get_inter_op_parallelism_threads()
+                      or os.cpu_count() or 1)  # 0: TensorFlow's default, one per core
+        self._ends: dict[tuple, list[list]] = {}  # {allocator: each chain's last ops}
+        self._turn: dict[tuple, int] = {}
+
+    @contextlib.contextmanager
+    def next(self, device: str) -> Iterator[list]:
+        """A block whose ops run after the last ops of `device`'s allocator's next chain;
+        the block appends its own last ops (its weights' assignments) to the list it gets."""
+        spec = tf.DeviceSpec.from_string(device)
+        key = (spec.job, spec.replica, spec.task, spec.device_type,
+               None if spec.device_type == 'CPU' else spec.device_index)
+        turn = self._turn.get(key, 0)
+        self._turn[key] = turn + 1
+        ends = self._ends.setdefault(key, [[] for _ in range(self.count)])
+        done: list = []
+        with tf.control_dependencies(ends[turn % self.count]):
+            yield done
+        ends[turn % self.count] = done
 
 
 def cast_args(lr, step: _T, grad, dtype: tf.DType) -> tuple[_T, _T, _T]:
@@ -309,7 +373,7 @@ class SGD(BaseOptimizer):
     def _delta(self, lr: _T, step: _T, grad: _T, slots: Variables, whole: Whole) -> _T:
         mu = self._params.momentum
         if mu > 0:
-            accum = slots['momentum'].assign(mu * slots['momentum'].read_value() + grad)
+            accum = _write(slots['momentum'], mu * slots['momentum'].read_value() + grad)
             grad = grad + mu * accum if self._params.nesterov else accum
         return lr * grad
 
@@ -360,7 +424,7 @@ class RMSProp(BaseOptimizer):
         delta = lr * grad * tf.math.rsqrt(ms + p.epsilon)
         if p.momentum > 0:
             mom = slots['momentum']
-            delta = mom.assign(p.momentum * mom.read_value() + delta)
+            delta = _write(mom, p.momentum * mom.read_value() + delta)
         return delta
 
 
