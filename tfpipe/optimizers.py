@@ -335,12 +335,19 @@ class UpdateChains:
         self._turn: dict[tuple, int] = {}
 
     @contextlib.contextmanager
-    def next(self, device: str) -> Iterator[list]:
+    def next(self, device: str, lane: int = 0) -> Iterator[list]:
         """A block whose ops run after the last ops of `device`'s allocator's next chain;
-        the block appends its own last ops (its weights' assignments) to the list it gets."""
+        the block appends its own last ops (its weights' assignments) to the list it gets.
+
+        Each `lane` has chains of its own: a sharded optimizer's local replicas, whose
+        updates of one weight meet in collectives, each chain their weights in the same
+        order, so every weight's partners wait only behind earlier weights. In shared
+        chains replica 1's first weight would wait behind replica 0's last ones, while
+        those wait behind replica 0's first, which waits in a collective for replica 1's.
+        """
         spec = tf.DeviceSpec.from_string(device)
         key = (spec.job, spec.replica, spec.task, spec.device_type,
-               None if spec.device_type == 'CPU' else spec.device_index)
+               None if spec.device_type == 'CPU' else spec.device_index, lane)
         turn = self._turn.get(key, 0)
         self._turn[key] = turn + 1
         ends = self._ends.setdefault(key, [[] for _ in range(self.count)])

@@ -84,7 +84,7 @@ from tensorflow.python.ops import collective_ops
 from tensorflow.python.trackable import base as trackable
 
 from tfpipe.hyperparams import InstantiableParams
-from tfpipe.optimizers import (BaseOptimizer, Grads, Variables, cast_args,
+from tfpipe.optimizers import (BaseOptimizer, Grads, UpdateChains, Variables, cast_args,
                                check_split_weights, checkpointed_slots, slot_key, whole_slots)
 from tfpipe.pipeline import across_clients, expert_parallel as expert_parallel_lib
 from tfpipe.pipeline import reduce_scatter, replicas
@@ -356,7 +356,9 @@ class ShardedOptimizer(tf.Module):
                              'the variables it will update')
         step = self.iterations.assign_add(1)
         self._keys = {}
-        pieces = [self._apply_replica(r, lr, step, replica_grads[r], replica_variables[r])
+        chains = UpdateChains()
+        pieces = [self._apply_replica(r, lr, step, replica_grads[r], replica_variables[r],
+                                      chains)
                   for r in range(self._num_local)]
         if self.shards_weights:  # each replica keeps its updated part: nothing to gather
             for r, replica_pieces in enumerate(pieces):
@@ -413,14 +415,17 @@ class ShardedOptimizer(tf.Module):
         return tf.reshape(gathered, [count, -1])
 
     def _apply_replica(self, r: int, lr: tf.Tensor, step: tf.Tensor, grads: Grads,
-                      variables: Variables) -> dict:
+                       variables: Variables, chains: UpdateChains) -> dict:
         """Local replica r's update of its parts; returns {(devices, dtype): [(path, new part)]}.
 
         A weight split over a tensor-parallel cell's devices is updated with all its shards
-        at once when the rule reads whole-weight statistics (split_statistics.groups)."""
+        at once when the rule reads whole-weight statistics (split_statistics.groups). The
+        weights are updated in `chains` (optimizers.UpdateChains, replica r's lane), so at
+        most as many hold their update's temporaries at once as the host runs ops."""
         out: dict = {}
         for paths, axis in groups(grads, variables, self._rule.WHOLE_WEIGHT_STATISTICS):
-            with tf.name_scope(f'shard_update_{r}'), tf.device(variables[paths[0]].device):
+            with tf.name_scope(f'shard_update_{r}'), tf.device(variables[paths[0]].device), \
+                    chains.next(variables[paths[0]].device, lane=r) as done:
                 cast = [self._part(r, lr, step, grads[path], variables[path], path)
                         for path in paths]
                 (lr_, step_, _), parts = cast[0], [part for _, _, part in cast]
@@ -435,6 +440,7 @@ class ShardedOptimizer(tf.Module):
                         padded = tf.pad(new, [[0, self._padded_size(path, r) - new.shape[0]]])
                     out.setdefault((self._shard_group(path, r)[0], new.dtype), []).append(
                         (path, padded))
+                    done.append(padded)
         return out
 
     def _part(self, r: int, lr: tf.Tensor, step: tf.Tensor, grad: tf.Tensor,
