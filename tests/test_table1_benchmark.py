@@ -102,7 +102,12 @@ def test_sharded_column_keeps_half_the_slots_per_device():
     # (at width 256 those buffers were as large as half the difference: 0.75-1.54x).
     saved = pipe1['resident'] - sharded['resident']
     assert 0.5 * 4 * params < saved <= 1.5 * 4 * params, (pipe1, sharded)
-    assert sharded['peak'] < pipe1['peak'], (pipe1, sharded)
+    # The step's peak is not lower with it at R=2 since updates run in chains
+    # (optimizers.UpdateChains): the all-gather of the updated parts holds whole weights
+    # (4 bytes per parameter) at the update, what the half of Adam's slots saves. Measured
+    # 19.46-22.03 MB sharded against 21.01-21.02 unsharded (docs/memory.md); more than half
+    # the saved slots above would be a gather holding more than the weights once.
+    assert sharded['peak'] < pipe1['peak'] + 0.5 * 4 * params, (pipe1, sharded)
 
 
 def test_tensor_parallel_column_searches_each_t_and_probes_each_width_once():
