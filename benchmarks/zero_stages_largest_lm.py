@@ -23,7 +23,8 @@ only the reduced gradients' and the weights' parts, not the whole 16/R.
 
 Run (from the repository root; the 1 GiB figure took 51 minutes here):
     PYTHONPATH=. python benchmarks/zero_stages_largest_lm.py                  # R=4 K=2, 128 MiB
-    PYTHONPATH=. python benchmarks/zero_stages_largest_lm.py --budget=1GiB --width=1024 --walk --start=9
+    PYTHONPATH=. python benchmarks/zero_stages_largest_lm.py --budget=1GiB --width=1024 \\
+        --walk --start=9
 """
 from __future__ import annotations
 
