@@ -195,6 +195,27 @@ def test_the_planner_drives_the_search_through_the_measuring_function_it_is_hand
     assert alone.calibration.source == 'profiled only' and not alone.candidates
 
 
+def test_a_lean_measurer_traces_and_times_the_recorded_step_alone(data_dir):
+    """Under a planning budget (--plan_seconds) a calibration run traces only the recorded
+    step, once, and times it: its walls (each at least its timeline's span) and timelines
+    come in pairs. A candidate's unrecorded steps of the same configuration trace the plain
+    step then."""
+    from trainer import experiment, plan_mode
+    params = experiment.load_params(trainer_helpers.FAST)
+    params.input.train.data_dir = data_dir
+    configured = plan_mode.configured_pipeline(params.task.Instantiate())
+    with plan_mode.StepMeasurer(params, lean=True) as measure:
+        run = measure(configured, 2, True)
+        trainer = measure._runs[configured.params_override()].trainer  # noqa: SLF001
+        assert trainer._step.experimental_get_tracing_count() == 0  # noqa: SLF001
+        assert trainer._recorded_step.experimental_get_tracing_count() == 1  # noqa: SLF001
+        assert len(run.step_seconds) == len(run.timelines) == 2
+        assert all(wall >= line.span for wall, line in zip(run.step_seconds, run.timelines))
+        later = measure(configured, 1, False)
+        assert trainer._step.experimental_get_tracing_count() == 1  # noqa: SLF001
+        assert len(later.step_seconds) == 1 and later.timelines == []
+
+
 def _config(k, m, recompute='always', schedule='fill_drain', step_time=1.0, fits=True):
     return planner.Config(k, [1] * k, m, recompute, schedule, step_time, 0.0, [0.0], fits)
 

@@ -39,10 +39,11 @@ def configured_pipeline(task) -> planner.Config:
                           set_expert_parallel=p != 1)
 
 
-def warm_up(trainer, batch, record: bool) -> None:
-    """Traces and warms up the plain step, or the recorded one."""
+def warm_up(trainer, batch, record: bool, calls: int = 2) -> None:
+    """Traces and warms up the plain step, or the recorded one (`calls` calls: the first
+    traces)."""
     step = trainer._recorded_step if record else trainer._step  # noqa: SLF001 - the real step
-    for _ in range(2):
+    for _ in range(calls):
         step(batch)[0].numpy()
 
 
@@ -51,20 +52,29 @@ def warm_up(trainer, batch, record: bool) -> None:
 # of 4 candidates: milliseconds each for the small models, over an hour for a GPT-2-sized
 # one whose step takes 25 s here, whose single step is steady enough on its own.
 STEP_BUDGET_SECONDS = 10.0
+# The same for a lean measurement (a planning budget, --plan_seconds): one step of a
+# GPT-2-sized model.
+LEAN_STEP_BUDGET_SECONDS = 3.0
 
 
-def timed_steps(trainer, batch, steps: int, record: bool
+def timed_steps(trainer, batch, steps: int, record: bool, lean: bool = False
                 ) -> tuple[list[timeline.Timeline], list[float]]:
     """Wall seconds of up to `steps` training steps (fewer once they took
     STEP_BUDGET_SECONDS) and, with `record`, timelines of as many recorded ones
-    alternating with them, so both see the same load."""
+    alternating with them, so both see the same load. `lean` and `record`: the recorded
+    steps alone, each timed (their walls include the stamps' few ops), within
+    LEAN_STEP_BUDGET_SECONDS."""
     lines, walls = [], []
-    while len(walls) < steps and (not walls or sum(walls) < STEP_BUDGET_SECONDS):
+    limit = LEAN_STEP_BUDGET_SECONDS if lean and record else STEP_BUDGET_SECONDS
+    while len(walls) < steps and (not walls or sum(walls) < limit):
         begin = time.perf_counter()
-        trainer._step(batch)[0].numpy()  # noqa: SLF001 - the trainer's real step
-        walls.append(time.perf_counter() - begin)
+        if not (lean and record):
+            trainer._step(batch)[0].numpy()  # noqa: SLF001 - the trainer's real step
+            walls.append(time.perf_counter() - begin)
         if record:
             stamps = trainer._recorded_step(batch)[-1].numpy()  # noqa: SLF001
+            if lean:
+                walls.append(time.perf_counter() - begin)
             lines.append(timeline.Timeline.from_stamps(trainer._recorder,  # noqa: SLF001
                                                        stamps))
     return lines, walls
@@ -75,6 +85,7 @@ class _Run:
     trainer: object
     batch: object
     train_dir: tempfile.TemporaryDirectory
+    plain_warm: bool = False
     recorded_warm: bool = False
 
 
@@ -89,11 +100,17 @@ class StepMeasurer:
     A configuration's trainer is built, traced and warmed up on its first call and kept
     for the next (candidates are measured in interleaved rounds of a few steps), the
     `capacity` most recently used of them (None: all); `close` frees them.
+
+    `lean` (a planning budget): a recorded call traces and times the recorded step
+    alone, with one call to trace it (`timed_steps`). Tracing a GPT-2-sized step takes
+    12-16 s, so a calibration run that traced both steps, warmed each up twice and timed
+    3 of each took 63 s of a 121 s plan, and a lean one about 25 s.
     """
 
-    def __init__(self, params: Params, capacity: Optional[int] = None):
+    def __init__(self, params: Params, capacity: Optional[int] = None, lean: bool = False):
         self.params = params
         self.capacity = capacity
+        self.lean = lean
         self._runs: collections.OrderedDict[str, _Run] = collections.OrderedDict()
 
     def _run(self, config: planner.Config) -> _Run:
@@ -115,7 +132,6 @@ class StepMeasurer:
         train_dir = tempfile.TemporaryDirectory()
         trainer = train_job.Trainer(params, train_dir.name, runtime_options.RuntimeOptions())
         run = _Run(trainer, next(trainer.iterator), train_dir)
-        warm_up(trainer, run.batch, record=False)
         self._runs[key] = run
         while self.capacity is not None and len(self._runs) > self.capacity:
             self._runs.popitem(last=False)[1].train_dir.cleanup()
@@ -123,10 +139,14 @@ class StepMeasurer:
 
     def __call__(self, config: planner.Config, steps: int, record: bool) -> MeasuredRun:
         run = self._run(config)
+        lean = self.lean and record
+        if not lean and not run.plain_warm:
+            warm_up(run.trainer, run.batch, record=False)
+            run.plain_warm = True
         if record and not run.recorded_warm:
-            warm_up(run.trainer, run.batch, record=True)
+            warm_up(run.trainer, run.batch, record=True, calls=1 if lean else 2)
             run.recorded_warm = True
-        lines, walls = timed_steps(run.trainer, run.batch, steps, record)
+        lines, walls = timed_steps(run.trainer, run.batch, steps, record, lean)
         pipe = run.trainer.task.pipe
         # A GPT-2-sized model's planning takes many minutes: say where it is.
         logging.info('planning: measured %s: %d step(s)%s, fastest %.3g s',
@@ -165,7 +185,8 @@ def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[f
     profile alone decides), prints the plan and writes it to `logdir`. A budget no
     configuration fits is a ValueError (exit 2) raised before anything is measured or
     written. With `seconds` (--plan_seconds), measuring stops so that the plan, profiling
-    included, ends within them where it can (planning.MeasuringBudget)."""
+    and the memory prediction included, ends within them where it can
+    (planning.MeasuringBudget), and its calibration runs are lean (StepMeasurer)."""
     begin = time.perf_counter()
     device = _device(num_devices, device_memory, device_profile, intra_op_threads)
     task = params.task.Instantiate()
@@ -183,7 +204,13 @@ def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[f
         task.pipe, params.task.train.optimizer, inspect_modes.sample_inputs(params, task)[0],
         replicas)
     expert_degrees = experts.degrees() if experts is not None else [1]
-    with StepMeasurer(params, capacity=planning.CANDIDATES) as measure:
+    # The configured pipeline's memory first: it measures working sets (20 s of a
+    # GPT-2-sized plan), which a budget then counts before measuring any step.
+    inspect_modes.print_memory_prediction(
+        params, task, expert_parallel_memory.member_profiles(task.pipe, profiles,
+                                                             params.task.train.optimizer))
+    with StepMeasurer(params, capacity=planning.CANDIDATES, lean=seconds is not None
+                      ) as measure:
         # When the model splits layers or runs T != 1, every candidate sets T: one of T=1
         # must not run (nor be recommended) on the model's own T.
         plan = planning.plan(profiles, batch_size, num_devices, device, configured,
@@ -214,9 +241,6 @@ def inspect_pipeline(params: Params, num_devices: int, device_memory: Optional[f
     print(f'best: {best.describe()}: predicted {1e3 * best.step_time:.2f} ms/step, bubble '
           f'{best.bubble:.2f}, peak {inspect_modes.mib(max(best.peak_bytes))}')
     print(best.shell_flag())
-    inspect_modes.print_memory_prediction(
-        params, task, expert_parallel_memory.member_profiles(task.pipe, profiles,
-                                                             params.task.train.optimizer))
     if logdir:
         _write(logdir, params, num_devices, device, profiles, plan)
 
