@@ -1,6 +1,7 @@
 """The checkpoint writer thread, on its own: it writes at the lowest CPU priority (so a
 save takes no cores from the step beside it), leaves the caller's priority alone, and
-writes the values of the save, not later ones."""
+writes the values of the save, not later ones; and inspect_model predicts the bytes its
+snapshot copies."""
 import os
 import sys
 import threading
@@ -46,3 +47,17 @@ def test_a_save_writes_the_values_at_the_save_not_later_ones(tmp_path):
     restored = tf.Variable([0.0, 0.0])
     tf.train.Checkpoint(weight=restored).restore(str(tmp_path / 'ckpt-1')).expect_partial()
     assert restored.numpy().tolist() == [1.0, 2.0]
+
+
+def test_inspect_model_predicts_the_snapshots_bytes(tmp_path, data_dir):
+    """The host copy an asynchronous save holds (inspect_model's async_checkpoints line) is
+    what the writer's snapshot copies from a real trainer's checkpoint after a step."""
+    from tests import trainer_helpers as th
+    from trainer import experiment, inspect_modes, runtime_options, train_job
+    params = experiment.load_params(th.FAST)
+    params.input.train.data_dir = data_dir
+    trainer = train_job.Trainer(params, str(tmp_path), runtime_options.RuntimeOptions())
+    trainer._step(next(trainer.iterator))  # noqa: SLF001 - the slots exist after a step
+    _, copied = checkpoint_writer.snapshot(trainer.manager.checkpoint)
+    predicted = inspect_modes.checkpointed_bytes(params, trainer.task)
+    assert predicted > 0 and abs(predicted - copied) <= 0.01 * copied, (predicted, copied)

@@ -231,6 +231,22 @@ def print_memory_prediction(params: Params, task, profiles: list[profile.LayerPr
           f'{mib(host.activations)}, update temporaries {mib(host.update)})')
     print(f'  host allocator if the input refills its buffers while a step runs (its next '
           f'epoch, a long document later in the stream): up to {mib(host.refill_bound)}')
+    state = checkpointed_bytes(params, task)
+    print(f'  host allocator with trainer.async_checkpoints=True while a save is written '
+          f'beside the steps: up to {mib(host.peak + state)} (the snapshot, one more copy '
+          f'of the {mib(state)} checkpointed)')
+
+
+def checkpointed_bytes(params: Params, task) -> float:
+    """Bytes of the values a checkpoint saves: every variable of the model and the
+    optimizer's slots of the trainable ones, whole (sharded slots are gathered for a
+    save); the step and input position are a few bytes. An asynchronous save
+    (tfpipe/checkpoint_writer.py) copies them on their devices, here the host, for as
+    long as its write runs beside the steps."""
+    variables = list(task.VariablesByPath().values())
+    weights = sum(v.shape.num_elements() * v.dtype.size for v in variables)
+    return float(weights) + profile.slot_bytes_of(params.task.train.optimizer,
+                                                  [v for v in variables if v.trainable])
 
 
 def inter_op_threads() -> int:
