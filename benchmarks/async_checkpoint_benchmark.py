@@ -9,7 +9,8 @@ writer thread (tfpipe/checkpoint_writer.py, the trainer's default) and TensorFlo
 One process builds the trainer's own `Trainer` for the model (devices configured as
 `python -m trainer --run_locally=cpu` does), traces and warms up its step. Each round, in
 a new random order, runs: a normal step; `sync` (the save, then a step); `writer` (the
-snapshot and the thread's start, then a step, then the wait for the write); `tf_async`
+snapshot and the thread's start, then a step, then the wait for the write, its thread at
+nice 19 as the trainer's); `writer_nice0` (the same at the caller's priority); `tf_async`
 (TensorFlow's async save of the same checkpoint object, then a step, then its sync). The
 figure per variant is (the time the loop was held by the save + the next step) over the
 round's normal step, median over rounds: the issue's goal is <= 1.2x. Also printed: how
@@ -17,9 +18,9 @@ long the loop was held (the snapshot, or the whole synchronous write), how long 
 took in all, and the host copy an asynchronous save holds while it writes (the state's
 bytes).
 
-Measured (2026-11-29, quiet, load 1.5-1.9, 5 rounds, normal step 4.12 s): sync 1.63x,
-writer 1.08x (its thread at nice 19; 1.21x at equal priority, measured the same hour),
-tf_async 1.26x; writes 2.5 s sync, 5.7 s beside the steps; 1,025 MB of state.
+Measured (2026-11-29 17:46, quiet, load 1.0-2.1, 5 rounds, normal step 3.97 s): sync
+1.61x, writer 1.11x (min 1.08), writer_nice0 1.27x, tf_async 1.28x; writes 2.4 s sync,
+5.5 s beside the steps at nice 19, 4.9 s at the caller's priority; 1,025 MB of state.
 
 TensorFlow's async variant is here for the comparison only: it copies only objects with
 `_copy_trackable_to_cpu`, so tensor-parallel weights and sharded optimizer slots would be
@@ -68,8 +69,9 @@ def main() -> None:
         number[0] += 1
         return number[0]
 
-    written: dict[str, list[float]] = {'sync': [], 'writer': [], 'tf_async': []}
-    held_by: dict[str, list[float]] = {'sync': [], 'writer': [], 'tf_async': []}
+    names = ('sync', 'writer', 'writer_nice0', 'tf_async')
+    written: dict[str, list[float]] = {name: [] for name in names}
+    held_by: dict[str, list[float]] = {name: [] for name in names}
 
     def sync() -> float:
         begin = time.perf_counter()
@@ -79,18 +81,20 @@ def main() -> None:
         held_by['sync'].append(held)
         return held + step()
 
-    writer = checkpoint_writer.CheckpointWriter(trainer.manager, checkpoints.io_options(), True,
-                                                lambda record: None)
+    def own_writer(name: str, nice: int):
+        writer = checkpoint_writer.CheckpointWriter(trainer.manager, checkpoints.io_options(),
+                                                    True, lambda record: None, nice=nice)
 
-    def own_writer() -> float:
-        begin = time.perf_counter()
-        writer.save(next_number())
-        held = time.perf_counter() - begin
-        held_by['writer'].append(held)
-        total = held + step()
-        writer.wait()
-        written['writer'].append(time.perf_counter() - begin)
-        return total
+        def run() -> float:
+            begin = time.perf_counter()
+            writer.save(next_number())
+            held = time.perf_counter() - begin
+            held_by[name].append(held)
+            total = held + step()
+            writer.wait()
+            written[name].append(time.perf_counter() - begin)
+            return total
+        return run
 
     tf_options = tf.train.CheckpointOptions(
         experimental_io_device=checkpoints.io_options().experimental_io_device,
@@ -110,10 +114,11 @@ def main() -> None:
     step()
     print(f'{args.model}: first step {time.perf_counter() - t0:.1f} s (traces)', flush=True)
     _, state_bytes = checkpoint_writer.snapshot(trainer.manager.checkpoint)
+    variants = {'sync': sync, 'writer': own_writer('writer', checkpoint_writer.WRITER_NICE),
+                'writer_nice0': own_writer('writer_nice0', 0), 'tf_async': tf_async}
     tf_async()  # TensorFlow's first async save copies into new variables: not a measure
-    own_writer()  # the same for the writer's first snapshot
+    variants['writer']()  # the same for the writer's first snapshot
     step()
-    variants = {'sync': sync, 'writer': own_writer, 'tf_async': tf_async}
     ratios: dict[str, list[float]] = {name: [] for name in variants}
     normals = []
     for _ in range(args.rounds):

@@ -24,8 +24,8 @@ new one first waits for the previous, and surfaces its error.
 
 The writer thread runs at the lowest CPU priority (nice 19; Linux only): the step keeps
 every core busy, and at equal priority the write's copying and checksumming took cores
-from it (GPT-2 small on 2 cores: the step beside a write 1.21x a normal step, 1.10x at
-nice 19, the write 4.9 s against 5.6 s; benchmarks/async_checkpoint_benchmark.py). A
+from it (GPT-2 small on 2 cores: the step beside a write 1.27x a normal step, 1.11x at
+nice 19, the write 4.9 s against 5.5 s; benchmarks/async_checkpoint_benchmark.py). A
 niced thread still gets a share, so a write always ends; SCHED_IDLE could starve it.
 """
 from __future__ import annotations
@@ -46,6 +46,7 @@ from tensorflow.python.util import object_identity
 # data files are written, before the state file lists it, and says so on stderr: a save
 # that is deterministically in flight, for the kill-during-save test.
 HOLD_ENV = 'TFPIPE_TEST_HOLD_SAVE'
+WRITER_NICE = 19  # the writer thread's nice value above its caller's (at most 19)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,8 +115,10 @@ class CheckpointWriter:
     or in the caller's; `on_written(record)` runs once a checkpoint is listed."""
 
     def __init__(self, manager: tf.train.CheckpointManager, options: tf.train.CheckpointOptions,
-                 asynchronous: bool, on_written: Callable[[SaveRecord], None]):
+                 asynchronous: bool, on_written: Callable[[SaveRecord], None],
+                 nice: int = WRITER_NICE):
         self._manager = manager
+        self._nice = nice  # the writer thread's; 0 keeps the caller's (the benchmark's A/B)
         self._options = options
         self.asynchronous = asynchronous
         self._on_written = on_written
@@ -150,7 +153,7 @@ class CheckpointWriter:
         self.step_in_flight = None
 
     def _run(self, step: int, begin: float, blocked: float) -> None:
-        _lower_priority()
+        _lower_priority(self._nice)
         try:
             self._write(step, begin, blocked)
         except BaseException as e:  # noqa: BLE001 - re-raised by wait() in the caller's thread
@@ -169,11 +172,12 @@ class CheckpointWriter:
                                     seconds, size / 1e6, self.asynchronous))
 
 
-def _lower_priority() -> None:
-    """Sets the calling thread's nice value to 19 (Linux: per-thread, by its native id;
-    elsewhere the call would renice the whole process, so nothing is done)."""
-    if sys.platform.startswith('linux'):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+def _lower_priority(nice: int) -> None:
+    """Raises the calling thread's nice value by `nice` (Linux: per-thread, by its native
+    id; elsewhere the call would renice the whole process, so nothing is done)."""
+    if nice and sys.platform.startswith('linux'):
+        own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, own + nice))
 
 
 def _test_hold(step: int) -> list:
